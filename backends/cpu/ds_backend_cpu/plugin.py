@@ -1,0 +1,439 @@
+"""Hook implementations of the CPU backend.
+
+Semantics (DESIGN.md §3, CPU): ``device_count`` is ``LOCAL_WORLD_SIZE`` (else 1), so each rank
+of a ``torchrun`` job owns one "device"; the current device is the last ``set_device``, else
+``LOCAL_RANK``, else 0; the torch device is always ``cpu``. Streams are synchronous and events
+use a host clock. Memory is the process's resident set, capped by its limits. Pinned memory is
+declared absent: a CPU-only torch cannot page-lock (``pin_memory()`` raises there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata as md
+import inspect
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_backend_cpu import memory
+from ds_core import hookimpl
+from ds_core.errors import ConfigError
+from ds_core.types import (
+    COMPLETED,
+    BackendInfo,
+    DeterminismRecord,
+    DeviceProperties,
+    MemoryInfo,
+    ProbeResult,
+    SimpleOpProvider,
+    Work,
+)
+
+NAME = "cpu"
+
+# --------------------------------------------------------------------------- backend
+
+
+@hookimpl
+def ds_backend_info() -> BackendInfo:
+    return BackendInfo(
+        name=NAME,
+        device_type="cpu",
+        priority=0,
+        hookspec_version=1,
+        vendor_version=md.version("torch"),
+        description="host CPU; collectives over gloo",
+    )
+
+
+@hookimpl
+def ds_backend_probe() -> ProbeResult:
+    cores = len(os.sched_getaffinity(0))
+    return ProbeResult(True, f"host CPU with {cores} usable cores", ds_device_count())
+
+
+@hookimpl
+def ds_backend_capabilities() -> frozenset[str]:
+    return frozenset({"memory_limits", "determinism"})
+
+
+@hookimpl
+def ds_backend_configure(options: Mapping[str, Any]) -> bool:
+    if options:
+        raise ConfigError(f"accelerator.cpu has no options; remove {', '.join(sorted(options))}")
+    return True
+
+
+# --------------------------------------------------------------------------- device
+
+_current: int | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+@hookimpl
+def ds_device_count() -> int:
+    return max(_env_int("LOCAL_WORLD_SIZE", 1), 1)
+
+
+@hookimpl
+def ds_device_current() -> int:
+    return _current if _current is not None else _env_int("LOCAL_RANK", 0)
+
+
+@hookimpl
+def ds_device_set(index: int) -> bool:
+    global _current
+    count = ds_device_count()
+    if not 0 <= index < count:
+        raise ValueError(
+            f"device index {index} is out of range: this process sees {count} cpu device(s) "
+            f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', 'unset')})"
+        )
+    _current = index
+    return True
+
+
+@hookimpl
+def ds_device_synchronize(index: int | None) -> bool:
+    return True  # host work is complete when the call that queued it returns
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+@hookimpl
+def ds_device_properties(index: int | None) -> DeviceProperties:
+    total, _available, limit = memory.memory_info()
+    return DeviceProperties(
+        name=_cpu_name(),
+        index=ds_device_current() if index is None else index,
+        total_memory=total,
+        extra={
+            "cores": len(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(),
+            "memory_limit_source": limit.source if limit else "",
+        },
+    )
+
+
+# --------------------------------------------------------------------------- rng
+
+
+@hookimpl
+def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
+    torch.manual_seed(seed)
+    return True
+
+
+@hookimpl
+def ds_rng_get_state(index: int | None) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+@hookimpl
+def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
+    torch.set_rng_state(state)
+    return True
+
+
+@hookimpl
+def ds_rng_default_generator(index: int | None) -> torch.Generator:
+    return torch.default_generator
+
+
+# --------------------------------------------------------------------------- streams
+
+
+class HostEvent:
+    """An event on a synchronous device: recorded at a host clock reading."""
+
+    __slots__ = ("_t", "enable_timing")
+
+    def __init__(self, enable_timing: bool) -> None:
+        self.enable_timing = enable_timing
+        self._t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._t = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None:
+        return None  # work before the record is already complete
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: HostEvent) -> float:
+        """Milliseconds from this event's record to ``end_event``'s."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("elapsed_time needs both events created with enable_timing=True")
+        if self._t is None or end_event._t is None:
+            raise RuntimeError("elapsed_time needs both events recorded first")
+        return (end_event._t - self._t) * 1000.0
+
+
+class HostStream:
+    """A work queue on a synchronous device: every wait is already satisfied."""
+
+    __slots__ = ("index", "priority")
+
+    def __init__(self, index: int, priority: int) -> None:
+        self.index, self.priority = index, priority
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: HostEvent | None = None) -> HostEvent:
+        event = event if event is not None else HostEvent(enable_timing=False)
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"HostStream(index={self.index}, priority={self.priority})"
+
+
+_default_stream = HostStream(0, 0)
+_local = threading.local()
+
+
+@hookimpl
+def ds_stream_create(index: int | None, priority: int) -> HostStream:
+    return HostStream(ds_device_current() if index is None else index, priority)
+
+
+@hookimpl
+def ds_stream_current(index: int | None) -> HostStream:
+    stack: list[HostStream] = getattr(_local, "stack", [])
+    return stack[-1] if stack else _default_stream
+
+
+@hookimpl
+def ds_stream_default(index: int | None) -> HostStream:
+    return _default_stream
+
+
+@contextlib.contextmanager
+def _use(stream: HostStream) -> Iterator[HostStream]:
+    stack: list[HostStream] = _local.__dict__.setdefault("stack", [])
+    stack.append(stream)
+    try:
+        yield stream
+    finally:
+        stack.pop()
+
+
+@hookimpl
+def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    return _use(stream)
+
+
+@hookimpl
+def ds_stream_event_create(enable_timing: bool) -> HostEvent:
+    return HostEvent(enable_timing)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@hookimpl
+def ds_memory_allocated(index: int | None) -> int:
+    return memory.resident_bytes()
+
+
+@hookimpl
+def ds_memory_max_allocated(index: int | None) -> int:
+    return max(memory.peak_resident_bytes(), memory.resident_bytes())
+
+
+@hookimpl
+def ds_memory_reset_peak(index: int | None) -> bool:
+    return memory.reset_peak()
+
+
+@hookimpl
+def ds_memory_reserved(index: int | None) -> int:
+    return memory.resident_bytes()  # the C allocator's cache is part of the resident set
+
+
+@hookimpl
+def ds_memory_stats(index: int | None) -> dict[str, int]:
+    current, peak = memory.resident_bytes(), memory.peak_resident_bytes()
+    return {
+        "allocated_bytes.all.current": current,
+        "allocated_bytes.all.peak": max(peak, current),
+        "reserved_bytes.all.current": current,
+    }
+
+
+@hookimpl
+def ds_memory_empty_cache() -> bool:
+    memory.trim()
+    return True
+
+
+@hookimpl
+def ds_memory_info(index: int | None) -> MemoryInfo:
+    total, available, limit = memory.memory_info()
+    return MemoryInfo(
+        total=total,
+        available=available,
+        limit=limit.limit if limit else None,
+        limit_source=limit.source if limit else "",
+    )
+
+
+@hookimpl
+def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
+    return False  # a CPU-only torch cannot page-lock host memory
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+@hookimpl
+def ds_dtype_supported() -> frozenset[torch.dtype]:
+    return frozenset(
+        {
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.uint8,
+            torch.bool,
+        }
+    )
+
+
+# --------------------------------------------------------------------------- comm
+
+
+@hookimpl
+def ds_comm_backend_name() -> str:
+    return "gloo"
+
+
+@hookimpl
+def ds_comm_prepare() -> bool:
+    if not (dist.is_available() and dist.is_gloo_available()):
+        raise RuntimeError("this torch build has no gloo process-group backend")
+    return True
+
+
+@hookimpl
+def ds_comm_reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, op: str, group: Any, async_op: bool
+) -> Work:
+    """Reduce-scatter as all-reduce of ``input`` in place, then copy out this rank's chunk.
+
+    On gloo a native reduce-scatter takes about twice as long as an all-reduce of the same
+    buffer (bench/gloo_collectives.py), so the all-reduce is the faster correct choice; the
+    spec lets ``input`` serve as scratch.
+    """
+    world = dist.get_world_size(group)
+    if input.numel() != output.numel() * world:
+        raise ValueError(
+            f"reduce_scatter input has {input.numel()} elements, expected {output.numel() * world}"
+        )
+    from ds_core.comm import torch_reduce_op
+
+    flat = input.view(-1)
+    torch_op = dist.ReduceOp.SUM if op == "avg" else torch_reduce_op(op)
+    dist.all_reduce(flat, torch_op, group=group)
+    rank = dist.get_rank(group)
+    chunk = flat[rank * output.numel() : (rank + 1) * output.numel()]
+    output.view(-1).copy_(chunk)
+    if op == "avg":
+        output.div_(world)
+    return COMPLETED
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def _fused_adamw_check() -> tuple[bool, str]:
+    if "fused" not in inspect.signature(torch.optim.AdamW).parameters:
+        return False, f"torch {torch.__version__} has no fused AdamW"
+    return True, "torch.optim.AdamW(fused=True) runs on cpu in this torch"
+
+
+@hookimpl
+def ds_op_providers() -> list[SimpleOpProvider]:
+    return [
+        SimpleOpProvider(
+            "fused_adam", _fused_adamw_check, lambda: partial(torch.optim.AdamW, fused=True)
+        )
+    ]
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+@hookimpl
+def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
+    record = DeterminismRecord()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    record.settings["torch.use_deterministic_algorithms"] = (previous, enabled)
+    record.notes.append(
+        "cpu results also depend on the thread count: keep torch.set_num_threads equal across runs"
+    )
+    return record
+
+
+@hookimpl
+def ds_determinism_restore(record: DeterminismRecord) -> bool:
+    previous, _new = record.settings.get("torch.use_deterministic_algorithms", (None, None))
+    if previous is not None:
+        torch.use_deterministic_algorithms(bool(previous))
+    for var, (old, _) in record.env.items():
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+    return True
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@hookimpl
+def ds_launcher_visible_devices_env() -> list[str]:
+    return []  # ranks are processes; there is no device mask for the host
+
+
+@hookimpl
+def ds_launcher_env_prefixes() -> list[str]:
+    return ["OMP_", "MKL_", "KMP_", "GLOO_", "MALLOC_"]

@@ -1,0 +1,55 @@
+"""ds_core: one accelerator SDK, any hardware, ZeRO on top.
+
+Importing this package imports no backend and no vendor module and touches no device; the
+backend is selected at the first :func:`get_accelerator` (see DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_core.accelerator import (
+    Accelerator,
+    get_accelerator,
+    register_plugin,
+    reset_accelerator,
+    set_accelerator,
+    unregister_plugin,
+)
+from ds_core.errors import (
+    BackendSelectionError,
+    BackendValidationError,
+    ConfigError,
+    DSCoreError,
+    NotSupportedError,
+)
+from ds_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
+
+__version__ = "0.1.0"
+
+
+def init_distributed(*args: Any, **kwargs: Any) -> None:
+    """Initialise ``torch.distributed`` for the selected backend; see :func:`ds_core.comm.init_distributed`."""
+    from ds_core.comm import init_distributed as _init
+
+    _init(*args, **kwargs)
+
+
+__all__ = [
+    "HOOKSPEC_VERSION",
+    "Accelerator",
+    "BackendSelectionError",
+    "BackendValidationError",
+    "ConfigError",
+    "DSCoreError",
+    "NotSupportedError",
+    "__version__",
+    "get_accelerator",
+    "hookimpl",
+    "hookspec",
+    "init_distributed",
+    "register_plugin",
+    "reset_accelerator",
+    "set_accelerator",
+    "unregister_plugin",
+]

@@ -1,0 +1,58 @@
+"""The closed vocabulary of capabilities a backend may declare.
+
+A capability gates a hook group or a behaviour. Callers gate on capabilities, never on a
+backend's name. A backend declares what it has through ``ds_backend_capabilities``; dtype
+capabilities (``fp16``, ``bf16``, ``fp64``, ``fp8``) are derived from ``ds_dtype_supported``
+and must not be declared by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: capability name -> (hook group it gates, meaning)
+CAPABILITIES: Final[dict[str, tuple[str, str]]] = {
+    "async_streams": (
+        "stream",
+        "streams run concurrently with the host; without it stream hooks are synchronous",
+    ),
+    "device_timing": (
+        "stream",
+        "events time work on the device; without it elapsed_time uses host timers",
+    ),
+    "pinned_memory": ("memory", "ds_memory_pin returns page-locked host memory"),
+    "memory_limits": (
+        "memory",
+        "total/available memory honour the process's own limit (rlimit, cgroup, quota)",
+    ),
+    "graph_capture": ("graph", "ds_graph_create returns a capturable, replayable graph"),
+    "determinism": ("determinism", "ds_determinism_apply makes repeated runs bitwise equal"),
+    "fp16": ("dtype", "derived: torch.float16 is in ds_dtype_supported"),
+    "bf16": ("dtype", "derived: torch.bfloat16 is in ds_dtype_supported"),
+    "fp64": ("dtype", "derived: torch.float64 is in ds_dtype_supported"),
+    "fp8": ("dtype", "derived: a torch.float8 dtype is in ds_dtype_supported"),
+}
+
+#: Capabilities derived from the dtype hook; a backend may not declare these itself.
+DERIVED: Final[frozenset[str]] = frozenset({"fp16", "bf16", "fp64", "fp8"})
+
+#: Optional hooks and the capability whose declaration requires them.
+GATED_HOOKS: Final[dict[str, str]] = {
+    "ds_graph_create": "graph_capture",
+    "ds_memory_pin": "pinned_memory",
+}
+
+
+def check_declared(declared: frozenset[str]) -> list[str]:
+    """Return one problem string per unknown or derived capability in ``declared``."""
+    problems = []
+    for cap in sorted(declared):
+        if cap not in CAPABILITIES:
+            problems.append(
+                f"capability '{cap}' is not in the vocabulary; known: {', '.join(sorted(CAPABILITIES))}"
+            )
+        elif cap in DERIVED:
+            problems.append(
+                f"capability '{cap}' is derived from ds_dtype_supported; do not declare it"
+            )
+    return problems

@@ -1,0 +1,184 @@
+"""The ``ds-core`` command: ``report``, and the subcommands other modules register.
+
+``ds-core report [--json]`` describes the installation without creating a device context:
+versions, every known and installed backend with its probe result, the backend that would be
+selected, its capabilities, comm backend, memory and the limit capping it, and op providers.
+It exits non-zero, saying why, on a broken installation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ds_core.errors import DSCoreError
+
+Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def collect_report() -> tuple[dict[str, Any], list[str]]:
+    """Build the report as a JSON-able dict, and the list of problems that make it fail."""
+    from ds_core.accelerator import build_accelerator
+    from ds_core.hookspecs import HOOKSPEC_VERSION
+    from ds_core.known_backends import KNOWN_BACKENDS, install_hint
+    from ds_core.plugins import ENV_ACCELERATOR, choose, discover
+
+    problems: list[str] = []
+    report: dict[str, Any] = {
+        "versions": {
+            "ds-core": _version("ds-core"),
+            "torch": _version("torch"),
+            "python": platform.python_version(),
+            "hookspec": HOOKSPEC_VERSION,
+        },
+        "backends": [],
+        "selected": None,
+    }
+    try:
+        entries = discover()
+    except DSCoreError as exc:
+        problems.append(str(exc))
+        entries = {}
+    for name in sorted(set(KNOWN_BACKENDS) | set(entries)):
+        entry = entries.get(name)
+        row: dict[str, Any] = {"name": name}
+        if entry is None:
+            row.update(
+                installed=False, available=False, reason=f"not installed; {install_hint(name)}"
+            )
+        else:
+            probe = entry.probe()
+            row.update(
+                installed=True,
+                distribution=entry.distribution,
+                version=entry.version,
+                available=probe.available,
+                reason=probe.reason,
+                device_count=probe.device_count,
+            )
+            if entry.load_error:
+                problems.append(f"backend {entry.describe()} failed to import: {entry.load_error}")
+        report["backends"].append(row)
+
+    requested = os.environ.get(ENV_ACCELERATOR) or None
+    try:
+        entry = choose(requested, entries)
+        acc = build_accelerator(entry)
+    except DSCoreError as exc:
+        report["selection_error"] = str(exc)
+        problems.append(str(exc))
+        return report, problems
+    # Capabilities, comm name and limits are cold queries; none creates a device context on
+    # the cpu backend, and vendor backends answer them from the probe's management queries.
+    mem = acc.memory_info()
+    ops = []
+    for provider in acc.op_providers():
+        ok, why = provider.is_compatible()
+        ops.append({"name": provider.name, "compatible": ok, "reason": why})
+    report["selected"] = {
+        "name": acc.name,
+        "how": f"{ENV_ACCELERATOR}={requested}"
+        if requested
+        else "auto (highest priority available)",
+        "device_type": acc.device_type,
+        "device_count": acc.device_count(),
+        "capabilities": sorted(acc.capabilities),
+        "communication_backend": acc.communication_backend_name(),
+        "memory": {
+            "total_bytes": mem.total,
+            "available_bytes": mem.available,
+            "limit_bytes": mem.limit,
+            "limit_source": mem.limit_source or "none (device capacity)",
+        },
+        "op_providers": ops,
+        "visible_devices_envs": acc.visible_devices_envs(),
+        "export_env_prefixes": acc.export_envs(),
+    }
+    return report, problems
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = ["ds_core report", ""]
+    for k, v in report["versions"].items():
+        lines.append(f"  {k:<10} {v}")
+    lines += ["", "backends:"]
+    for b in report["backends"]:
+        state = (
+            "available"
+            if b["available"]
+            else ("installed, unavailable" if b["installed"] else "not installed")
+        )
+        lines.append(f"  {b['name']:<10} {state:<24} {b['reason']}")
+    sel = report.get("selected")
+    lines.append("")
+    if sel is None:
+        lines.append(f"selected: none\n  {report.get('selection_error', '')}")
+        return "\n".join(lines)
+    mem = sel["memory"]
+    lines += [
+        f"selected: {sel['name']} ({sel['how']})",
+        f"  device type      {sel['device_type']} x {sel['device_count']}",
+        f"  capabilities     {', '.join(sel['capabilities']) or 'none'}",
+        f"  comm backend     {sel['communication_backend']}",
+        f"  memory total     {_gib(mem['total_bytes'])}  available {_gib(mem['available_bytes'])}",
+        f"  memory limit     {_gib(mem['limit_bytes'])} ({mem['limit_source']})",
+        f"  visible devices  {', '.join(sel['visible_devices_envs']) or '-'}",
+        "  op providers:",
+    ]
+    for op in sel["op_providers"] or [{"name": "none", "compatible": False, "reason": ""}]:
+        mark = "compatible" if op["compatible"] else "incompatible"
+        lines.append(f"    {op['name']:<14} {mark:<12} {op['reason']}")
+    return "\n".join(lines)
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _report(args: argparse.Namespace) -> int:
+    report, problems = collect_report()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(format_report(report))
+    if problems:
+        print("\nproblems:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+        return 1
+    return 0
+
+
+#: subcommand -> (add arguments, run). Other modules add theirs in :func:`_commands`.
+def _commands() -> dict[str, Command]:
+    commands: dict[str, Command] = {"report": (_report_args, _report)}
+    return commands
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-core", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands = _commands()
+    for name, (add_args, _run) in commands.items():
+        add_args(sub.add_parser(name))
+    args = parser.parse_args(argv)
+    return commands[args.command][1](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The hook specifications: the contract between ds_core and a backend.
+
+One module per hook category. Each hook is ``ds_<category>_<verb>``; its docstring is the
+contract (arguments and units, return, errors, whether it may create a device context).
+
+Rules shared by every hook:
+
+- Arguments are positional, without defaults, in the order the spec lists them; an
+  implementation's signature equals the spec's (same names, same order), so the accelerator
+  facade can bind it directly. ``index`` is a device index, ``None`` meaning the current device.
+- Query hooks are ``firstresult``: the first non-``None`` result wins, and a backend never
+  returns ``None`` in place of real work. What a backend cannot do, it declares absent through
+  ``ds_backend_capabilities``; the facade then raises :class:`ds_core.NotSupportedError`.
+- Hooks that gather contributions (``ds_op_providers``, ``ds_launcher_env_prefixes``) are called
+  on every plugin and their results concatenated.
+- Only ``ds_backend_*`` hooks are called before selection, and they must not create a device
+  context, allocate device memory or import a vendor stack that is not installed.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Final
+
+from ds_core.hookspecs import (
+    backend,
+    comm,
+    determinism,
+    device,
+    dtype,
+    graph,
+    launcher,
+    memory,
+    op,
+    rng,
+    stream,
+)
+from ds_core.hookspecs._markers import hookimpl, hookspec
+
+#: Bumped on every incompatible change to a hook's name, arguments or meaning.
+HOOKSPEC_VERSION: Final[int] = 1
+
+#: Every hook spec module, in the order reports and docs list them.
+SPEC_MODULES: Final[tuple[ModuleType, ...]] = (
+    backend,
+    device,
+    rng,
+    stream,
+    memory,
+    dtype,
+    graph,
+    comm,
+    op,
+    determinism,
+    launcher,
+)
+
+#: Hooks a backend may leave unimplemented, and why it may.
+OPTIONAL_HOOKS: Final[dict[str, str]] = {
+    "ds_graph_create": "required only when the backend declares 'graph_capture'",
+    "ds_memory_pin": "required only when the backend declares 'pinned_memory'",
+    "ds_comm_all_reduce": "the core's default plugin implements it over torch.distributed",
+    "ds_comm_all_gather": "the core's default plugin implements it over torch.distributed",
+    "ds_comm_reduce_scatter": "the core's default plugin implements it over torch.distributed",
+    "ds_comm_broadcast": "the core's default plugin implements it over torch.distributed",
+    "ds_comm_all_to_all": "the core's default plugin implements it over torch.distributed",
+    "ds_comm_barrier": "the core's default plugin implements it over torch.distributed",
+    "ds_op_providers": "a backend without ops contributes none",
+    "ds_launcher_env_prefixes": "a backend with nothing to forward contributes none",
+}
+
+
+def all_hook_names() -> list[str]:
+    """Names of every hook spec, in spec-module order."""
+    return [
+        name
+        for module in SPEC_MODULES
+        for name in vars(module)
+        if name.startswith("ds_") and callable(getattr(module, name))
+    ]
+
+
+def required_hook_names() -> list[str]:
+    """Hooks every backend must implement (all hooks not in :data:`OPTIONAL_HOOKS`)."""
+    return [n for n in all_hook_names() if n not in OPTIONAL_HOOKS]
+
+
+__all__ = [
+    "HOOKSPEC_VERSION",
+    "OPTIONAL_HOOKS",
+    "SPEC_MODULES",
+    "all_hook_names",
+    "hookimpl",
+    "hookspec",
+    "required_hook_names",
+]

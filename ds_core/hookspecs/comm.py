@@ -1,0 +1,125 @@
+"""Collective communication between ranks.
+
+The core's default plugin implements every collective over ``torch.distributed`` with the
+backend's comm name; a backend overrides only a collective its process-group library lacks or
+does better another way. Collectives take a process group from ``ds_core.comm.new_group`` (or
+``None`` for the world), a reduction named by a string (``"sum"``, ``"avg"``, ``"max"``,
+``"min"``, ``"product"``), and ``async_op``; they return a handle whose ``wait()`` makes the
+result visible, already completed when ``async_op`` is false. Tensors are on the backend's
+device; all ranks of the group call the same collective with the same shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_core.hookspecs._markers import hookspec
+from ds_core.types import Work
+
+
+@hookspec(firstresult=True)
+def ds_comm_backend_name() -> str:
+    """Return the ``torch.distributed`` backend name for this device (``"gloo"``, ...).
+
+    Device context: never.
+
+    Use in backends: required. Facade: ``communication_backend_name()``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_prepare() -> bool:
+    """Import whatever registers the backend's process-group library with ``torch.distributed``.
+
+    Called by ``ds_core.init_distributed`` before ``init_process_group``. Idempotent.
+
+    :returns: ``True`` once the comm backend name is usable.
+    :raises RuntimeError: naming the missing package when the library is absent.
+
+    Device context: never.
+
+    Use in backends: required (return ``True`` when nothing needs importing).
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_all_reduce(tensor: torch.Tensor, op: str, group: Any, async_op: bool) -> Work:
+    """Reduce ``tensor`` across the group in place, so every rank holds the result.
+
+    :param tensor: the buffer, reduced in place.
+    :param op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"``.
+    :param group: a process group from ``ds_core.comm.new_group``, or ``None`` for the world.
+    :param async_op: return before completion; the caller waits on the handle.
+    :raises ValueError: on an unknown ``op``.
+
+    Use in backends: optional (core default). Facade: ``all_reduce``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
+) -> Work:
+    """Gather every rank's ``input`` into ``output``, concatenated along dim 0 in rank order.
+
+    :param output: a contiguous tensor of ``world_size × input.numel()`` elements.
+    :param input: this rank's contribution; the same size on every rank.
+    :raises ValueError: when ``output`` has the wrong number of elements.
+
+    Use in backends: optional (core default). Facade: ``all_gather``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, op: str, group: Any, async_op: bool
+) -> Work:
+    """Reduce ``input`` across ranks and leave rank ``r``'s ``r``-th equal chunk in ``output``.
+
+    :param output: a contiguous tensor of ``input.numel() / world_size`` elements.
+    :param input: the full buffer; its numel is divisible by the group size. Implementations
+        may use it as scratch (e.g. an in-place all-reduce), so callers must not rely on its
+        contents afterwards.
+    :param op: as for ``ds_comm_all_reduce``.
+    :raises ValueError: when the sizes do not divide.
+
+    Use in backends: optional (core default). Facade: ``reduce_scatter``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_broadcast(tensor: torch.Tensor, src: int, group: Any, async_op: bool) -> Work:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place.
+
+    :param src: the source's global rank.
+
+    Use in backends: optional (core default). Facade: ``broadcast``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    group: Any,
+    async_op: bool,
+) -> Work:
+    """Scatter slices of ``input`` (along dim 0) to every rank and gather theirs into ``output``.
+
+    :param output_split_sizes: rows received from each rank, or ``None`` for equal splits.
+    :param input_split_sizes: rows sent to each rank, or ``None`` for equal splits.
+
+    Use in backends: optional (core default). Facade: ``all_to_all``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_barrier(group: Any) -> bool:
+    """Block until every rank of the group has reached the barrier.
+
+    Use in backends: optional (core default). Facade: ``barrier``.
+    """

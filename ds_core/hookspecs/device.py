@@ -1,0 +1,70 @@
+"""Device enumeration, selection and synchronisation."""
+
+from __future__ import annotations
+
+from ds_core.hookspecs._markers import hookspec
+from ds_core.types import DeviceProperties
+
+
+@hookspec(firstresult=True)
+def ds_device_count() -> int:
+    """Return the number of devices visible to this process (honouring visible-devices variables).
+
+    :returns: an int ≥ 1 once the backend is selected.
+
+    Device context: must not create one where the vendor offers a count that does not.
+
+    Use in backends: required. Facade: ``device_count()``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_device_current() -> int:
+    """Return the index of this process's current device.
+
+    :returns: an index in ``range(ds_device_count())``.
+
+    Device context: may create one.
+
+    Use in backends: required. Facade: ``current_device()``. Hot path.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_device_set(index: int) -> bool:
+    """Make ``index`` this process's current device.
+
+    :param index: device index in ``range(ds_device_count())``.
+    :returns: ``True``.
+    :raises ValueError: when ``index`` is out of range, naming the count.
+
+    Device context: may create one.
+
+    Use in backends: required. Facade: ``set_device(index)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_device_synchronize(index: int | None) -> bool:
+    """Block the host until all work queued on the device has finished.
+
+    :param index: device index, or ``None`` for the current device.
+    :returns: ``True``.
+
+    Device context: may create one.
+
+    Use in backends: required. Facade: ``synchronize(index=None)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_device_properties(index: int | None) -> DeviceProperties:
+    """Describe a device: name, index, total memory in bytes, vendor extras.
+
+    :param index: device index, or ``None`` for the current device.
+    :returns: a :class:`ds_core.types.DeviceProperties`.
+
+    Device context: may create one.
+
+    Use in backends: required. Facade: ``device_properties(index=None)``.
+    """

@@ -1,0 +1,21 @@
+"""Data types the device computes in."""
+
+from __future__ import annotations
+
+import torch
+
+from ds_core.hookspecs._markers import hookspec
+
+
+@hookspec(firstresult=True)
+def ds_dtype_supported() -> frozenset[torch.dtype]:
+    """Return the dtypes the device stores and does arithmetic in.
+
+    A dtype is listed only when the vendor reports it for this device (e.g. bf16 only on
+    hardware that has it); the conformance suite round-trips and computes in each one. The
+    ``fp16``/``bf16``/``fp64``/``fp8`` capabilities are derived from this set.
+
+    Device context: may create one.
+
+    Use in backends: required. Facade: ``supported_dtypes()``, ``is_bf16_supported()``...
+    """

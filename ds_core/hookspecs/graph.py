@@ -1,0 +1,24 @@
+"""Graph capture: record a sequence of device work once, replay it cheaply."""
+
+from __future__ import annotations
+
+from ds_core.hookspecs._markers import hookspec
+from ds_core.types import Graph
+
+
+@hookspec(firstresult=True)
+def ds_graph_create() -> Graph:
+    """Create an empty graph object (see :class:`ds_core.types.Graph`).
+
+    Inside ``graph.capture()`` the work is recorded; ``replay()`` re-runs it reading the same
+    input storage and writing the same output storage, so mutating a static input between
+    replays changes the outputs. Work that cannot be replayed faithfully (an op the vendor
+    cannot capture, a host synchronisation, data-dependent shapes) makes capture raise, never
+    fall back to eager execution. The facade refuses to call this hook until graph capture is
+    enabled for this backend by name (``Accelerator.configure``).
+
+    Device context: may create one.
+
+    Use in backends: optional; required with the ``graph_capture`` capability.
+    Facade: ``create_graph()``, ``capture_to_graph(g)``, ``replay_graph(g)``.
+    """

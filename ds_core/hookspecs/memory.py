@@ -1,0 +1,117 @@
+"""Memory queries, the caching allocator, and pinned host memory. All sizes are bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from ds_core.hookspecs._markers import hookspec
+from ds_core.types import MemoryInfo
+
+
+@hookspec(firstresult=True)
+def ds_memory_allocated(index: int | None) -> int:
+    """Return bytes currently held by live tensors on the device (cpu: the process's resident set).
+
+    :param index: device index, or ``None`` for the current device.
+
+    Device context: may create one.
+
+    Use in backends: required. Facade: ``memory_allocated(index=None)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_max_allocated(index: int | None) -> int:
+    """Return the peak of ``ds_memory_allocated`` since start or the last ``ds_memory_reset_peak``.
+
+    Always ≥ the current value.
+
+    :param index: device index, or ``None`` for the current device.
+
+    Device context: may create one.
+
+    Use in backends: required. Facade: ``max_memory_allocated(index=None)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_reset_peak(index: int | None) -> bool:
+    """Reset the peak counters so the next peak starts from the current usage.
+
+    :param index: device index, or ``None`` for the current device.
+    :returns: ``True`` when reset; ``False`` when the platform forbids it (the peak then keeps
+        its old value, and reports say so).
+
+    Device context: may create one.
+
+    Use in backends: required. Facade: ``reset_peak_memory_stats(index=None)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_reserved(index: int | None) -> int:
+    """Return bytes reserved by the allocator (≥ allocated; equal where there is no cache).
+
+    :param index: device index, or ``None`` for the current device.
+
+    Use in backends: required. Facade: ``memory_reserved(index=None)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_stats(index: int | None) -> dict[str, int]:
+    """Return allocator statistics, at least ``allocated_bytes.all.current`` and ``.peak``.
+
+    :param index: device index, or ``None`` for the current device.
+
+    Use in backends: required. Facade: ``memory_stats(index=None)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_empty_cache() -> bool:
+    """Return cached, unused allocator blocks to the device (or the OS).
+
+    :returns: ``True``.
+
+    Use in backends: required. Facade: ``empty_cache()``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_info(index: int | None) -> MemoryInfo:
+    """Return total and available device memory for this process, capped by its own limits.
+
+    ``total`` is never the host's or device's capacity when a lower per-process limit applies
+    (rlimit, cgroup, a vendor memory fraction); ``limit`` and ``limit_source`` name it.
+    ``total ≥ available > 0`` on a usable device.
+
+    :param index: device index, or ``None`` for the current device.
+
+    Device context: may create one.
+
+    Use in backends: required. Facade: ``total_memory()``, ``available_memory()``, ``memory_info()``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
+    """Return a page-locked copy of a host tensor, so device copies can be non-blocking.
+
+    The result's ``is_pinned()`` is ``True``. Gated by the ``pinned_memory`` capability.
+
+    :param tensor: a CPU tensor.
+    :raises ValueError: when ``tensor`` is not on the host.
+
+    Device context: may create one.
+
+    Use in backends: optional (required with ``pinned_memory``). Facade: ``pin_memory(t)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
+    """Return whether a host tensor is page-locked for this device type.
+
+    Use in backends: required. Facade: ``is_pinned(t)``.
+    """

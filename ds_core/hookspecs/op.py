@@ -1,0 +1,21 @@
+"""Op providers: accelerated implementations of operators (fused Adam, ...)."""
+
+from __future__ import annotations
+
+from ds_core.hookspecs._markers import hookspec
+from ds_core.types import OpProvider
+
+
+@hookspec
+def ds_op_providers() -> list[OpProvider]:
+    """Return the op providers this plugin offers (see :class:`ds_core.types.OpProvider`).
+
+    Called on every plugin; results are concatenated, later plugins first. Calling this hook
+    and ``is_compatible`` must not build, load, or touch a device; ``load`` may do all three,
+    and must let ``KeyboardInterrupt`` propagate out of any build it runs.
+
+    Well-known names: ``"fused_adam"`` (a ``torch.optim.Optimizer`` class with AdamW's
+    arguments), ``"cpu_adam"`` (host Adam for optimizer offload).
+
+    Use in backends: optional. Facade: ``op_providers()``, ``get_op(name)``.
+    """
