@@ -163,7 +163,7 @@ class Accelerator:
     def configure(self, settings: Mapping[str, Mapping[str, Any]]) -> None:
         """Apply accelerator settings keyed by backend name; only this backend's section is used.
 
-        ``{"cuda": {"graph_capture": True}}`` enables graph capture on cuda only: a config
+        ``{"<name>": {"graph_capture": True}}`` enables graph capture on backend <name> only: a config
         written for one accelerator never turns a feature on for another. Other keys in the
         section go to the backend's ``ds_backend_configure``.
 

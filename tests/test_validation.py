@@ -1,0 +1,115 @@
+"""Registration validation: each way a backend can break the hook contract, with its message."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from ds_backend_cpu import plugin as cpu
+
+from ds_core import hookimpl
+from ds_core.errors import BackendValidationError
+from ds_core.hookspecs import HOOKSPEC_VERSION, OPTIONAL_HOOKS, all_hook_names, required_hook_names
+from ds_core.plugins import validate_backend
+from ds_core.types import BackendInfo
+
+
+def clone(**overrides: object) -> types.ModuleType:
+    """A module holding every CPU hook, with some replaced or removed (value None)."""
+    mod = types.ModuleType("clone")
+    for name in all_hook_names():
+        if hasattr(cpu, name):
+            setattr(mod, name, getattr(cpu, name))
+    for name, value in overrides.items():
+        if value is None:
+            delattr(mod, name)
+        else:
+            setattr(mod, name, value)
+    return mod
+
+
+def rejection(mod: types.ModuleType, name: str = "cpu") -> str:
+    with pytest.raises(BackendValidationError) as info:
+        validate_backend(name, mod)
+    assert info.value.backend == name
+    return str(info.value)
+
+
+def test_the_cpu_backend_is_valid() -> None:
+    info, declared = validate_backend("cpu", cpu)
+    assert info.name == "cpu" and info.hookspec_version == HOOKSPEC_VERSION
+    assert "memory_limits" in declared
+
+
+def test_required_and_optional_hooks_partition_the_specs() -> None:
+    assert set(required_hook_names()) | set(OPTIONAL_HOOKS) == set(all_hook_names())
+    assert set(OPTIONAL_HOOKS) <= set(all_hook_names())
+
+
+def test_missing_required_hook() -> None:
+    msg = rejection(clone(ds_memory_info=None))
+    assert "backend 'cpu' was rejected" in msg
+    assert "required hook 'ds_memory_info' is missing" in msg
+    assert "ds_core.hookspecs.memory" in msg
+
+
+def test_unknown_hook_suggests_the_close_name() -> None:
+    @hookimpl
+    def ds_memory_alocated(index: int | None) -> int:
+        return 0
+
+    msg = rejection(clone(ds_memory_alocated=ds_memory_alocated))
+    assert "'ds_memory_alocated' is not a ds_core hook; did you mean 'ds_memory_allocated'?" in msg
+
+
+def test_mismatched_argument_names() -> None:
+    @hookimpl
+    def ds_memory_allocated(device: int | None) -> int:
+        return 0
+
+    msg = rejection(clone(ds_memory_allocated=ds_memory_allocated))
+    assert "'ds_memory_allocated' takes (device) but the spec takes (index)" in msg
+
+
+def test_hook_without_the_marker() -> None:
+    def ds_device_count() -> int:
+        return 1
+
+    msg = rejection(clone(ds_device_count=ds_device_count))
+    assert "'ds_device_count' is not marked as a hook: decorate it with @ds_core.hookimpl" in msg
+
+
+def test_hookspec_version_mismatch_names_both_versions() -> None:
+    @hookimpl
+    def ds_backend_info() -> BackendInfo:
+        return BackendInfo("cpu", "cpu", 0, HOOKSPEC_VERSION + 1)
+
+    msg = rejection(clone(ds_backend_info=ds_backend_info))
+    assert (
+        f"targets HOOKSPEC_VERSION {HOOKSPEC_VERSION + 1}, but this ds_core has {HOOKSPEC_VERSION}"
+        in msg
+    )
+
+
+def test_entry_point_name_must_match_info_name() -> None:
+    msg = rejection(clone(), name="other")
+    assert "ds_backend_info().name is 'cpu' but the entry point is named 'other'" in msg
+
+
+def test_unknown_derived_and_unbacked_capabilities() -> None:
+    @hookimpl
+    def ds_backend_capabilities() -> frozenset[str]:
+        return frozenset({"warp_drive", "bf16", "graph_capture"})
+
+    mod = clone(ds_backend_capabilities=ds_backend_capabilities)
+    if hasattr(mod, "ds_graph_create"):
+        delattr(mod, "ds_graph_create")
+    msg = rejection(mod)
+    assert "capability 'warp_drive' is not in the vocabulary" in msg
+    assert "capability 'bf16' is derived from ds_dtype_supported" in msg
+    assert "declares 'graph_capture' but does not implement 'ds_graph_create'" in msg
+
+
+def test_all_problems_are_reported_in_one_message() -> None:
+    msg = rejection(clone(ds_memory_info=None, ds_device_set=None))
+    assert "ds_memory_info" in msg and "ds_device_set" in msg
