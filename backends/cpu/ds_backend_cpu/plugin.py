@@ -61,7 +61,7 @@ def ds_backend_probe() -> ProbeResult:
 
 @hookimpl
 def ds_backend_capabilities() -> frozenset[str]:
-    return frozenset({"memory_limits", "determinism"})
+    return frozenset({"memory_limits", "determinism", "graph_capture"})
 
 
 @hookimpl
@@ -335,6 +335,16 @@ def ds_dtype_supported() -> frozenset[torch.dtype]:
             torch.bool,
         }
     )
+
+
+# --------------------------------------------------------------------------- graph
+
+
+@hookimpl
+def ds_graph_create() -> Any:
+    from ds_backend_cpu.graph import CpuGraph  # dispatch-mode machinery only when asked for
+
+    return CpuGraph()
 
 
 # --------------------------------------------------------------------------- comm
