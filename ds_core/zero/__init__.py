@@ -1,0 +1,1 @@
+"""The ZeRO engine: configuration, partitioning per stage, precision, clipping, accumulation."""

@@ -1,0 +1,759 @@
+"""The engine's configuration: DeepSpeed's JSON names and defaults, validated once at the edge.
+
+:func:`load_config` turns a dict or a JSON file into a frozen :class:`DSConfig`. Every error is
+a :class:`~ds_core.errors.ConfigError` naming the field by its dotted path and saying why; an
+unknown key also names the closest known key. Three kinds of DeepSpeed keys are not fields here:
+
+- performance knobs that mean nothing in this design (``contiguous_gradients``,
+  ``wall_clock_breakdown``, ...) are accepted and named in one warning;
+- keys that would change results but are not implemented (``offload_optimizer``,
+  ``activation_checkpointing``, ...) are errors saying "not supported yet";
+- result-changing keys set to their no-op value (``prescale_gradients: false``,
+  ``offload_optimizer.device: "none"``) are accepted with the knobs' warning.
+
+Batch sizes follow DeepSpeed: ``train_batch_size = train_micro_batch_size_per_gpu ×
+gradient_accumulation_steps × world_size``; any two determine the third. Deviation from
+DeepSpeed: a config that sets neither batch size means micro-batch 1 (DeepSpeed refuses it).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    model_validator,
+)
+
+from ds_core.errors import ConfigError
+
+__all__ = [
+    "AdamParams",
+    "BF16Config",
+    "DSConfig",
+    "FP16Config",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "WarmupCosineLRParams",
+    "WarmupDecayLRParams",
+    "WarmupLRParams",
+    "ZeroConfig",
+    "load_config",
+    "OPTIMIZER_TYPES",
+    "SCHEDULER_TYPES",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# value types: JSON numbers as DeepSpeed writes them (5e8 is an int), bools never count as numbers
+
+
+def _as_int(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"must be an integer, not a bool ({value!r})")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise ValueError(f"must be an integer, got {value!r}")
+        return int(value)
+    if not isinstance(value, int):
+        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _as_float(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, not a bool ({value!r})")
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"must be finite, got {value!r}")
+    return float(value)
+
+
+Int = Annotated[int, BeforeValidator(_as_int)]
+Float = Annotated[float, BeforeValidator(_as_float)]
+Bool = Annotated[bool, Strict()]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+
+
+class FP16Config(BaseModel):
+    """``fp16``: 16-bit training with (by default dynamic) loss scaling."""
+
+    model_config = _FROZEN
+
+    enabled: Bool = False
+    """Train in float16 with loss scaling. (Default: false)"""
+    loss_scale: Float = Field(default=0.0, ge=0)
+    """Static loss scale; 0 means dynamic scaling. (Default: 0)"""
+    initial_scale_power: Int = Field(default=16, ge=1, le=32)
+    """Dynamic scaling starts at 2**initial_scale_power. (Default: 16)"""
+    loss_scale_window: Int = Field(default=1000, gt=0)
+    """Clean steps (no overflow) after which the dynamic scale doubles. (Default: 1000)"""
+    hysteresis: Int = Field(default=2, ge=1)
+    """Overflows tolerated before the scale halves. (Default: 2)"""
+    min_loss_scale: Float = Field(default=1.0, gt=0)
+    """Floor of the dynamic scale. (Default: 1)"""
+
+
+class BF16Config(BaseModel):
+    """``bf16``: bfloat16 training, no loss scaling."""
+
+    model_config = _FROZEN
+
+    enabled: Bool = False
+    """Train in bfloat16. (Default: false)"""
+    check_grad_overflow: Bool = True
+    """Skip a step whose gradients hold inf/NaN, keeping Adam state clean. (Default: true)"""
+
+
+class ZeroConfig(BaseModel):
+    """``zero_optimization``: what is partitioned and how collectives are bucketed."""
+
+    model_config = _FROZEN
+
+    stage: Int = Field(default=0, ge=0, le=3)
+    """0 replicates everything (DDP); 1 partitions optimizer state; 2 also gradients; 3 also
+    parameters. (Default: 0)"""
+    reduce_bucket_size: Int = Field(default=500_000_000, gt=0)
+    """Elements per gradient reduction bucket. (Default: 5e8)"""
+    allgather_bucket_size: Int = Field(default=500_000_000, gt=0)
+    """Elements per parameter all-gather bucket (stages 1/2). (Default: 5e8)"""
+    overlap_comm: Bool = False
+    """Issue collectives asynchronously and wait late. (Default: true at stage 3, else false)"""
+    stage3_prefetch_bucket_size: Int = Field(default=50_000_000, gt=0)
+    """Elements of parameters gathered ahead of use at stage 3. (Default: 5e7)"""
+    stage3_param_persistence_threshold: Int = Field(default=100_000, ge=0)
+    """Parameters with fewer elements stay whole on every rank at stage 3. (Default: 1e5)"""
+    stage3_max_live_parameters: Int = Field(default=1_000_000_000, gt=0)
+    """Most elements gathered at once at stage 3. (Default: 1e9)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _overlap_default(cls, data: Any) -> Any:
+        # DeepSpeed's default for overlap_comm depends on the stage.
+        if isinstance(data, dict) and "overlap_comm" not in data:
+            stage = data.get("stage", 0)
+            data = {**data, "overlap_comm": stage == 3}
+        return data
+
+
+class OptimizerConfig(BaseModel):
+    """``optimizer``: ``{"type": ..., "params": {...}}`` as in DeepSpeed."""
+
+    model_config = _FROZEN
+
+    type: str
+    """One of :data:`OPTIMIZER_TYPES` (case-insensitive in the JSON, canonical here)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Constructor arguments, validated by :class:`AdamParams` (defaults filled in)."""
+
+
+class SchedulerConfig(BaseModel):
+    """``scheduler``: ``{"type": ..., "params": {...}}`` as in DeepSpeed."""
+
+    model_config = _FROZEN
+
+    type: str
+    """One of :data:`SCHEDULER_TYPES`."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Schedule arguments, validated by the type's params model (defaults filled in)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer and scheduler parameters (DeepSpeed's names; validated here so errors come at load)
+
+
+class AdamParams(BaseModel):
+    """Parameters of ``Adam`` / ``AdamW`` (DeepSpeed's FusedAdam names and defaults)."""
+
+    model_config = _FROZEN
+
+    lr: Float = Field(default=1e-3, ge=0)
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(default=1e-8, gt=0)
+    weight_decay: Float = Field(default=0.0, ge=0)
+    adam_w_mode: Bool = True
+    """Decoupled weight decay (AdamW). DeepSpeed's ``Adam`` is AdamW unless this is false."""
+    bias_correction: Bool = True
+    amsgrad: Bool = False
+    torch_adam: Bool = False
+    """Accepted for compatibility: this engine always uses torch's Adam/AdamW."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AdamParams:
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
+        if not self.bias_correction:
+            raise ValueError("bias_correction: false is not supported yet")
+        if self.amsgrad:
+            raise ValueError("amsgrad: true is not supported yet")
+        return self
+
+
+def _as_lrs(value: Any) -> Any:
+    # DeepSpeed takes one learning rate or one per parameter group.
+    if isinstance(value, (list, tuple)):
+        return [_nonneg(_as_float(v)) for v in value]
+    return _nonneg(_as_float(value))
+
+
+def _nonneg(value: float) -> float:
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+    return value
+
+
+LearningRates = Annotated[float | list[float], BeforeValidator(_as_lrs)]
+
+
+class WarmupLRParams(BaseModel):
+    """``WarmupLR``: warm up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold."""
+
+    model_config = _FROZEN
+
+    warmup_min_lr: LearningRates = 0.0
+    warmup_max_lr: LearningRates | None = None
+    """None means the optimizer's lr (DeepSpeed's current default)."""
+    warmup_num_steps: Int = Field(default=1000, ge=0)
+    """Steps of warm-up; DeepSpeed warms up over at least 2."""
+    warmup_type: Literal["log", "linear"] = "log"
+    last_batch_iteration: Int = Field(default=-1, ge=-1)
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """``WarmupDecayLR``: WarmupLR, then linear decay to 0 at ``total_num_steps``."""
+
+    warmup_max_lr: LearningRates | None = 0.001
+    total_num_steps: Int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _check_total(self) -> WarmupDecayLRParams:
+        _check_total_steps(self.total_num_steps, self.warmup_num_steps)
+        return self
+
+
+class WarmupCosineLRParams(BaseModel):
+    """``WarmupCosineLR``: warm up a ratio of the optimizer's lr, then cosine-decay it."""
+
+    model_config = _FROZEN
+
+    total_num_steps: Int = Field(gt=0)
+    warmup_min_ratio: Float = Field(default=0.0, ge=0, le=1)
+    warmup_num_steps: Int = Field(default=1000, ge=0)
+    cos_min_ratio: Float = Field(default=0.0001, ge=0, le=1)
+    warmup_type: Literal["log", "linear"] = "log"
+    last_batch_iteration: Int = Field(default=-1, ge=-1)
+
+    @model_validator(mode="after")
+    def _check_total(self) -> WarmupCosineLRParams:
+        _check_total_steps(self.total_num_steps, self.warmup_num_steps)
+        return self
+
+
+def _check_total_steps(total: int, warmup: int) -> None:
+    effective = max(2, warmup)
+    if total <= effective:
+        raise ValueError(
+            f"total_num_steps ({total}) must be greater than warmup_num_steps ({warmup}"
+            + (", raised to 2: warm-up lasts at least 2 steps)" if effective != warmup else ")")
+        )
+
+
+#: canonical optimizer name -> params model
+OPTIMIZER_TYPES: dict[str, type[BaseModel]] = {"Adam": AdamParams, "AdamW": AdamParams}
+#: canonical scheduler name -> params model
+SCHEDULER_TYPES: dict[str, type[BaseModel]] = {
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+}
+_NOT_YET_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "SGD", "Lion")
+_NOT_YET_SCHEDULERS = ("OneCycle", "LRRangeTest", "WarmupCosineDecayLR")
+
+
+class DSConfig(BaseModel):
+    """The whole validated configuration. Build it with :func:`load_config`."""
+
+    model_config = _FROZEN
+
+    train_batch_size: Int = Field(gt=0)
+    """Samples per optimizer step over all ranks."""
+    train_micro_batch_size_per_gpu: Int = Field(gt=0)
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: Int = Field(gt=0)
+    """Micro-batches per optimizer step. (Default: 1 when not derivable)"""
+    gradient_clipping: Float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping. (Default: 1.0)"""
+    steps_per_print: Int = Field(default=10, gt=0)
+    """Log every this many optimizer steps. (Default: 10)"""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Level of the engine's logger. (Default: "info")"""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    accelerator: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per-backend options, ``{"cpu": {...}}``, passed to ``get_accelerator().configure()``."""
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> DSConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError(
+                "fp16.enabled and bf16.enabled are both true; enable at most one precision"
+            )
+        return self
+
+    @property
+    def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        """``"fp16"``, ``"bf16"`` or ``"fp32"``, from the two ``enabled`` flags."""
+        if self.fp16.enabled:
+            return "fp16"
+        return "bf16" if self.bf16.enabled else "fp32"
+
+
+# ---------------------------------------------------------------------------------------------
+# keys that are not fields: performance knobs (warned), not-yet-implemented features (errors)
+
+#: section path -> knobs that change no result in this design; accepted with one warning
+_IGNORED: dict[tuple[str, ...], frozenset[str]] = {
+    (): frozenset(
+        {
+            "wall_clock_breakdown",
+            "memory_breakdown",
+            "dump_state",
+            "flops_profiler",
+            "tensorboard",
+            "wandb",
+            "csv_monitor",
+            "comet",
+            "comms_logger",
+            "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer",
+            "aio",
+            "disable_allgather",
+            "timers",
+        }
+    ),
+    ("zero_optimization",): frozenset(
+        {
+            "contiguous_gradients",
+            "reduce_scatter",
+            "round_robin_gradients",
+            "sub_group_size",
+            "allgather_partitions",
+            "load_from_fp32_weights",
+            "elastic_checkpoint",
+            "ignore_unused_parameters",
+            "stage3_max_reuse_distance",
+            "stage3_gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+            "use_multi_rank_bucket_allreduce",
+            "memory_efficient_linear",
+            "stage3_module_granularity_threshold",
+            "stage3_use_all_reduce_for_fetch_params",
+            "legacy_stage1",
+            "log_trace_cache_warnings",
+        }
+    ),
+    ("fp16",): frozenset({"fp16_master_weights_and_grads"}),
+    ("bf16",): frozenset({"immediate_grad_update"}),
+}
+
+_NOT_YET = "not supported yet"
+
+#: section path -> keys that would change results and are not implemented
+_UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
+    (): frozenset(
+        {
+            "activation_checkpointing",
+            "amp",
+            "torch_autocast",
+            "data_types",
+            "communication_data_type",
+            "sparse_attention",
+            "sparse_gradients",
+            "pipeline",
+            "compression_training",
+            "quantize_training",
+            "curriculum_learning",
+            "data_efficiency",
+            "elasticity",
+            "autotuning",
+            "checkpoint",
+            "hybrid_engine",
+            "tensor_parallel",
+            "sequence_parallel_size",
+            "seq_parallel_communication_data_type",
+            "eigenvalue",
+            "progressive_layer_drop",
+            "nebula",
+            "gradient_allreduce_op",
+            "fp32_allreduce",
+            "prescale_gradients",
+            "gradient_predivide_factor",
+        }
+    ),
+    ("zero_optimization",): frozenset(
+        {
+            "offload_optimizer",
+            "offload_param",
+            "cpu_offload",
+            "cpu_offload_params",
+            "cpu_offload_use_pin_memory",
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+            "zero_hpz_partition_size",
+            "mics_shard_size",
+            "mics_hierarchical_params_gather",
+            "zeropp_loco_param",
+            "pipeline_loading_checkpoint",
+        }
+    ),
+    ("fp16",): frozenset({"consecutive_hysteresis", "auto_cast"}),
+}
+
+#: (section path, key) -> test that the value requests nothing (DeepSpeed's default / "off")
+_NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
+    ((), "prescale_gradients"): lambda v: v is False,
+    ((), "gradient_predivide_factor"): lambda v: v == 1.0 and not isinstance(v, bool),
+    ((), "fp32_allreduce"): lambda v: v is False,
+    ((), "sparse_gradients"): lambda v: v is False,
+    ((), "gradient_allreduce_op"): lambda v: v == "mean",
+    (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
+    (("fp16",), "auto_cast"): lambda v: v is False,
+    (("zero_optimization",), "offload_optimizer"): lambda v: _offload_off(v),
+    (("zero_optimization",), "offload_param"): lambda v: _offload_off(v),
+    (("zero_optimization",), "cpu_offload"): lambda v: v is False,
+    (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
+}
+
+
+def _offload_off(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, dict) and value.get("device", "none") in ("none", None)
+    )
+
+
+def _dotted(path: tuple[str | int, ...]) -> str:
+    return ".".join(str(p) for p in path) or "<config>"
+
+
+def _strip_known_extras(
+    raw: dict[str, Any], path: tuple[str, ...], ignored: list[str], errors: list[str]
+) -> dict[str, Any]:
+    """Remove ignored knobs and no-op values from one section, recording them."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        here = (*path, key)
+        if key in _IGNORED.get(path, frozenset()):
+            ignored.append(_dotted(here))
+        elif key in _UNSUPPORTED.get(path, frozenset()):
+            no_op = _NO_OP_VALUES.get((path, key))
+            if no_op is not None and no_op(value):
+                ignored.append(_dotted(here))
+            else:
+                errors.append(
+                    f"{_dotted(here)}: {_NOT_YET} (this key would change training results "
+                    f"and ds_core does not implement it); remove it"
+                )
+        else:
+            out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# error messages
+
+
+def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = DSConfig
+    for part in path:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        annotation = model.model_fields[part].annotation
+        candidates = getattr(annotation, "__args__", (annotation,))
+        model = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+    return model
+
+
+def _known_keys(section: tuple[str | int, ...], model: type[BaseModel] | None) -> list[str]:
+    keys = list(model.model_fields) if model is not None else []
+    str_path = tuple(p for p in section if isinstance(p, str))
+    keys += sorted(_IGNORED.get(str_path, frozenset()) | _UNSUPPORTED.get(str_path, frozenset()))
+    return keys
+
+
+def _unknown_key_message(path: tuple[str | int, ...], model: type[BaseModel] | None) -> str:
+    key = str(path[-1])
+    known = _known_keys(path[:-1], model)
+    match = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean '{_dotted((*path[:-1], match[0]))}'?" if match else ""
+    where = f"in '{_dotted(path[:-1])}'" if path[:-1] else "at the top level"
+    return f"{_dotted(path)}: unknown key {where}{hint}"
+
+
+_BOUNDS = {
+    "greater_than": ">",
+    "greater_than_equal": ">=",
+    "less_than": "<",
+    "less_than_equal": "<=",
+}
+
+
+def _messages(
+    exc: ValidationError,
+    prefix: tuple[str | int, ...] = (),
+    model_for: Callable[[tuple[str | int, ...]], type[BaseModel] | None] = _section_model,
+) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
+        path = (*prefix, *loc)
+        if err["type"] == "extra_forbidden":
+            lines.append(_unknown_key_message(path, model_for(loc[:-1])))
+            continue
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "is required"
+        elif err["type"] == "model_type" or err["type"] == "dict_type":
+            msg = f"must be an object, got {type(err['input']).__name__} {err['input']!r}"
+        elif err["type"] in _BOUNDS:
+            bound = next(iter(err.get("ctx", {}).values()), "?")
+            msg = f"must be {_BOUNDS[err['type']]} {bound}, got {err['input']!r}"
+        elif "input" in err and err["type"] not in ("value_error",):
+            msg = f"{msg[0].lower()}{msg[1:]} (got {err['input']!r})"
+        lines.append(f"{_dotted(path)}: {msg}" if path else msg)
+    return lines
+
+
+def _fail(lines: list[str]) -> ConfigError:
+    if len(lines) == 1:
+        return ConfigError(f"invalid ds_core config: {lines[0]}")
+    return ConfigError("invalid ds_core config:\n" + "\n".join(f"  - {line}" for line in lines))
+
+
+# ---------------------------------------------------------------------------------------------
+# batch sizes
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int]:
+    """Derive (train_batch_size, micro batch, accumulation steps) from any two of them."""
+    values: dict[str, int | None] = {}
+    problems = []
+    for key in _BATCH_KEYS:
+        value = raw.get(key)
+        if value is None:
+            values[key] = None
+            continue
+        try:
+            number = _as_int(value)
+        except ValueError as exc:
+            problems.append(f"{key}: {exc}")
+            continue
+        if number <= 0:
+            problems.append(f"{key}: must be > 0, got {number}")
+        values[key] = number
+    if problems:
+        raise _fail(problems)
+    tb, mb, gas = (values[k] for k in _BATCH_KEYS)
+    ws = world_size
+    facts = (
+        f"train_batch_size={tb}, train_micro_batch_size_per_gpu={mb}, "
+        f"gradient_accumulation_steps={gas}, world_size={ws}"
+    )
+    if tb is not None and mb is not None and gas is not None:
+        if tb != mb * gas * ws:
+            raise _fail(
+                [
+                    f"train_batch_size ({tb}) must equal train_micro_batch_size_per_gpu ({mb}) "
+                    f"× gradient_accumulation_steps ({gas}) × world_size ({ws}) = {mb * gas * ws}"
+                ]
+            )
+        return tb, mb, gas
+    if tb is not None and mb is not None:
+        if tb % (mb * ws):
+            raise _fail(
+                [
+                    f"train_batch_size ({tb}) is not divisible by train_micro_batch_size_per_gpu "
+                    f"({mb}) × world_size ({ws}) = {mb * ws}, so gradient_accumulation_steps "
+                    f"cannot be derived ({facts})"
+                ]
+            )
+        return tb, mb, tb // (mb * ws)
+    if tb is not None:
+        gas = 1 if gas is None else gas
+        if tb % (gas * ws):
+            raise _fail(
+                [
+                    f"train_batch_size ({tb}) is not divisible by gradient_accumulation_steps "
+                    f"({gas}) × world_size ({ws}) = {gas * ws}, so "
+                    f"train_micro_batch_size_per_gpu cannot be derived ({facts})"
+                ]
+            )
+        return tb, tb // (gas * ws), gas
+    mb = 1 if mb is None else mb
+    gas = 1 if gas is None else gas
+    return mb * gas * ws, mb, gas
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _read(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path!r} cannot be read: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"config file {path!r} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                f"column {exc.colno}"
+            ) from None
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"config file {path!r} must hold a JSON object, got {type(data).__name__}"
+            )
+        return data
+    raise ConfigError(
+        f"config must be a dict, a path to a JSON file or None, got {type(config).__name__}"
+    )
+
+
+def _typed_section(
+    raw: dict[str, Any], key: str, types: dict[str, type[BaseModel]], not_yet: tuple[str, ...]
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """Validate ``optimizer``/``scheduler``: canonical type name and its params model."""
+    section = raw.get(key)
+    if section is None:
+        return None, []
+    if not isinstance(section, dict):
+        return None, [f"{key}: must be an object, got {type(section).__name__} {section!r}"]
+    name = section.get("type")
+    if not isinstance(name, str):
+        return None, [f"{key}.type: is required and must be a string (one of {', '.join(types)})"]
+    canonical = {t.lower(): t for t in types}.get(name.lower())
+    if canonical is None:
+        if name.lower() in {t.lower() for t in not_yet}:
+            return None, [f"{key}.type: '{name}' is {_NOT_YET}; use one of {', '.join(types)}"]
+        match = difflib.get_close_matches(name, list(types), n=1, cutoff=0.5)
+        hint = f"; did you mean '{match[0]}'?" if match else ""
+        return None, [f"{key}.type: unknown type '{name}' (one of {', '.join(types)}){hint}"]
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        return None, [f"{key}.params: must be an object, got {type(params).__name__}"]
+    errors = [
+        _unknown_key_message((key, extra), None)
+        + f" (section keys: {', '.join(sorted(('type', 'params')))})"
+        for extra in section
+        if extra not in ("type", "params")
+    ]
+    model = types[canonical]
+    try:
+        parsed = model.model_validate(params)
+    except ValidationError as exc:
+        return None, errors + _messages(exc, (key, "params"), lambda _loc: model)
+    if key == "optimizer" and canonical == "AdamW" and not params.get("adam_w_mode", True):
+        errors.append("optimizer.params.adam_w_mode: must be true for AdamW (use type Adam)")
+    return {"type": canonical, "params": parsed.model_dump()}, errors
+
+
+def load_config(
+    config: Mapping[str, Any] | str | os.PathLike[str] | None, world_size: int
+) -> DSConfig:
+    """Validate a DeepSpeed-style config for ``world_size`` data-parallel ranks.
+
+    :param config: a dict, a path to a JSON file, or None (all defaults, micro-batch 1).
+    :param world_size: number of data-parallel ranks (≥ 1), used to derive batch sizes.
+    :returns: the frozen :class:`DSConfig`, with all three batch sizes filled in.
+    :raises ConfigError: naming every offending field by its dotted path and why: unknown keys
+        (with the closest known key), wrong types, out-of-range values, inconsistent batch
+        sizes, fp16 and bf16 both enabled, keys that are not supported yet, a missing file or
+        invalid JSON (naming the path). Performance knobs that mean nothing here are not errors:
+        they are named in one :class:`UserWarning`.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    raw = _read(config)
+    if "bfloat16" in raw:
+        # DeepSpeed's alias for the bf16 section.
+        if "bf16" in raw:
+            raise _fail(["bfloat16: is DeepSpeed's alias of bf16; give only one of them"])
+        raw["bf16"] = raw.pop("bfloat16")
+
+    ignored: list[str] = []
+    errors: list[str] = []
+    raw = _strip_known_extras(raw, (), ignored, errors)
+    for section in ("zero_optimization", "fp16", "bf16"):
+        if isinstance(raw.get(section), dict):
+            raw[section] = _strip_known_extras(raw[section], (section,), ignored, errors)
+
+    for key, types, not_yet in (
+        ("optimizer", OPTIMIZER_TYPES, _NOT_YET_OPTIMIZERS),
+        ("scheduler", SCHEDULER_TYPES, _NOT_YET_SCHEDULERS),
+    ):
+        parsed, problems = _typed_section(raw, key, types, not_yet)
+        errors += problems
+        if parsed is not None:
+            raw[key] = parsed
+        elif problems:
+            raw.pop(key, None)
+
+    try:
+        tb, mb, gas = _batch_sizes(raw, world_size)
+    except ConfigError as exc:
+        errors.append(str(exc).removeprefix("invalid ds_core config: "))
+        tb, mb, gas = 1, 1, 1
+    raw.update(
+        train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas
+    )
+
+    try:
+        cfg = DSConfig.model_validate(raw)
+    except ValidationError as exc:
+        errors += _messages(exc)
+        cfg = None
+    if errors:
+        raise _fail(errors)
+    if ignored:
+        warnings.warn(
+            "ds_core ignores these DeepSpeed config keys, which change nothing in this design: "
+            + ", ".join(ignored),
+            UserWarning,
+            stacklevel=2,
+        )
+    if cfg is None:  # unreachable: errors is non-empty whenever validation failed
+        raise _fail(["validation failed"])
+    return cfg
