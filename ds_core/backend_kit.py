@@ -24,14 +24,18 @@ What is here (all sizes in bytes, times in milliseconds, ``index=None`` = curren
   synchronises the stream and reads a monotonic host clock.
 - :class:`TorchStyleGraph`: the :class:`ds_core.types.Graph` protocol over a vendor graph object
   and its capture context manager (``capture(pool, stream)``, ``replay``, ``reset``, ``pool``).
-- :class:`Setting`, :func:`torch_deterministic_algorithms`, :func:`attribute_setting` and
-  :class:`DeterminismPolicy`: apply determinism knobs (environment variables and flags), record
-  every change in a :class:`ds_core.types.DeterminismRecord`, and restore them exactly.
+- :class:`Setting` (with :data:`LEAVE`), :func:`torch_deterministic_algorithms`,
+  :func:`attribute_setting` and :class:`DeterminismPolicy`: apply determinism knobs (environment
+  variables and flags), record every change in a :class:`ds_core.types.DeterminismRecord`, and
+  restore them exactly.
 - :class:`ProbeCache`: a fork-safe, per-process cache for a backend's probe.
 - Probe helpers that never import or initialise a vendor stack: :func:`module_present`,
   :func:`count_device_nodes`, :func:`visible_device_count`, :func:`dist_version`.
 - :func:`dtype_set`, :func:`fused_adamw_provider`, :func:`require_dist_backend`,
   :func:`check_options`.
+
+Contract tests drive these helpers through a recording fake of the vendor module:
+``tests/backends/fakes/fake_device_module.py`` (``FakeDeviceModule``) works for any vendor.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -63,6 +67,7 @@ from ds_core.types import (
 __all__ = [
     "DeterminismPolicy",
     "HostTimedEvent",
+    "LEAVE",
     "ProbeCache",
     "Setting",
     "TorchStyleDevice",
@@ -405,15 +410,30 @@ class TorchStyleGraph:
 # --------------------------------------------------------------------------- determinism
 
 
+class _Leave:
+    """Marker type of :data:`LEAVE`."""
+
+    def __repr__(self) -> str:
+        return "LEAVE"
+
+
+#: A :class:`Setting`'s ``off`` value meaning "leave it as it is when disabling determinism"
+#: (e.g. an autotuning flag that determinism turns off but disabling must not turn on).
+LEAVE: Final[Any] = _Leave()
+
+
 @dataclass(frozen=True)
 class Setting:
-    """A flag that determinism turns on or off: how to read it, write it, and its two values."""
+    """A flag that determinism turns on or off: how to read it, write it, and its two values.
+
+    ``off`` may be :data:`LEAVE`: disabling determinism then does not touch the flag.
+    """
 
     name: str
     get: Callable[[], Any]
     set: Callable[[Any], None]
     on: Any
-    off: Any
+    off: Any = LEAVE
 
 
 def torch_deterministic_algorithms() -> Setting:
@@ -431,8 +451,11 @@ def torch_deterministic_algorithms() -> Setting:
     return Setting("torch.use_deterministic_algorithms", read, write, (True, False), (False, False))
 
 
-def attribute_setting(name: str, owner: Any, attr: str, on: Any, off: Any) -> Setting:
-    """A :class:`Setting` over a plain attribute (e.g. a flag on a ``torch.backends`` module)."""
+def attribute_setting(name: str, owner: Any, attr: str, on: Any, off: Any = LEAVE) -> Setting:
+    """A :class:`Setting` over a plain attribute (e.g. a flag on a ``torch.backends`` module).
+
+    ``off`` may be :data:`LEAVE`.
+    """
     return Setting(
         name, lambda: getattr(owner, attr), lambda value: setattr(owner, attr, value), on, off
     )
@@ -468,8 +491,10 @@ class DeterminismPolicy:
                 os.environ[var] = accepted[0]
                 record.env[var] = (previous, accepted[0])
         for setting in self._settings.values():
-            previous = setting.get()
             new = setting.on if enabled else setting.off
+            if new is LEAVE:
+                continue
+            previous = setting.get()
             setting.set(new)
             record.settings[setting.name] = (previous, new)
         return record

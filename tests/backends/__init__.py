@@ -1,0 +1,1 @@
+"""Contract tests of the vendor backends against recorded fakes of their vendor modules."""
