@@ -540,6 +540,8 @@ def _messages(
             msg = f"must be an object, got {type(err['input']).__name__} {err['input']!r}"
         elif err["type"] in _BOUNDS:
             bound = next(iter(err.get("ctx", {}).values()), "?")
+            if isinstance(bound, float) and bound.is_integer():
+                bound = int(bound)
             msg = f"must be {_BOUNDS[err['type']]} {bound}, got {err['input']!r}"
         elif "input" in err and err["type"] not in ("value_error",):
             msg = f"{msg[0].lower()}{msg[1:]} (got {err['input']!r})"

@@ -1,0 +1,621 @@
+"""The config schema: DeepSpeed names and defaults, every validation rule and its message,
+batch-size derivation, and the schedules against DeepSpeed's formulas."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ds_core import ConfigError
+from ds_core.zero.config import DSConfig, OptimizerConfig, SchedulerConfig, load_config
+from ds_core.zero.schedules import build_optimizer, build_scheduler
+
+
+def error_of(config: Any, world_size: int = 2) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, world_size)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# defaults
+
+
+def test_defaults_follow_deepspeed() -> None:
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2}, world_size=1)
+    assert cfg.gradient_clipping == 1.0
+    assert cfg.steps_per_print == 10
+    assert cfg.log_level == "info"
+    assert cfg.precision == "fp32"
+    fp16 = cfg.fp16
+    assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power) == (False, 0.0, 16)
+    assert (fp16.loss_scale_window, fp16.hysteresis, fp16.min_loss_scale) == (1000, 2, 1.0)
+    assert cfg.bf16.enabled is False and cfg.bf16.check_grad_overflow is True
+    z = cfg.zero_optimization
+    assert z.stage == 0
+    assert z.reduce_bucket_size == z.allgather_bucket_size == 500_000_000
+    assert z.overlap_comm is False
+    assert z.stage3_prefetch_bucket_size == 50_000_000
+    assert z.stage3_param_persistence_threshold == 100_000
+    assert z.stage3_max_live_parameters == 1_000_000_000
+    assert cfg.optimizer is None and cfg.scheduler is None and cfg.accelerator == {}
+
+
+def test_overlap_comm_defaults_to_true_only_at_stage_3() -> None:
+    assert load_config({"zero_optimization": {"stage": 3}}, 1).zero_optimization.overlap_comm
+    assert not load_config({"zero_optimization": {"stage": 2}}, 1).zero_optimization.overlap_comm
+    cfg = load_config({"zero_optimization": {"stage": 3, "overlap_comm": False}}, 1)
+    assert cfg.zero_optimization.overlap_comm is False
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config(None, 1)
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.gradient_clipping = 0.0  # type: ignore[misc]
+
+
+def test_json_numbers_in_exponent_form_are_integers() -> None:
+    cfg = load_config({"zero_optimization": {"reduce_bucket_size": 2e8}}, 1)
+    assert cfg.zero_optimization.reduce_bucket_size == 200_000_000
+    assert isinstance(cfg.zero_optimization.reduce_bucket_size, int)
+
+
+def test_accelerator_section_is_per_backend_options() -> None:
+    cfg = load_config({"accelerator": {"cpu": {"threads": 1}}}, 1)
+    assert cfg.accelerator == {"cpu": {"threads": 1}}
+    assert "accelerator.cpu" in error_of({"accelerator": {"cpu": 3}})
+
+
+# ---------------------------------------------------------------------------------------------
+# batch sizes
+
+
+@pytest.mark.parametrize(
+    ("given", "world_size", "expected"),
+    [
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+        ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4}, 2, (24, 4, 3)),
+        ({"train_batch_size": 24, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+        ({"train_batch_size": 24}, 4, (24, 6, 1)),
+        ({"train_micro_batch_size_per_gpu": 5}, 3, (15, 5, 1)),
+        ({"gradient_accumulation_steps": 2}, 2, (4, 1, 2)),
+        ({}, 2, (2, 1, 1)),
+        (
+            {
+                "train_batch_size": 48,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 3,
+            },
+            4,
+            (48, 4, 3),
+        ),
+    ],
+)
+def test_any_two_batch_sizes_determine_the_third(
+    given: dict[str, int], world_size: int, expected: tuple[int, int, int]
+) -> None:
+    cfg = load_config(given, world_size)
+    got = (
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    )
+    assert got == expected
+
+
+def test_inconsistent_batch_sizes_name_all_three_and_world_size() -> None:
+    msg = error_of(
+        {
+            "train_batch_size": 32,
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+        },
+        world_size=2,
+    )
+    assert "train_batch_size (32)" in msg
+    assert "train_micro_batch_size_per_gpu (4)" in msg
+    assert "gradient_accumulation_steps (2)" in msg
+    assert "world_size (2)" in msg
+    assert "= 16" in msg
+
+
+def test_indivisible_batch_sizes_are_errors() -> None:
+    msg = error_of({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+    assert "train_batch_size (30) is not divisible" in msg and "world_size (2) = 8" in msg
+    msg = error_of({"train_batch_size": 9, "gradient_accumulation_steps": 2}, world_size=2)
+    assert "train_micro_batch_size_per_gpu cannot be derived" in msg
+
+
+@pytest.mark.parametrize("bad", [0, -4, True, 2.5, "8"])
+def test_batch_sizes_must_be_positive_integers(bad: Any) -> None:
+    msg = error_of({"train_micro_batch_size_per_gpu": bad})
+    assert msg.startswith("invalid ds_core config: train_micro_batch_size_per_gpu: ")
+    assert ("must be > 0" in msg) or ("must be an integer" in msg)
+
+
+def test_world_size_must_be_a_positive_integer() -> None:
+    with pytest.raises(ConfigError, match="world_size must be an integer >= 1, got 0"):
+        load_config(None, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# scalar fields
+
+
+def test_gradient_clipping_zero_disables_and_negative_is_an_error() -> None:
+    assert load_config({"gradient_clipping": 0}, 1).gradient_clipping == 0.0
+    assert "gradient_clipping: must be >= 0, got -1.0" in error_of({"gradient_clipping": -1})
+    assert "gradient_clipping: must be finite, got inf" in error_of({"gradient_clipping": math.inf})
+    assert "gradient_clipping: must be a number, not a bool" in error_of(
+        {"gradient_clipping": True}
+    )
+
+
+def test_steps_per_print_and_log_level() -> None:
+    assert "steps_per_print: must be > 0, got 0" in error_of({"steps_per_print": 0})
+    msg = error_of({"log_level": "verbose"})
+    assert "log_level: input should be 'debug', 'info', 'warning' or 'error'" in msg
+    assert load_config({"log_level": "debug"}, 1).log_level == "debug"
+
+
+# ---------------------------------------------------------------------------------------------
+# precision
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("loss_scale", -1, "fp16.loss_scale: must be >= 0, got -1.0"),
+        ("loss_scale", math.inf, "fp16.loss_scale: must be finite, got inf"),
+        ("loss_scale", True, "fp16.loss_scale: must be a number, not a bool"),
+        ("initial_scale_power", 0, "fp16.initial_scale_power: must be >= 1, got 0"),
+        ("initial_scale_power", 40, "fp16.initial_scale_power: must be <= 32, got 40"),
+        ("initial_scale_power", 16.5, "fp16.initial_scale_power: must be an integer, got 16.5"),
+        ("loss_scale_window", 0, "fp16.loss_scale_window: must be > 0, got 0"),
+        ("loss_scale_window", True, "fp16.loss_scale_window: must be an integer, not a bool"),
+        ("hysteresis", 0, "fp16.hysteresis: must be >= 1, got 0"),
+        ("min_loss_scale", 0, "fp16.min_loss_scale: must be > 0, got 0.0"),
+        ("min_loss_scale", math.nan, "fp16.min_loss_scale: must be finite, got nan"),
+        ("enabled", 1, "fp16.enabled: input should be a valid boolean (got 1)"),
+    ],
+)
+def test_fp16_values_are_validated(field: str, value: Any, message: str) -> None:
+    assert message in error_of({"fp16": {"enabled": True, field: value}})
+
+
+def test_fp16_dynamic_scaling_settings_are_kept() -> None:
+    fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 50, "hysteresis": 1}
+    cfg = load_config({"fp16": fp16, "zero_optimization": {"stage": 2}}, 1)
+    assert cfg.precision == "fp16"
+    assert (cfg.fp16.initial_scale_power, cfg.fp16.loss_scale_window) == (8, 50)
+    assert cfg.fp16.hysteresis == 1
+
+
+def test_fp16_and_bf16_together_is_an_error() -> None:
+    msg = error_of({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    assert "fp16.enabled and bf16.enabled are both true" in msg
+
+
+def test_bf16_and_its_deepspeed_alias() -> None:
+    cfg = load_config({"bf16": {"enabled": True, "check_grad_overflow": False}}, 1)
+    assert cfg.precision == "bf16" and cfg.bf16.check_grad_overflow is False
+    assert load_config({"bfloat16": {"enabled": True}}, 1).precision == "bf16"
+    assert "give only one of them" in error_of({"bfloat16": {}, "bf16": {}})
+
+
+# ---------------------------------------------------------------------------------------------
+# zero_optimization
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("stage", 4, "zero_optimization.stage: must be <= 3, got 4"),
+        ("stage", -1, "zero_optimization.stage: must be >= 0, got -1"),
+        ("reduce_bucket_size", 0, "zero_optimization.reduce_bucket_size: must be > 0, got 0"),
+        ("allgather_bucket_size", 1.5, "zero_optimization.allgather_bucket_size: must be an"),
+        ("overlap_comm", "yes", "zero_optimization.overlap_comm: input should be a valid"),
+        ("stage3_prefetch_bucket_size", -1, "stage3_prefetch_bucket_size: must be > 0, got -1"),
+        ("stage3_param_persistence_threshold", -1, "threshold: must be >= 0, got -1"),
+        ("stage3_max_live_parameters", 0, "stage3_max_live_parameters: must be > 0, got 0"),
+    ],
+)
+def test_zero_values_are_validated(field: str, value: Any, message: str) -> None:
+    assert message in error_of({"zero_optimization": {field: value}})
+
+
+def test_zero_section_must_be_an_object() -> None:
+    assert "zero_optimization: must be an object, got bool True" in error_of(
+        {"zero_optimization": True}
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# unknown, ignored and unsupported keys
+
+
+def test_unknown_keys_name_the_dotted_path_and_a_close_match() -> None:
+    msg = error_of({"zero_optimization": {"stgae": 2}})
+    assert (
+        "zero_optimization.stgae: unknown key in 'zero_optimization'; "
+        "did you mean 'zero_optimization.stage'?" in msg
+    )
+    msg = error_of({"gradient_acumulation_steps": 2})
+    assert "did you mean 'gradient_accumulation_steps'?" in msg
+    msg = error_of({"fp16": {"initial_scale_pwr": 8}})
+    assert "fp16.initial_scale_pwr: unknown key in 'fp16'; did you mean" in msg
+    assert "'fp16.initial_scale_power'" in msg
+    assert "xyzzy: unknown key at the top level" in error_of({"xyzzy": 1})
+
+
+def test_every_error_is_reported_at_once() -> None:
+    msg = error_of({"steps_per_print": 0, "zero_optimization": {"stage": 9}, "nope": 1})
+    assert msg.count("\n  - ") == 3
+
+
+def test_performance_knobs_are_accepted_with_one_warning() -> None:
+    config = {
+        "wall_clock_breakdown": True,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": 2,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+            "round_robin_gradients": False,
+            "sub_group_size": 1e9,
+            "offload_optimizer": {"device": "none"},
+        },
+        "prescale_gradients": False,
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(config, 1)
+    assert cfg.zero_optimization.stage == 2
+    ours = [w for w in caught if "ds_core ignores" in str(w.message)]
+    assert len(ours) == 1
+    text = str(ours[0].message)
+    for key in (
+        "wall_clock_breakdown",
+        "zero_allow_untested_optimizer",
+        "zero_optimization.contiguous_gradients",
+        "zero_optimization.reduce_scatter",
+        "zero_optimization.round_robin_gradients",
+        "zero_optimization.sub_group_size",
+        "zero_optimization.offload_optimizer",
+        "prescale_gradients",
+    ):
+        assert key in text
+
+
+def test_no_warning_without_ignored_keys() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config({"zero_optimization": {"stage": 1}}, 1)
+
+
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+        ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param"),
+        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+        ({"amp": {"enabled": True}}, "amp"),
+        ({"prescale_gradients": True}, "prescale_gradients"),
+        ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+        ({"fp16": {"consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis"),
+        ({"communication_data_type": "fp16"}, "communication_data_type"),
+    ],
+)
+def test_result_changing_keys_are_not_supported_yet(config: dict[str, Any], path: str) -> None:
+    msg = error_of(config)
+    assert f"{path}: not supported yet" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def test_config_from_a_json_file(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 1}}))
+    cfg = load_config(path, 2)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage) == (4, 1)
+    assert load_config(str(path), 2) == cfg
+
+
+def test_missing_file_and_bad_json_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.json"
+    assert f"config file '{missing}' does not exist" in error_of(missing)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8,,}')
+    msg = error_of(bad)
+    assert f"config file '{bad}' is not valid JSON" in msg and "line 1" in msg
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    assert "must hold a JSON object, got list" in error_of(listed)
+
+
+def test_config_of_another_type_is_an_error() -> None:
+    assert "config must be a dict, a path to a JSON file or None, got int" in error_of(3)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer
+
+
+def test_optimizer_section_in_deepspeed_form() -> None:
+    cfg = load_config(
+        {"optimizer": {"type": "adamw", "params": {"lr": 3e-4, "weight_decay": 0.1}}}, 1
+    )
+    assert cfg.optimizer is not None
+    assert cfg.optimizer.type == "AdamW"
+    assert cfg.optimizer.params["lr"] == 3e-4
+    assert cfg.optimizer.params["betas"] == (0.9, 0.999)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"lr": math.nan}, "optimizer.params.lr: must be finite, got nan"),
+        ({"lr": -1}, "optimizer.params.lr: must be >= 0, got -1.0"),
+        ({"betas": [0.9, 1.0]}, "betas[1] must be in [0, 1), got 1.0"),
+        ({"eps": 0}, "optimizer.params.eps: must be > 0, got 0.0"),
+        ({"weight_decya": 0.1}, "did you mean 'optimizer.params.weight_decay'?"),
+        ({"amsgrad": True}, "amsgrad: true is not supported yet"),
+    ],
+)
+def test_optimizer_params_are_validated(params: dict[str, Any], message: str) -> None:
+    assert message in error_of({"optimizer": {"type": "Adam", "params": params}})
+
+
+def test_optimizer_type_errors() -> None:
+    assert "optimizer.type: 'Lamb' is not supported yet; use one of Adam, AdamW" in error_of(
+        {"optimizer": {"type": "Lamb"}}
+    )
+    assert "unknown type 'Adma' (one of Adam, AdamW); did you mean 'Adam'?" in error_of(
+        {"optimizer": {"type": "Adma"}}
+    )
+    assert "optimizer.type: is required" in error_of({"optimizer": {"params": {}}})
+    assert "adam_w_mode: must be true for AdamW" in error_of(
+        {"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}
+    )
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+
+
+def test_build_optimizer_adam_is_adamw_unless_adam_w_mode_is_false() -> None:
+    adamw = build_optimizer(OptimizerConfig(type="Adam", params={"lr": 0.01}), _params())
+    assert type(adamw) is torch.optim.AdamW
+    assert adamw.param_groups[0]["lr"] == 0.01
+    assert adamw.param_groups[0]["weight_decay"] == 0.0
+    adam = build_optimizer(OptimizerConfig(type="Adam", params={"adam_w_mode": False}), _params())
+    assert type(adam) is torch.optim.Adam
+
+
+def test_build_optimizer_uses_the_fused_cpu_kernel_when_torch_has_it() -> None:
+    opt = build_optimizer(OptimizerConfig(type="AdamW"), _params())
+    probe = torch.nn.Parameter(torch.zeros(1))
+    try:
+        torch.optim.AdamW([probe], fused=True)
+        supported = True
+    except RuntimeError:
+        supported = False
+    assert bool(opt.param_groups[0].get("fused")) is supported
+
+
+def test_build_optimizer_keeps_parameter_groups() -> None:
+    a, b = _params()
+    opt = build_optimizer(
+        OptimizerConfig(type="AdamW", params={"lr": 0.1}),
+        [{"params": [a], "weight_decay": 0.5}, {"params": [b]}],
+    )
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.1]
+
+
+def test_build_optimizer_matches_torch_adamw_numerically() -> None:
+    torch.manual_seed(0)
+    ours_p, ref_p = _params(), _params()
+    for o, r in zip(ours_p, ref_p, strict=True):
+        r.data.copy_(o.data)
+    ours = build_optimizer(OptimizerConfig(type="AdamW", params={"lr": 0.05}), ours_p)
+    ref = torch.optim.AdamW(ref_p, lr=0.05, weight_decay=0.0)
+    for _ in range(3):
+        for params, opt in ((ours_p, ours), (ref_p, ref)):
+            opt.zero_grad()
+            sum((p**2).sum() for p in params).backward()  # type: ignore[union-attr]
+            opt.step()
+    for o, r in zip(ours_p, ref_p, strict=True):
+        torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# schedules: DeepSpeed's formulas, written out independently (lr_schedules.py)
+
+
+def ds_warmup_gamma(it: int, warmup: int, kind: str) -> float:
+    w = max(2, warmup)
+    if kind == "log":
+        return math.log(it + 1) / math.log(w)
+    return it / w
+
+
+def ds_warmup_lr(it: int, lo: float, hi: float, warmup: int, kind: str) -> float:
+    if it < 0:
+        return lo
+    gamma = ds_warmup_gamma(it, warmup, kind) if it < max(2, warmup) else 1.0
+    return lo + (hi - lo) * gamma
+
+
+def ds_warmup_decay_lr(it: int, lo: float, hi: float, warmup: int, total: int, kind: str) -> float:
+    w = max(2, warmup)
+    if it < 0:
+        return lo
+    if it < w:
+        gamma = ds_warmup_gamma(it, warmup, kind)
+    else:
+        gamma = max(0.0, (total - it) / max(1.0, total - w))
+    return lo + (hi - lo) * gamma
+
+
+def ds_warmup_cosine_lr(
+    it: int, base: float, warmup: int, total: int, min_ratio: float, cos_min: float, kind: str
+) -> float:
+    w = max(2, warmup)
+    if it < 0:
+        return 0.0
+    if it < w:
+        ratio = min_ratio + ds_warmup_gamma(it, warmup, kind) * (1 - min_ratio)
+    else:
+        s, span = it - w + 1, total - w
+        ratio = max(0.0, cos_min + (1 - cos_min) * (1 + math.cos(math.pi * s / span)) / 2)
+    return base * ratio
+
+
+def lrs_after_steps(sched_type: str, params: dict[str, Any], base_lr: float, n: int) -> list[float]:
+    """lr before the first step and after each of n scheduler steps (one optimizer step each)."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=base_lr)
+    sched = build_scheduler(SchedulerConfig(type=sched_type, params=params), opt)
+    seen = [opt.param_groups[0]["lr"]]
+    for _ in range(n):
+        opt.step()
+        sched.step()
+        seen.append(opt.param_groups[0]["lr"])
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["log", "linear"])
+def test_warmup_lr_matches_deepspeed(kind: str) -> None:
+    params = {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10}
+    seen = lrs_after_steps("WarmupLR", {**params, "warmup_type": kind}, 1.0, 15)
+    # after k scheduler steps DeepSpeed's last_batch_iteration is k - 1
+    expected = [ds_warmup_lr(k - 1, 0.01, 0.1, 10, kind) for k in range(16)]
+    assert seen == pytest.approx(expected, rel=1e-12)
+    assert seen[0] == seen[1] == 0.01 and seen[-1] == pytest.approx(0.1)
+    assert seen[5] < seen[6] < seen[10]
+
+
+def test_warmup_lr_max_defaults_to_the_optimizer_lr() -> None:
+    seen = lrs_after_steps("WarmupLR", {"warmup_num_steps": 2}, 0.3, 4)
+    assert seen[-1] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("kind", ["log", "linear"])
+def test_warmup_decay_lr_matches_deepspeed(kind: str) -> None:
+    params = {"warmup_max_lr": 0.2, "warmup_num_steps": 5, "total_num_steps": 20}
+    seen = lrs_after_steps("WarmupDecayLR", {**params, "warmup_type": kind}, 1.0, 25)
+    expected = [ds_warmup_decay_lr(k - 1, 0.0, 0.2, 5, 20, kind) for k in range(26)]
+    assert seen == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert seen[6] == pytest.approx(0.2)  # iteration 5: end of warm-up, start of decay
+    assert seen[21:] == [0.0] * 5  # decayed to 0 at total_num_steps and held
+
+
+@pytest.mark.parametrize("kind", ["log", "linear"])
+def test_warmup_cosine_lr_matches_deepspeed(kind: str) -> None:
+    params = {
+        "total_num_steps": 30,
+        "warmup_num_steps": 6,
+        "warmup_min_ratio": 0.1,
+        "cos_min_ratio": 0.05,
+        "warmup_type": kind,
+    }
+    seen = lrs_after_steps("WarmupCosineLR", params, 0.5, 35)
+    expected = [ds_warmup_cosine_lr(k - 1, 0.5, 6, 30, 0.1, 0.05, kind) for k in range(36)]
+    assert seen == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert seen[0] == 0.0
+    # DeepSpeed's cosine counts from 1 after warm-up: its floor is at iteration total - 1
+    assert seen[30] == pytest.approx(0.5 * 0.05)
+
+
+def test_schedule_resumes_from_last_batch_iteration() -> None:
+    params = {"warmup_max_lr": 0.2, "warmup_num_steps": 5, "total_num_steps": 20}
+    full = lrs_after_steps("WarmupDecayLR", params, 1.0, 12)
+    resumed = lrs_after_steps("WarmupDecayLR", {**params, "last_batch_iteration": 7}, 1.0, 4)
+    assert resumed == pytest.approx(full[8:])
+
+
+def test_schedule_per_group_learning_rates() -> None:
+    a, b = _params()
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b]}], lr=1.0)
+    cfg = SchedulerConfig(
+        type="WarmupLR",
+        params={"warmup_min_lr": [0.0, 0.1], "warmup_max_lr": [1.0, 0.2], "warmup_num_steps": 2},
+    )
+    sched = build_scheduler(cfg, opt)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1.0, 0.2])
+    bad = SchedulerConfig(type="WarmupLR", params={"warmup_min_lr": [0.0, 0.1, 0.2]})
+    with pytest.raises(ConfigError, match="has 3 values but the optimizer has 2 parameter"):
+        build_scheduler(bad, opt)
+
+
+@pytest.mark.parametrize(
+    ("sched_type", "params", "message"),
+    [
+        ("WarmupLR", {"warmup_num_steps": -1}, "warmup_num_steps: must be >= 0, got -1"),
+        ("WarmupLR", {"warmup_max_lr": math.inf}, "warmup_max_lr: must be finite, got inf"),
+        ("WarmupLR", {"warmup_min_lr": -0.1}, "must be >= 0, got -0.1"),
+        ("WarmupLR", {"warmup_type": "cubic"}, "warmup_type: input should be 'log' or 'linear'"),
+        (
+            "WarmupDecayLR",
+            {"total_num_steps": 10, "warmup_num_steps": 10},
+            "total_num_steps (10) must be greater than warmup_num_steps (10)",
+        ),
+        (
+            "WarmupCosineLR",
+            {"total_num_steps": 2, "warmup_num_steps": 0},
+            "total_num_steps (2) must be greater than warmup_num_steps (0, raised to 2",
+        ),
+        ("WarmupCosineLR", {}, "scheduler.params.total_num_steps: is required"),
+        (
+            "WarmupCosineLR",
+            {"total_num_steps": 10, "cos_min_ratio": 2},
+            "cos_min_ratio: must be <= 1, got 2",
+        ),
+    ],
+)
+def test_schedule_params_are_validated(
+    sched_type: str, params: dict[str, Any], message: str
+) -> None:
+    assert message in error_of({"scheduler": {"type": sched_type, "params": params}})
+
+
+def test_scheduler_type_errors() -> None:
+    assert "scheduler.type: 'OneCycle' is not supported yet" in error_of(
+        {"scheduler": {"type": "OneCycle"}}
+    )
+    assert "did you mean 'WarmupLR'?" in error_of({"scheduler": {"type": "WarmupLr2"}})
+
+
+def test_builders_validate_directly_constructed_sections() -> None:
+    with pytest.raises(
+        ConfigError, match=re.escape("scheduler.params.warmup_num_steps: must be >= 0")
+    ):
+        build_scheduler(
+            SchedulerConfig(type="WarmupLR", params={"warmup_num_steps": -3}),
+            torch.optim.SGD(_params(), lr=0.1),
+        )
+    with pytest.raises(ConfigError, match=re.escape("optimizer.type: unknown type 'Sgd'")):
+        build_optimizer(OptimizerConfig(type="Sgd"), _params())
+
+
+def test_dsconfig_rejects_unknown_fields_when_built_directly() -> None:
+    with pytest.raises(ValueError, match="extra"):
+        DSConfig(
+            train_batch_size=1,
+            train_micro_batch_size_per_gpu=1,
+            gradient_accumulation_steps=1,
+            bogus=1,  # type: ignore[call-arg]
+        )
