@@ -688,3 +688,82 @@ def check_options(backend: str, options: Mapping[str, Any], known: Collection[st
             f"{accepted}"
         )
     return True
+
+
+# --------------------------------------------------------------------------- vendor packages
+# Added with the xpu/hpu/npu backends: checks and adapters those backends share, kept
+# vendor-neutral (the backend passes the package and class).
+
+
+def package_file_present(package: str, *parts: str) -> bool:
+    """Whether the installed top-level ``package`` ships the file ``parts``, without importing it.
+
+    Lets a capability or op-compatibility check ask "does this vendor release have module X"
+    before the vendor stack may be imported (``find_spec`` on a dotted name would import the
+    parents, which for a vendor stack may load its runtime).
+
+    :param package: a top-level package name.
+    :param parts: path components below the package directory, e.g. ``("optim", "adam.py")``.
+    :raises ValueError: for a dotted ``package``.
+    """
+    if "." in package:
+        raise ValueError(f"package_file_present takes a top-level name, got {package!r}")
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a half-installed package, or a spec-less module
+        return False
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any(os.path.exists(os.path.join(root, *parts)) for root in roots)
+
+
+#: AdamW options that only choose an implementation; a vendor's fused kernel satisfies them.
+_ADAMW_IMPLEMENTATION_ONLY: Final[frozenset[str]] = frozenset({"foreach", "fused"})
+
+
+def adamw_compatible(
+    optimizer: Callable[..., Any], accepts: Collection[str], *, name: str
+) -> Callable[..., Any]:
+    """Adapt a vendor's fused AdamW class to ``torch.optim.AdamW``'s arguments and defaults.
+
+    The ``"fused_adam"`` op promises AdamW's signature, while vendor classes take a subset and
+    sometimes other defaults (a larger ``eps``, no weight decay). The returned factory binds
+    its arguments against ``torch.optim.AdamW``'s signature, so AdamW's defaults apply, and
+    passes the names in ``accepts`` on to ``optimizer``. Implementation-only options
+    (``foreach``, ``fused``) are dropped; any other AdamW option the vendor lacks raises when
+    set to a value other than AdamW's default, instead of being silently ignored.
+
+    :param optimizer: the vendor optimizer class, called as ``optimizer(params, **accepted)``.
+    :param accepts: AdamW argument names (besides ``params``) the vendor class takes with
+        AdamW's meaning.
+    :param name: how error messages name the vendor class.
+    :returns: a factory with ``torch.optim.AdamW``'s signature.
+    """
+    signature = inspect.signature(torch.optim.AdamW)
+    unknown = sorted(set(accepts) - set(signature.parameters))
+    if unknown:
+        raise ValueError(f"torch.optim.AdamW has no argument(s) {', '.join(unknown)}")
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        """Build the vendor optimizer from ``torch.optim.AdamW`` arguments.
+
+        :raises TypeError: on an argument ``torch.optim.AdamW`` does not take.
+        :raises ValueError: on an AdamW option the vendor class lacks, set to a non-default.
+        """
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        passed: dict[str, Any] = {}
+        for key, value in bound.arguments.items():
+            default = signature.parameters[key].default
+            if key == "params" or key in _ADAMW_IMPLEMENTATION_ONLY:
+                continue
+            if key in accepts:
+                passed[key] = value
+            elif not (value is default or (type(value) is type(default) and value == default)):
+                raise ValueError(
+                    f"{name} has no AdamW option {key}={value!r}; leave it at {default!r} "
+                    f"or use torch.optim.AdamW"
+                )
+        return optimizer(bound.arguments["params"], **passed)
+
+    make.__name__ = make.__qualname__ = f"adamw_compatible({name})"
+    return make
