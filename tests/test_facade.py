@@ -112,7 +112,7 @@ def test_configure_validates_its_section(acc: ds_core.Accelerator) -> None:
         ds_core.ConfigError, match=r"accelerator.cpu.graph_capture must be true or false"
     ):
         acc.configure({"cpu": {"graph_capture": "yes"}})
-    with pytest.raises(ds_core.ConfigError, match="accelerator.cpu has no options; remove turbo"):
+    with pytest.raises(ds_core.ConfigError, match=r"accelerator\.cpu has no options; remove turbo"):
         acc.configure({"cpu": {"turbo": 1}})
 
 
