@@ -1,0 +1,422 @@
+"""Hook implementations of the cuda backend: NVIDIA GPUs through ``torch.cuda``.
+
+Device, RNG, stream, memory and pinned-memory hooks delegate to
+:class:`ds_core.backend_kit.TorchStyleDevice` over ``torch.cuda`` (device strings ``cuda`` and
+``cuda:N``). What is NVIDIA-specific lives here: the probe's claim rules, dtypes by compute
+capability, CUDA graphs, NCCL, the cuBLAS/cuDNN/NCCL determinism knobs, and the launcher's
+variables.
+
+The probe never creates a CUDA context: ``torch.cuda.device_count()`` asks NVML first (it
+honours ``CUDA_VISIBLE_DEVICES``) and never calls ``torch.cuda.is_available()``, whose default
+path initialises the driver and poisons ``fork()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ds_core import hookimpl
+from ds_core.backend_kit import (
+    DeterminismPolicy,
+    ProbeCache,
+    TorchStyleDevice,
+    TorchStyleGraph,
+    attribute_setting,
+    check_options,
+    count_device_nodes,
+    dtype_set,
+    fused_adamw_provider,
+    module_present,
+    require_dist_backend,
+    torch_deterministic_algorithms,
+)
+from ds_core.types import (
+    BackendInfo,
+    DeterminismRecord,
+    DeviceProperties,
+    Event,
+    Graph,
+    MemoryInfo,
+    OpProvider,
+    ProbeResult,
+    Stream,
+)
+
+NAME = "cuda"
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+
+#: Kunlunxin's driver creates one node per device (vLLM-Kunlun's docker instructions pass
+#: ``/dev/xpu0`` ... ``/dev/xpuN`` and ``/dev/xpuctrl``); tests point this at a temp folder.
+KUNLUNXIN_DEVICE_NODES = "/dev/xpu[0-9]*"
+#: The NVIDIA driver's per-GPU nodes; consulted only when Kunlunxin's stack is installed.
+NVIDIA_DEVICE_NODES = "/dev/nvidia[0-9]*"
+
+#: Modules that, once imported, redirect ``torch.cuda`` to another vendor's device.
+_CUDA_REDIRECTS = {
+    "torch_npu.contrib.transfer_to_npu": "Ascend's transfer_to_npu",
+    "habana_frameworks.torch.gpu_migration": "Habana's gpu_migration",
+}
+
+# The module is looked up on every call (not captured here) so that importing this plugin
+# initialises nothing and contract tests can swap in a recording fake.
+_dev = TorchStyleDevice(NAME, lambda: torch.cuda, api_name="torch.cuda")
+
+# --------------------------------------------------------------------------- backend
+
+
+def _probe() -> ProbeResult:
+    version = torch.__version__
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        return ProbeResult(
+            False,
+            f"torch {version} is a ROCm build (torch.version.hip={hip}): its torch.cuda drives "
+            f'AMD GPUs, which the rocm backend serves. pip install "ds-core[rocm]" and set '
+            f"DS_ACCELERATOR=rocm (or leave it unset).",
+        )
+    for module, what in _CUDA_REDIRECTS.items():
+        if module in sys.modules:
+            return ProbeResult(
+                False,
+                f"{what} ({module}) is imported and redirects torch.cuda to another vendor's "
+                f"device; use that vendor's backend, or do not import {module}.",
+            )
+    if module_present("torch_xmlir"):
+        nodes = count_device_nodes(KUNLUNXIN_DEVICE_NODES)
+        if nodes:
+            return ProbeResult(
+                False,
+                f"Kunlunxin's torch_xmlir is installed and {nodes} Kunlunxin device(s) are "
+                f"present: torch.cuda here drives Kunlunxin XPUs, not NVIDIA GPUs. Use the "
+                f'kunlunxin backend: pip install "ds-core[kunlunxin]", DS_ACCELERATOR=kunlunxin.',
+            )
+        # torch_xmlir without Kunlunxin devices must not hide a working NVIDIA GPU; but its
+        # torch.cuda might still be Kunlunxin's, so claim only with NVIDIA's own device nodes.
+        if count_device_nodes(NVIDIA_DEVICE_NODES) == 0:
+            return ProbeResult(
+                False,
+                "Kunlunxin's torch_xmlir is installed and no NVIDIA GPU device node exists, so "
+                "torch.cuda is not known to drive an NVIDIA GPU. On a Kunlunxin host use the "
+                'kunlunxin backend (pip install "ds-core[kunlunxin]"); on an NVIDIA host check '
+                "the driver (nvidia-smi).",
+            )
+    if torch.version.cuda is None:
+        return ProbeResult(
+            False,
+            f"torch {version} was built without CUDA (torch.version.cuda is None). Install a "
+            f"CUDA build of torch (https://pytorch.org/get-started/locally/), or run on the "
+            f"CPU on purpose with DS_ACCELERATOR=cpu.",
+        )
+    count = int(torch.cuda.device_count())
+    if count == 0:
+        mask = os.environ.get(VISIBLE_DEVICES_ENV)
+        masked = f" ({VISIBLE_DEVICES_ENV}={mask!r})" if mask is not None else ""
+        return ProbeResult(
+            False,
+            f"torch {version} (CUDA {torch.version.cuda}) sees no NVIDIA GPU{masked}. Check "
+            f"nvidia-smi, the driver, and {VISIBLE_DEVICES_ENV}; or run on the CPU on purpose "
+            f"with DS_ACCELERATOR=cpu.",
+        )
+    return ProbeResult(
+        True, f"{count} NVIDIA GPU(s); torch {version} with CUDA {torch.version.cuda}", count
+    )
+
+
+probe = ProbeCache(_probe)
+
+
+@hookimpl
+def ds_backend_info() -> BackendInfo:
+    return BackendInfo(
+        name=NAME,
+        device_type="cuda",
+        priority=100,
+        hookspec_version=1,
+        vendor_version=torch.version.cuda or "",
+        description="NVIDIA GPUs through torch.cuda; collectives over NCCL",
+    )
+
+
+@hookimpl
+def ds_backend_probe() -> ProbeResult:
+    return probe()
+
+
+@hookimpl
+def ds_backend_capabilities() -> frozenset[str]:
+    caps = {"async_streams", "device_timing", "pinned_memory", "determinism"}
+    if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        caps.add("memory_limits")
+    if hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"):
+        caps.add("graph_capture")
+    return frozenset(caps)
+
+
+@hookimpl
+def ds_backend_configure(options: Mapping[str, Any]) -> bool:
+    return check_options(NAME, options, ())
+
+
+# --------------------------------------------------------------------------- device
+
+
+@hookimpl
+def ds_device_count() -> int:
+    return _dev.count()
+
+
+@hookimpl
+def ds_device_current() -> int:
+    return _dev.current()
+
+
+@hookimpl
+def ds_device_set(index: int) -> bool:
+    return _dev.set(index)
+
+
+@hookimpl
+def ds_device_synchronize(index: int | None) -> bool:
+    return _dev.synchronize(index)
+
+
+@hookimpl
+def ds_device_properties(index: int | None) -> DeviceProperties:
+    props = _dev.properties(index, ("major", "minor", "multi_processor_count"))
+    extra = dict(props.extra)
+    if "major" in extra and "minor" in extra:
+        extra["compute_capability"] = f"{extra['major']}.{extra['minor']}"
+    return DeviceProperties(props.name, props.index, props.total_memory, extra)
+
+
+# --------------------------------------------------------------------------- rng
+
+
+@hookimpl
+def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
+    return _dev.manual_seed(seed, all_devices)
+
+
+@hookimpl
+def ds_rng_get_state(index: int | None) -> torch.Tensor:
+    return _dev.get_rng_state(index)
+
+
+@hookimpl
+def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
+    return _dev.set_rng_state(state, index)
+
+
+@hookimpl
+def ds_rng_default_generator(index: int | None) -> torch.Generator:
+    return _dev.default_generator(index)
+
+
+# --------------------------------------------------------------------------- streams
+
+
+@hookimpl
+def ds_stream_create(index: int | None, priority: int) -> Stream:
+    stream: Stream = _dev.stream_create(index, priority)
+    return stream
+
+
+@hookimpl
+def ds_stream_current(index: int | None) -> Stream:
+    stream: Stream = _dev.stream_current(index)
+    return stream
+
+
+@hookimpl
+def ds_stream_default(index: int | None) -> Stream:
+    stream: Stream = _dev.stream_default(index)
+    return stream
+
+
+@hookimpl
+def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    return _dev.stream_use(stream)
+
+
+@hookimpl
+def ds_stream_event_create(enable_timing: bool) -> Event:
+    event: Event = _dev.event_create(enable_timing)
+    return event
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@hookimpl
+def ds_memory_allocated(index: int | None) -> int:
+    return _dev.allocated(index)
+
+
+@hookimpl
+def ds_memory_max_allocated(index: int | None) -> int:
+    return _dev.max_allocated(index)
+
+
+@hookimpl
+def ds_memory_reset_peak(index: int | None) -> bool:
+    return _dev.reset_peak(index)
+
+
+@hookimpl
+def ds_memory_reserved(index: int | None) -> int:
+    return _dev.reserved(index)
+
+
+@hookimpl
+def ds_memory_stats(index: int | None) -> dict[str, int]:
+    return _dev.stats(index)
+
+
+@hookimpl
+def ds_memory_empty_cache() -> bool:
+    return _dev.empty_cache()
+
+
+@hookimpl
+def ds_memory_info(index: int | None) -> MemoryInfo:
+    return _dev.memory_info(index)
+
+
+@hookimpl
+def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
+    return _dev.pin(tensor)
+
+
+@hookimpl
+def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
+    return _dev.is_pinned(tensor)
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def _bf16_native() -> bool:
+    # Emulated bf16 (pre-Ampere) is slow enough that training should not pick it; older torch
+    # releases lack the argument and only report native support anyway.
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:
+        return bool(torch.cuda.is_bf16_supported())
+
+
+@hookimpl
+def ds_dtype_supported() -> frozenset[torch.dtype]:
+    capability = tuple(torch.cuda.get_device_capability())
+    return dtype_set(
+        # fp16 tensor cores start at Volta (7.0); DeepSpeed draws the same line.
+        fp16=capability >= (7, 0),
+        bf16=_bf16_native(),
+        fp64=True,
+        # fp8 matmuls (torch._scaled_mm) need Ada or Hopper: compute capability 8.9.
+        fp8=capability >= (8, 9),
+    )
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+@hookimpl
+def ds_graph_create() -> Graph:
+    return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph)
+
+
+# --------------------------------------------------------------------------- comm
+
+
+@hookimpl
+def ds_comm_backend_name() -> str:
+    # torch ships NCCL only on Linux; Windows builds have gloo alone.
+    return "gloo" if sys.platform == "win32" else "nccl"
+
+
+@hookimpl
+def ds_comm_prepare() -> bool:
+    # NCCL is built into torch's CUDA wheels: nothing to import, only check it is there.
+    return require_dist_backend(
+        ds_comm_backend_name(),
+        "install a CUDA build of torch for Linux, which includes NCCL",
+    )
+
+
+# --------------------------------------------------------------------------- ops
+
+
+@hookimpl
+def ds_op_providers() -> list[OpProvider]:
+    return [fused_adamw_provider("cuda")]
+
+
+# --------------------------------------------------------------------------- determinism
+
+_determinism = DeterminismPolicy(
+    settings=[
+        torch_deterministic_algorithms(),
+        attribute_setting(
+            "torch.backends.cudnn.deterministic", torch.backends.cudnn, "deterministic", True, False
+        ),
+        # Autotuning picks kernels by timing, so two runs may pick different ones.
+        attribute_setting(
+            "torch.backends.cudnn.benchmark", torch.backends.cudnn, "benchmark", False
+        ),
+    ],
+    env={
+        # Deterministic cuBLAS needs a fixed workspace; both values are documented.
+        "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8"),
+        # A fixed NCCL algorithm keeps the reduction order equal across runs.
+        "NCCL_ALGO": ("Ring",),
+    },
+    notes=[
+        "CUBLAS_WORKSPACE_CONFIG is read when a cuBLAS handle is created and NCCL_ALGO when a "
+        "communicator is created: apply determinism before the first matmul and before "
+        "ds_core.init_distributed()",
+    ],
+)
+
+
+@hookimpl
+def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
+    record = _determinism.apply(enabled)
+    if enabled and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        record.notes.append(
+            "CUDA was already initialised in this process: cuBLAS handles created before now "
+            "keep their old workspace setting"
+        )
+    return record
+
+
+@hookimpl
+def ds_determinism_restore(record: DeterminismRecord) -> bool:
+    return _determinism.restore(record)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@hookimpl
+def ds_launcher_visible_devices_env() -> list[str]:
+    return [VISIBLE_DEVICES_ENV]
+
+
+@hookimpl
+def ds_launcher_env_prefixes() -> list[str]:
+    return [
+        "NCCL_",
+        "TORCH_NCCL_",
+        "CUBLAS_",
+        "CUDA_LAUNCH_BLOCKING",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "CUDA_MODULE_LOADING",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+    ]

@@ -1,0 +1,379 @@
+"""Hook implementations of the rocm backend: AMD GPUs through ROCm builds of torch.
+
+A ROCm build of torch (``torch.version.hip`` set) keeps torch's CUDA-named Python API: the
+device type is ``cuda``, ``torch.cuda.*`` drives HIP, CUDA graphs are hipGraphs, and the
+``nccl`` process group is compiled against RCCL. Device, RNG, stream, memory and pinned-memory
+hooks therefore delegate to :class:`ds_core.backend_kit.TorchStyleDevice` over ``torch.cuda``;
+what differs from NVIDIA lives here: the probe (a ROCm build, devices counted through amdsmi),
+the visible-devices variables (HIP/ROCR), dtypes by ``gcnArchName``, and the environment to
+forward.
+
+The probe never creates a HIP context: on ROCm builds ``torch.cuda.device_count()`` asks amdsmi
+first and ``torch.cuda.is_available()`` is never called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ds_core import hookimpl
+from ds_core.backend_kit import (
+    DeterminismPolicy,
+    ProbeCache,
+    TorchStyleDevice,
+    TorchStyleGraph,
+    attribute_setting,
+    check_options,
+    dtype_set,
+    fused_adamw_provider,
+    require_dist_backend,
+    torch_deterministic_algorithms,
+)
+from ds_core.types import (
+    BackendInfo,
+    DeterminismRecord,
+    DeviceProperties,
+    Event,
+    Graph,
+    MemoryInfo,
+    OpProvider,
+    ProbeResult,
+    Stream,
+)
+
+NAME = "rocm"
+
+#: Written by a launcher, most specific first. HIP_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES are
+#: both read by the HIP runtime and take the same list. ROCR_VISIBLE_DEVICES is deliberately
+#: absent: ROCr applies it first and renumbers, so writing one list into it and into
+#: HIP_VISIBLE_DEVICES would index the renumbered set and fail.
+VISIBLE_DEVICES_ENVS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+_MASKS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+#: gfx architectures whose matrix cores do fp8. UNCONFIRMED: taken second-hand from a quote of
+#: vLLM's scaled_mm support list (gfx942 = MI300, gfx950 = MI350, gfx12 = RDNA4).
+FP8_ARCH_PREFIXES = ("gfx942", "gfx950", "gfx12")
+
+# The module is looked up on every call (not captured here) so that importing this plugin
+# initialises nothing and contract tests can swap in a recording fake.
+_dev = TorchStyleDevice("cuda", lambda: torch.cuda, api_name="torch.cuda (HIP)")
+
+# --------------------------------------------------------------------------- backend
+
+
+def _probe() -> ProbeResult:
+    version = torch.__version__
+    hip = getattr(torch.version, "hip", None)
+    if not hip:
+        build = (
+            f"a CUDA build (CUDA {torch.version.cuda}); NVIDIA GPUs use the cuda backend"
+            if torch.version.cuda
+            else "a CPU-only build"
+        )
+        return ProbeResult(
+            False,
+            f"torch {version} is not a ROCm build (torch.version.hip is None; it is {build}). "
+            f"For AMD GPUs install a ROCm build of torch (https://pytorch.org/get-started/"
+            f"locally/), or run on the CPU on purpose with DS_ACCELERATOR=cpu.",
+        )
+    count = int(torch.cuda.device_count())
+    if count == 0:
+        masks = ", ".join(f"{v}={os.environ[v]!r}" for v in _MASKS if v in os.environ)
+        masked = f" ({masks})" if masks else ""
+        return ProbeResult(
+            False,
+            f"torch {version} (HIP {hip}) sees no AMD GPU{masked}. Check amd-smi or rocm-smi, "
+            f"that this user may open /dev/kfd and /dev/dri (groups video and render), and the "
+            f"visible-devices variables; or run on the CPU on purpose with DS_ACCELERATOR=cpu.",
+        )
+    return ProbeResult(True, f"{count} AMD GPU(s); torch {version} with HIP {hip}", count)
+
+
+probe = ProbeCache(_probe)
+
+
+@hookimpl
+def ds_backend_info() -> BackendInfo:
+    return BackendInfo(
+        name=NAME,
+        device_type="cuda",
+        priority=100,
+        hookspec_version=1,
+        vendor_version=getattr(torch.version, "hip", None) or "",
+        description="AMD GPUs through a ROCm build of torch; collectives over RCCL (nccl)",
+    )
+
+
+@hookimpl
+def ds_backend_probe() -> ProbeResult:
+    return probe()
+
+
+@hookimpl
+def ds_backend_capabilities() -> frozenset[str]:
+    caps = {"async_streams", "device_timing", "pinned_memory", "determinism"}
+    if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        caps.add("memory_limits")
+    # hipGraph backs torch.cuda.CUDAGraph on ROCm builds (pytorch/pytorch#88202).
+    if hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"):
+        caps.add("graph_capture")
+    return frozenset(caps)
+
+
+@hookimpl
+def ds_backend_configure(options: Mapping[str, Any]) -> bool:
+    return check_options(NAME, options, ())
+
+
+# --------------------------------------------------------------------------- device
+
+
+@hookimpl
+def ds_device_count() -> int:
+    return _dev.count()
+
+
+@hookimpl
+def ds_device_current() -> int:
+    return _dev.current()
+
+
+@hookimpl
+def ds_device_set(index: int) -> bool:
+    return _dev.set(index)
+
+
+@hookimpl
+def ds_device_synchronize(index: int | None) -> bool:
+    return _dev.synchronize(index)
+
+
+@hookimpl
+def ds_device_properties(index: int | None) -> DeviceProperties:
+    return _dev.properties(index, ("gcnArchName", "major", "minor", "multi_processor_count"))
+
+
+# --------------------------------------------------------------------------- rng
+
+
+@hookimpl
+def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
+    return _dev.manual_seed(seed, all_devices)
+
+
+@hookimpl
+def ds_rng_get_state(index: int | None) -> torch.Tensor:
+    return _dev.get_rng_state(index)
+
+
+@hookimpl
+def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
+    return _dev.set_rng_state(state, index)
+
+
+@hookimpl
+def ds_rng_default_generator(index: int | None) -> torch.Generator:
+    return _dev.default_generator(index)
+
+
+# --------------------------------------------------------------------------- streams
+
+
+@hookimpl
+def ds_stream_create(index: int | None, priority: int) -> Stream:
+    stream: Stream = _dev.stream_create(index, priority)
+    return stream
+
+
+@hookimpl
+def ds_stream_current(index: int | None) -> Stream:
+    stream: Stream = _dev.stream_current(index)
+    return stream
+
+
+@hookimpl
+def ds_stream_default(index: int | None) -> Stream:
+    stream: Stream = _dev.stream_default(index)
+    return stream
+
+
+@hookimpl
+def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    return _dev.stream_use(stream)
+
+
+@hookimpl
+def ds_stream_event_create(enable_timing: bool) -> Event:
+    event: Event = _dev.event_create(enable_timing)
+    return event
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@hookimpl
+def ds_memory_allocated(index: int | None) -> int:
+    return _dev.allocated(index)
+
+
+@hookimpl
+def ds_memory_max_allocated(index: int | None) -> int:
+    return _dev.max_allocated(index)
+
+
+@hookimpl
+def ds_memory_reset_peak(index: int | None) -> bool:
+    return _dev.reset_peak(index)
+
+
+@hookimpl
+def ds_memory_reserved(index: int | None) -> int:
+    return _dev.reserved(index)
+
+
+@hookimpl
+def ds_memory_stats(index: int | None) -> dict[str, int]:
+    return _dev.stats(index)
+
+
+@hookimpl
+def ds_memory_empty_cache() -> bool:
+    return _dev.empty_cache()
+
+
+@hookimpl
+def ds_memory_info(index: int | None) -> MemoryInfo:
+    return _dev.memory_info(index)
+
+
+@hookimpl
+def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
+    return _dev.pin(tensor)
+
+
+@hookimpl
+def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
+    return _dev.is_pinned(tensor)
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def _arch(index: int | None) -> str:
+    """The device's gfx architecture without feature suffixes (``gfx942:sramecc+`` -> gfx942)."""
+    props = torch.cuda.get_device_properties(_dev.resolve(index))
+    return str(getattr(props, "gcnArchName", "")).split(":", 1)[0]
+
+
+@hookimpl
+def ds_dtype_supported() -> frozenset[torch.dtype]:
+    arch = _arch(None)
+    return dtype_set(
+        fp16=True,
+        # On ROCm torch answers from the build. UNCONFIRMED: whether pre-MI100 parts (gfx906)
+        # compute in bf16 at usable speed.
+        bf16=bool(torch.cuda.is_bf16_supported()),
+        fp64=True,
+        fp8=arch.startswith(FP8_ARCH_PREFIXES),
+    )
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+@hookimpl
+def ds_graph_create() -> Graph:
+    # UNCONFIRMED: hipGraph's limits beyond CUDA graphs' own; capture raises where it cannot.
+    return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph)
+
+
+# --------------------------------------------------------------------------- comm
+
+
+@hookimpl
+def ds_comm_backend_name() -> str:
+    # ROCm's ProcessGroupNCCL is compiled against RCCL and keeps the name "nccl".
+    return "nccl"
+
+
+@hookimpl
+def ds_comm_prepare() -> bool:
+    # RCCL is built into torch's ROCm wheels: nothing to import, only check it is there.
+    return require_dist_backend(
+        "nccl", "install a ROCm build of torch for Linux, which includes RCCL"
+    )
+
+
+# --------------------------------------------------------------------------- ops
+
+
+@hookimpl
+def ds_op_providers() -> list[OpProvider]:
+    # torch's fused AdamW kernels are hipified into ROCm builds under the cuda device type.
+    return [fused_adamw_provider("cuda")]
+
+
+# --------------------------------------------------------------------------- determinism
+
+_determinism = DeterminismPolicy(
+    settings=[
+        torch_deterministic_algorithms(),
+        # torch routes the cudnn flags to MIOpen on ROCm builds. UNCONFIRMED on hardware.
+        attribute_setting(
+            "torch.backends.cudnn.deterministic", torch.backends.cudnn, "deterministic", True, False
+        ),
+        attribute_setting(
+            "torch.backends.cudnn.benchmark", torch.backends.cudnn, "benchmark", False
+        ),
+    ],
+    env={
+        # UNCONFIRMED: whether hipBLAS/hipBLASLt honour the cuBLAS workspace setting; harmless
+        # where ignored, and torch's determinism check may ask for it.
+        "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8"),
+        # RCCL reads NCCL_* variables; a fixed algorithm keeps the reduction order equal.
+        "NCCL_ALGO": ("Ring",),
+    },
+    notes=[
+        "UNCONFIRMED on ROCm: the effect of CUBLAS_WORKSPACE_CONFIG on hipBLAS and of the cudnn "
+        "flags on MIOpen; apply determinism before the first matmul and before "
+        "ds_core.init_distributed()",
+    ],
+)
+
+
+@hookimpl
+def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
+    return _determinism.apply(enabled)
+
+
+@hookimpl
+def ds_determinism_restore(record: DeterminismRecord) -> bool:
+    return _determinism.restore(record)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@hookimpl
+def ds_launcher_visible_devices_env() -> list[str]:
+    return list(VISIBLE_DEVICES_ENVS)
+
+
+@hookimpl
+def ds_launcher_env_prefixes() -> list[str]:
+    return [
+        "NCCL_",
+        "RCCL_",
+        "TORCH_NCCL_",
+        "HSA_",
+        "MIOPEN_",
+        "ROCBLAS_",
+        "HIPBLASLT_",
+        "PYTORCH_HIP_ALLOC_CONF",
+        "PYTORCH_ROCM_ARCH",
+    ]
