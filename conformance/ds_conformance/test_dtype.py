@@ -1,0 +1,68 @@
+"""Every claimed dtype round-trips between host and device and does arithmetic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ds_conformance.helpers import check
+from ds_conformance.marks import hooks, tier
+
+pytestmark = tier("basic")
+
+_FLOAT8 = {getattr(torch, n) for n in dir(torch) if n.startswith("float8_")}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "dtype" in metafunc.fixturenames:
+        from ds_conformance.plugin import suite_of
+
+        dtypes = sorted(suite_of(metafunc.config).acc.supported_dtypes(), key=str)
+        metafunc.parametrize("dtype", dtypes, ids=[str(d).removeprefix("torch.") for d in dtypes])
+
+
+def _values(dtype: torch.dtype) -> torch.Tensor:
+    base = torch.tensor([0, 1, 2, 3, 5, 7, 11, 13], dtype=torch.float64)
+    if dtype == torch.bool:
+        return base.remainder(2).to(torch.bool)
+    return base.to(dtype)
+
+
+@hooks("ds_dtype_supported")
+def test_round_trips(acc: Any, dtype: torch.dtype) -> None:
+    host = _values(dtype)
+    back = host.to(acc.device()).cpu()
+    check(
+        back.dtype == dtype, "dtype after round trip", back.dtype, str(dtype), "t.to(device).cpu()"
+    )
+    check(
+        torch.equal(back, host),
+        "values after round trip",
+        back.tolist(),
+        str(host.tolist()),
+        "t.to(device).cpu()",
+    )
+
+
+@hooks("ds_dtype_supported")
+def test_does_arithmetic(acc: Any, dtype: torch.dtype) -> None:
+    a, b = _values(dtype), _values(dtype).flip(0)
+    da, db = a.to(acc.device()), b.to(acc.device())
+    if dtype == torch.bool:
+        got, want = (da & db) | ~da, (a & b) | ~a
+    elif dtype in _FLOAT8:
+        # float8 stores and converts; arithmetic runs in a wider type, as in scaled matmuls.
+        got = (da.float() * db.float() + da.float()).to(dtype)
+        want = (a.float() * b.float() + a.float()).to(dtype)
+    else:
+        got, want = da * db + da, a * b + a
+    check(got.dtype == dtype, "result dtype", got.dtype, str(dtype), "a * b + a on the device")
+    check(
+        torch.equal(got.cpu(), want),
+        "a * b + a",
+        got.cpu().tolist(),
+        str(want.tolist()),
+        "on the device vs on the host",
+    )

@@ -1,0 +1,156 @@
+"""Graph capture: off until enabled, replays faithfully, refuses what it cannot replay."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ds_conformance.helpers import check
+from ds_conformance.marks import capability, hooks, tier
+from ds_core.errors import DSCoreError, NotSupportedError
+
+pytestmark = [tier("graph"), capability("graph_capture")]
+
+
+def _fresh(acc: Any) -> Any:
+    """A separate accelerator for the same backend, so enabling capture changes no other test."""
+    from ds_core.accelerator import build_accelerator
+
+    return build_accelerator(acc.entry)
+
+
+@pytest.fixture
+def graph_acc(acc: Any) -> Any:
+    fresh = _fresh(acc)
+    fresh.configure({fresh.name: {"graph_capture": True}})
+    return fresh
+
+
+def _model(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w + b).sum(dim=0) * 0.5
+
+
+def _static(acc: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=gen) for s in ((8, 16), (16, 32), (32,)))
+    return x.to(acc.device()), w.to(acc.device()), b.to(acc.device())
+
+
+def _capture(acc: Any, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    fn()  # warm-up outside capture: device graphs need allocator and library state ready
+    acc.synchronize()
+    graph = acc.create_graph()
+    with acc.capture_to_graph(graph):
+        out = fn()
+    return graph, out
+
+
+@hooks("ds_graph_create")
+def test_capture_without_enablement_is_refused(acc: Any) -> None:
+    fresh = _fresh(acc)
+    with pytest.raises(DSCoreError) as info:
+        fresh.create_graph()
+    check(
+        not isinstance(info.value, NotSupportedError),
+        "error",
+        type(info.value).__name__,
+        "the 'graph capture is off' error, not NotSupportedError",
+        "create_graph() before configure",
+    )
+
+
+@hooks("ds_graph_create")
+def test_replay_equals_eager(graph_acc: Any) -> None:
+    x, w, b = _static(graph_acc)
+    graph, out = _capture(graph_acc, lambda: _model(x, w, b))
+    out.zero_()
+    graph_acc.replay_graph(graph)
+    graph_acc.synchronize()
+    eager = _model(x, w, b)
+    check(
+        torch.allclose(out.cpu(), eager.cpu(), rtol=1e-5, atol=1e-6),
+        "replayed output",
+        "different",
+        "equal to eager execution",
+        "graph.replay()",
+    )
+
+
+@hooks("ds_graph_create")
+def test_replay_reads_the_new_static_input(graph_acc: Any) -> None:
+    x, w, b = _static(graph_acc)
+    graph, out = _capture(graph_acc, lambda: _model(x, w, b))
+    graph_acc.replay_graph(graph)
+    graph_acc.synchronize()
+    before = out.clone()
+    x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x.device))
+    graph_acc.replay_graph(graph)
+    graph_acc.synchronize()
+    eager = _model(x, w, b)
+    check(
+        not torch.equal(out.cpu(), before.cpu()),
+        "output after mutating the input",
+        "unchanged",
+        "changed",
+        "x.copy_(new); graph.replay()",
+    )
+    check(
+        torch.allclose(out.cpu(), eager.cpu(), rtol=1e-5, atol=1e-6),
+        "replayed output after mutating the input",
+        "different",
+        "eager result on the new input",
+        "graph.replay()",
+    )
+
+
+@hooks("ds_graph_create")
+def test_reset_then_recapture_replays_the_new_work(graph_acc: Any) -> None:
+    x, w, b = _static(graph_acc)
+    graph, out = _capture(graph_acc, lambda: _model(x, w, b))
+    graph.reset()
+    with graph_acc.capture_to_graph(graph):
+        out2 = x * 3
+    out2.zero_()
+    out.zero_()
+    graph_acc.replay_graph(graph)
+    graph_acc.synchronize()
+    check(
+        torch.equal(out2.cpu(), (x * 3).cpu()),
+        "output of the second capture",
+        "different",
+        "x * 3",
+        "reset(); capture(); replay()",
+    )
+    check(
+        not out.cpu().any().item(),
+        "output of the first capture after reset + recapture + replay",
+        "rewritten",
+        "untouched (reset drops the old work)",
+        "reset(); capture(); replay()",
+    )
+
+
+_UNSUPPORTED: dict[str, Callable[[torch.Tensor], Any]] = {
+    "host-sync-item": lambda x: x.sum().item(),
+    "data-dependent-nonzero": lambda x: x.nonzero(),
+}
+
+
+@hooks("ds_graph_create")
+@pytest.mark.parametrize("op", list(_UNSUPPORTED))
+def test_capturing_an_unsupported_op_fails_loudly(graph_acc: Any, op: str) -> None:
+    x = torch.ones(16, device=graph_acc.device())
+    graph = graph_acc.create_graph()
+    with pytest.raises(Exception) as info:
+        with graph_acc.capture_to_graph(graph):
+            _UNSUPPORTED[op](x)
+    check(
+        bool(str(info.value)),
+        "error message",
+        str(info.value),
+        "a message naming the op",
+        f"capture of {op}",
+    )

@@ -1,0 +1,180 @@
+"""Process hygiene: probes touch no device, processes can fork after a probe, Ctrl+C is kept.
+
+What the probe checks can see (run in a fresh interpreter, after ``import torch, ds_core``):
+new top-level modules that are neither the standard library, torch, ds_core nor the
+backend's own package must be listed in ``ProbeResult.imported``; the probe must start no
+OS thread (device runtimes start workers when they create a context, and threads make a later
+``fork()`` unsafe); ``torch.<device type>.is_initialized()`` and ``torch.cuda.is_initialized()``
+must stay false where they exist (not on ``cpu``, which has no context); and no driver
+library (``libcuda.so``) may be newly mapped. A runtime that creates a context silently,
+without threads, libraries or a torch flag, is beyond what a Python suite can observe.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ds_conformance.helpers import SNAPSHOT, check, run_python, undocumented_modules
+from ds_conformance.marks import hooks, tier
+
+pytestmark = tier("basic")
+
+
+def _probe_script(acc: Any) -> str:
+    return (
+        SNAPSHOT
+        + f"""
+import importlib.metadata as md
+before = snapshot()
+ep = next(e for e in md.entry_points(group="ds_core.backends") if e.name == {acc.name!r})
+plugin = ep.load()
+probe = plugin.ds_backend_probe()
+info = plugin.ds_backend_info()
+result = diff(before, info.device_type)
+result.update(available=probe.available, imported=list(probe.imported),
+              own=plugin.__name__.split(".")[0])
+print(json.dumps(result))
+"""
+    )
+
+
+@pytest.fixture(scope="module")
+def probe_effects(acc: Any) -> dict[str, Any]:
+    return run_python(_probe_script(acc))  # type: ignore[no-any-return]
+
+
+@hooks("ds_backend_probe")
+def test_probe_imports_only_documented_modules(probe_effects: dict[str, Any]) -> None:
+    documented = {m.split(".")[0] for m in probe_effects["imported"]} | {probe_effects["own"]}
+    extra = undocumented_modules(probe_effects, documented)
+    check(
+        not extra,
+        "modules imported by import + probe",
+        extra,
+        f"only those in ProbeResult.imported={probe_effects['imported']}",
+        "ds_backend_probe()",
+    )
+
+
+@hooks("ds_backend_probe")
+def test_probe_creates_no_device_context(probe_effects: dict[str, Any]) -> None:
+    check(
+        not probe_effects["contexts"],
+        "device contexts",
+        probe_effects["contexts"],
+        "none",
+        "import + ds_backend_probe()",
+    )
+    check(
+        probe_effects["new_threads"] <= 0,
+        "OS threads started",
+        probe_effects["new_threads"],
+        "0 (a runtime's workers mean a context; fork() after them is unsafe)",
+        "import + ds_backend_probe()",
+    )
+    check(
+        not probe_effects["new_driver_libs"],
+        "driver libraries loaded",
+        probe_effects["new_driver_libs"],
+        "none",
+        "import + ds_backend_probe()",
+    )
+
+
+@hooks("ds_backend_probe")
+def test_backend_works_in_a_child_forked_after_the_probe(acc: Any) -> None:
+    result = run_python(
+        f"""
+        import json, os, time, torch, traceback
+        import importlib.metadata as md
+        ep = next(e for e in md.entry_points(group="ds_core.backends") if e.name == {acc.name!r})
+        ep.load().ds_backend_probe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                from ds_core import get_accelerator
+                acc = get_accelerator()
+                x = torch.arange(8, dtype=torch.float32, device=acc.device())
+                total = (x * 2).sum().item()
+                acc.synchronize()
+                code = 0 if total == 56.0 else 3
+            except BaseException:
+                traceback.print_exc()
+                code = 4
+            os._exit(code)
+        deadline = time.monotonic() + 120
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print(json.dumps({{"exit": os.waitstatus_to_exitcode(status)}}))
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                print(json.dumps({{"exit": "hung"}}))
+                break
+            time.sleep(0.05)
+        """
+    )
+    check(
+        result["exit"] == 0,
+        "forked child's exit",
+        result["exit"],
+        "0 (computed 56.0 on the device)",
+        "probe; fork(); use the backend in the child",
+    )
+
+
+def _interrupt_at(n: int, fn: Callable[[], Any]) -> tuple[int, bool]:
+    """Call ``fn`` raising KeyboardInterrupt at its ``n``-th Python call; return (calls, raised)."""
+    calls = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+            if calls == n:
+                raise KeyboardInterrupt(f"ds_conformance: injected at call {n}")
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    except KeyboardInterrupt:
+        return calls, True
+    finally:
+        sys.settrace(previous)
+    return calls, False
+
+
+# Interrupt points tried per call: enough to reach the handlers of a typical check or build.
+MAX_POINTS = 40
+
+
+@hooks("ds_op_providers")
+def test_keyboard_interrupt_in_op_check_or_build_propagates(acc: Any) -> None:
+    providers = acc.op_providers()
+    if not providers:
+        pytest.skip(f"backend '{acc.name}' lists no op providers")
+    for provider in providers:
+        ok, _ = provider.is_compatible()
+        steps: list[tuple[str, Callable[[], Any]]] = [("is_compatible", provider.is_compatible)]
+        if ok:
+            steps.append(("load", provider.load))
+        for label, fn in steps:
+            total, _ = _interrupt_at(0, fn)  # count the calls without interrupting
+            for n in range(1, min(total, MAX_POINTS) + 1):
+                _, raised = _interrupt_at(n, fn)
+                check(
+                    raised,
+                    f"KeyboardInterrupt injected at Python call {n} of {label}",
+                    "swallowed",
+                    "propagated to the caller",
+                    f"get_op({provider.name!r}).{label}()",
+                )

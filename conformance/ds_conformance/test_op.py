@@ -1,0 +1,120 @@
+"""Op providers: compatibility checks without side effects; loaded ops match a reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ds_conformance.helpers import SNAPSHOT, check, run_python, undocumented_modules
+from ds_conformance.marks import hooks, tier
+
+pytestmark = tier("ops")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "op_name" in metafunc.fixturenames:
+        from ds_conformance.plugin import suite_of
+
+        names = sorted({p.name for p in suite_of(metafunc.config).acc.op_providers()})
+        if not names:
+            names = ["no-op-providers"]
+        metafunc.parametrize("op_name", names)
+
+
+def _provider(acc: Any, name: str) -> Any:
+    if name == "no-op-providers":
+        pytest.skip(f"backend '{acc.name}' lists no op providers")
+    return acc.get_op(name)
+
+
+@pytest.fixture(scope="session")
+def compat_effects(acc: Any) -> dict[str, Any]:
+    """Run every provider's ``is_compatible`` in a fresh process and measure what it changed."""
+    return run_python(  # type: ignore[no-any-return]
+        SNAPSHOT
+        + f"""
+from ds_core import get_accelerator
+acc = get_accelerator()
+out = {{}}
+for p in acc.op_providers():
+    before = snapshot()
+    ok, reason = p.is_compatible()
+    again = p.is_compatible()
+    out[p.name] = dict(diff(before, {acc.device_type!r}), ok=ok, reason=reason, again=list(again))
+print(json.dumps(out))
+"""
+    )
+
+
+@hooks("ds_op_providers")
+def test_compatibility_check_has_no_side_effects(
+    acc: Any, compat_effects: dict[str, Any], op_name: str
+) -> None:
+    _provider(acc, op_name)
+    effect = compat_effects[op_name]
+    call = f"get_op({op_name!r}).is_compatible()"
+    check(
+        isinstance(effect["ok"], bool) and isinstance(effect["reason"], str),
+        "(compatible, reason)",
+        (effect["ok"], effect["reason"]),
+        "(bool, str)",
+        call,
+    )
+    check(
+        [effect["ok"], effect["reason"]] == effect["again"],
+        "second answer",
+        effect["again"],
+        f"the first {[effect['ok'], effect['reason']]}",
+        call,
+    )
+    check(not effect["contexts"], "device contexts created", effect["contexts"], "none", call)
+    check(effect["new_threads"] <= 0, "threads started", effect["new_threads"], "0", call)
+    modules = undocumented_modules(effect, set())
+    check(not modules, "modules imported", modules, "none beyond the standard library", call)
+
+
+def _adamw_reference(cls: Callable[..., torch.optim.Optimizer], device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(37, 5, generator=gen), torch.randn(11, generator=gen)]
+    grads = [[torch.randn(p.shape, generator=gen) for p in start] for _ in range(3)]
+    results = []
+    for make in (cls, lambda ps, **kw: torch.optim.AdamW(ps, foreach=False, **kw)):
+        params = [p.clone().to(device).requires_grad_() for p in start]
+        opt = make(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+        for step in grads:
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.to(device)
+            opt.step()
+        results.append([p.detach().cpu() for p in params])
+    for i, (got, want) in enumerate(zip(*results, strict=True)):
+        check(
+            torch.allclose(got, want, rtol=1e-5, atol=1e-6),
+            f"parameter {i} after 3 steps",
+            "different",
+            "torch.optim.AdamW's (rtol 1e-5)",
+            "the loaded optimizer",
+        )
+
+
+# Well-known op names and how to check one (hookspecs/op.py names them); other names skip.
+REFERENCES: dict[str, Callable[[Any, torch.device], None]] = {
+    "fused_adam": lambda op, device: _adamw_reference(op, device),
+    "cpu_adam": lambda op, device: _adamw_reference(op, torch.device("cpu")),
+}
+
+
+@hooks("ds_op_providers")
+def test_compatible_op_loads_and_matches_its_reference(acc: Any, op_name: str) -> None:
+    provider = _provider(acc, op_name)
+    ok, reason = provider.is_compatible()
+    if not ok:
+        pytest.skip(f"op {op_name} reports itself incompatible here: {reason}")
+    loaded = provider.load()
+    check(loaded is not None, f"get_op({op_name!r}).load()", None, "the op", "OpProvider.load")
+    reference = REFERENCES.get(op_name)
+    if reference is None:
+        pytest.skip(f"this suite version has no reference computation for op {op_name!r}")
+    reference(loaded, acc.device())

@@ -1,0 +1,101 @@
+"""Random number generation: seeding reproduces draws, saved states restore them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_conformance.helpers import check
+from ds_conformance.marks import hooks, tier
+
+pytestmark = tier("basic")
+
+
+def _draw(acc: Any) -> torch.Tensor:
+    return torch.rand(257, device=acc.device()).cpu()
+
+
+@hooks("ds_rng_manual_seed")
+def test_seed_reproduces_draws(acc: Any) -> None:
+    acc.manual_seed(1234)
+    a = _draw(acc)
+    acc.manual_seed(1234)
+    b = _draw(acc)
+    acc.manual_seed(4321)
+    c = _draw(acc)
+    check(
+        torch.equal(a, b), "draws after equal seeds equal", False, "True", "manual_seed(1234) twice"
+    )
+    check(
+        not torch.equal(a, c),
+        "draws after different seeds equal",
+        True,
+        "False",
+        "manual_seed(1234/4321)",
+    )
+    acc.manual_seed_all(99)
+    d = _draw(acc)
+    acc.manual_seed_all(99)
+    check(
+        torch.equal(d, _draw(acc)),
+        "draws after equal seed_all equal",
+        False,
+        "True",
+        "manual_seed_all(99)",
+    )
+
+
+@hooks("ds_rng_get_state", "ds_rng_set_state")
+def test_state_save_and_restore_gives_identical_draws(acc: Any) -> None:
+    acc.manual_seed(7)
+    _draw(acc)
+    state = acc.get_rng_state()
+    check(
+        state.device.type == "cpu" and state.dtype == torch.uint8,
+        "state",
+        (state.device.type, state.dtype),
+        "a cpu uint8 tensor",
+        "get_rng_state()",
+    )
+    saved = state.clone()
+    first = _draw(acc)
+    check(
+        torch.equal(state, saved),
+        "state after later draws",
+        "changed",
+        "unchanged (a copy)",
+        "get_rng_state()",
+    )
+    acc.set_rng_state(state)
+    again = _draw(acc)
+    check(
+        torch.equal(first, again),
+        "draws after set_rng_state",
+        "different",
+        "identical to those after get_rng_state",
+        "set_rng_state(state)",
+    )
+
+
+@hooks("ds_rng_default_generator")
+def test_default_generator_drives_device_draws(acc: Any) -> None:
+    gen = acc.default_generator()
+    check(
+        gen.device.type == acc.device_type,
+        "generator.device.type",
+        gen.device.type,
+        acc.device_type,
+        "default_generator()",
+    )
+    gen.manual_seed(5)
+    a = torch.rand(64, device=acc.device()).cpu()
+    acc.manual_seed(5)
+    b = torch.rand(64, device=acc.device()).cpu()
+    check(
+        torch.equal(a, b),
+        "draws after generator.manual_seed vs manual_seed",
+        "different",
+        "identical",
+        "default_generator()",
+    )

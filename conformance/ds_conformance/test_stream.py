@@ -1,0 +1,127 @@
+"""Streams and events: ordering across streams, event timing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ds_conformance.helpers import check
+from ds_conformance.marks import hooks, tier
+
+pytestmark = tier("basic")
+
+
+def _work(device: torch.device, n: int = 1 << 20) -> torch.Tensor:
+    x = torch.arange(n, dtype=torch.float32, device=device)
+    for _ in range(4):
+        x = x * 1.0001 + 1
+    return x
+
+
+@hooks("ds_stream_create", "ds_stream_use", "ds_stream_current", "ds_stream_default")
+def test_work_on_a_side_stream_is_visible_after_wait_stream(acc: Any) -> None:
+    default = acc.current_stream()
+    check(
+        default == acc.default_stream(),
+        "current_stream()",
+        default,
+        "default_stream() outside any stream()",
+        "ds_stream_current",
+    )
+    side = acc.Stream()
+    src = torch.arange(1 << 20, dtype=torch.float32, device=acc.device())
+    side.wait_stream(default)  # src was written on the default stream
+    with acc.stream(side):
+        check(
+            acc.current_stream() == side,
+            "current_stream() inside stream(side)",
+            acc.current_stream(),
+            "side",
+            "ds_stream_use",
+        )
+        out = src * 3 + 2
+    check(
+        acc.current_stream() == default,
+        "current_stream() after stream(side)",
+        acc.current_stream(),
+        "the previous stream",
+        "ds_stream_use",
+    )
+    default.wait_stream(side)
+    expected = torch.arange(1 << 20, dtype=torch.float32) * 3 + 2
+    check(
+        torch.equal(out.cpu(), expected),
+        "side-stream result after wait_stream",
+        "different",
+        "src*3+2",
+        "Stream.wait_stream",
+    )
+
+
+@hooks("ds_stream_create", "ds_stream_event_create", "ds_stream_use")
+def test_event_orders_work_between_streams(acc: Any) -> None:
+    side = acc.Stream()
+    side.wait_stream(acc.current_stream())
+    event = acc.Event()
+    with acc.stream(side):
+        out = _work(acc.device())
+        event.record(side)
+    acc.current_stream().wait_event(event)
+    result = (out * 2).cpu()
+    event.synchronize()
+    check(
+        event.query() is True,
+        "event.query() after synchronize()",
+        event.query(),
+        "True",
+        "Event.synchronize",
+    )
+    expected = _work(torch.device("cpu")) * 2
+    check(
+        torch.allclose(result, expected, rtol=1e-5),
+        "result after wait_event",
+        "different",
+        "the side stream's result",
+        "Stream.wait_event",
+    )
+
+
+@hooks("ds_stream_event_create")
+def test_elapsed_time_is_non_negative_and_monotone(acc: Any) -> None:
+    events = [acc.Event(enable_timing=True) for _ in range(3)]
+    stream = acc.current_stream()
+    events[0].record(stream)
+    _work(acc.device())
+    events[1].record(stream)
+    _work(acc.device())
+    events[2].record(stream)
+    events[2].synchronize()
+    t01 = events[0].elapsed_time(events[1])
+    t02 = events[0].elapsed_time(events[2])
+    check(t01 >= 0, "elapsed_time(e0, e1) ms", t01, "≥ 0", "Event.elapsed_time")
+    check(
+        t02 >= t01,
+        "elapsed_time(e0, e2) ms",
+        t02,
+        f"≥ elapsed_time(e0, e1)={t01}",
+        "Event.elapsed_time",
+    )
+    check(
+        stream.query() is True,
+        "stream.query() after the last event synchronised",
+        stream.query(),
+        "True",
+        "Stream.query",
+    )
+
+
+@hooks("ds_stream_event_create")
+def test_elapsed_time_without_timing_raises(acc: Any) -> None:
+    a, b = acc.Event(enable_timing=False), acc.Event(enable_timing=False)
+    a.record()
+    b.record()
+    b.synchronize()
+    with pytest.raises(RuntimeError):
+        a.elapsed_time(b)
