@@ -35,6 +35,16 @@ def init_distributed(*args: Any, **kwargs: Any) -> None:
     _init(*args, **kwargs)
 
 
+def initialize(*args: Any, **kwargs: Any) -> Any:
+    """Wrap a model for ZeRO training: ``engine, optimizer, dataloader, lr_scheduler``.
+
+    See :func:`ds_core.zero.initialize` for the arguments, units and errors.
+    """
+    from ds_core.zero import initialize as _initialize
+
+    return _initialize(*args, **kwargs)
+
+
 __all__ = [
     "HOOKSPEC_VERSION",
     "Accelerator",
@@ -48,6 +58,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "init_distributed",
+    "initialize",
     "register_plugin",
     "reset_accelerator",
     "set_accelerator",

@@ -1,1 +1,22 @@
-"""The ZeRO engine: configuration, partitioning per stage, precision, clipping, accumulation."""
+"""The ZeRO engine: configuration, partitioning per stage, precision, clipping, accumulation.
+
+Public API: :func:`initialize` (also ``ds_core.initialize``), :class:`ZeroEngine`,
+:class:`ZeroParam` (one per parameter: shard layout, fp32 master) and :class:`LossScaler`.
+Configuration lives in :mod:`ds_core.zero.config`, optimizer and schedule builders in
+:mod:`ds_core.zero.schedules`.
+"""
+
+from __future__ import annotations
+
+from ds_core.zero.engine import ZeroEngine, initialize, needs_full_gradients
+from ds_core.zero.partition import Mode, ZeroParam
+from ds_core.zero.precision import LossScaler
+
+__all__ = [
+    "LossScaler",
+    "Mode",
+    "ZeroEngine",
+    "ZeroParam",
+    "initialize",
+    "needs_full_gradients",
+]

@@ -1,0 +1,203 @@
+"""Expert parallelism: the expert-parameter marker, its process groups, and a small MoE layer.
+
+A parameter is an *expert parameter* when it carries the attribute :data:`EXPERT_ATTR` (set by
+:func:`mark_expert`), whose value is the expert-parallel size ``E``: the experts of a layer are
+split over ``E`` consecutive ranks (an *EP group*), each holding ``num_experts / E`` of them.
+Ranks holding the same experts form the *expert-data-parallel* (EDP) group
+``{j, j + E, j + 2E, ...}``. The ZeRO engine partitions and reduces an expert parameter over
+its EDP group, divides its gradient by the full data-parallel world size (every rank's loss
+reached it through the all-to-all), and counts it once in the gradient norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from ds_core import comm
+
+#: attribute naming an expert parameter; its value is the expert-parallel size (an int ≥ 1).
+EXPERT_ATTR = "ds_expert_parallel_size"
+
+
+def mark_expert(param: torch.Tensor, ep_size: int) -> None:
+    """Mark ``param`` as an expert parameter split over ``ep_size`` ranks.
+
+    :raises ValueError: when ``ep_size`` is not a positive int.
+    """
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+        raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
+    setattr(param, EXPERT_ATTR, ep_size)
+
+
+def expert_parallel_size(param: torch.Tensor) -> int | None:
+    """The expert-parallel size of an expert parameter, or ``None`` for a dense one."""
+    value = getattr(param, EXPERT_ATTR, None)
+    return int(value) if value is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertGroups:
+    """Process groups for one expert-parallel size.
+
+    :param ep_size: ranks an expert layer is split over.
+    :param ep_group: this rank's EP group (``None`` when ``ep_size`` is 1: no exchange).
+    :param edp_group: this rank's expert-data-parallel group (``None`` = the world).
+    :param ep_rank: this rank's index in its EP group.
+    :param edp_world: ranks in the EDP group.
+    """
+
+    ep_size: int
+    ep_group: Any
+    edp_group: Any
+    ep_rank: int
+    edp_world: int
+
+
+_groups: dict[int, ExpertGroups] = {}
+
+
+def expert_groups(ep_size: int) -> ExpertGroups:
+    """The (cached) groups for ``ep_size``; the first call is collective on every rank.
+
+    :raises ValueError: when the world size is not a multiple of ``ep_size``.
+    """
+    cached = _groups.get(ep_size)
+    if cached is not None:
+        return cached
+    world, rank = comm.get_world_size(), comm.get_rank()
+    if world % ep_size:
+        raise ValueError(
+            f"expert-parallel size {ep_size} does not divide the world size {world}; "
+            "choose an ep_size that divides the number of ranks"
+        )
+    if ep_size == 1:
+        groups = ExpertGroups(1, None, None, 0, world)
+    else:
+        # Every rank creates every group in the same order, as torch.distributed requires.
+        ep_group = edp_group = None
+        for k in range(world // ep_size):
+            ranks = list(range(k * ep_size, (k + 1) * ep_size))
+            g = comm.new_group(ranks)
+            if rank in ranks:
+                ep_group = g
+        edp_world = world // ep_size
+        if edp_world == world:
+            edp_group = None
+        else:
+            for j in range(ep_size):
+                ranks = list(range(j, world, ep_size))
+                g = comm.new_group(ranks)
+                if rank in ranks:
+                    edp_group = g
+        groups = ExpertGroups(ep_size, ep_group, edp_group, rank % ep_size, edp_world)
+    _groups[ep_size] = groups
+    return groups
+
+
+def reset_expert_groups() -> None:
+    """Forget cached groups (after ``destroy_process_group``)."""
+    _groups.clear()
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0; its gradient is the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
+        from ds_core.accelerator import get_accelerator
+
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        get_accelerator().all_to_all(out, x, None, None, group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        from ds_core.accelerator import get_accelerator
+
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        get_accelerator().all_to_all(out, grad, None, None, ctx.group)
+        return None, out
+
+
+class Expert(nn.Module):
+    """One feed-forward expert: ``hidden → ffn → hidden`` with GELU."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc2(F.gelu(self.fc1(x)))
+        return out
+
+
+class MoE(nn.Module):
+    """Top-1 mixture of experts with expert parallelism over ``ep_size`` ranks.
+
+    No token is dropped (each expert's capacity is the whole local batch), so the output does
+    not depend on how experts are placed: a layer split over ranks computes what the same
+    experts replicated (``ep_size=1``) compute. Meant for tests and examples, not speed.
+
+    :param hidden: model width.
+    :param ffn: expert inner width.
+    :param num_experts: experts in the layer, a multiple of ``ep_size``.
+    :param ep_size: ranks the experts are split over; with more than 1, the world size must be a
+        multiple of it and ``torch.distributed`` must be initialised before construction.
+    :raises ValueError: when ``num_experts`` is not a multiple of ``ep_size``.
+    """
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, ep_size: int = 1) -> None:
+        super().__init__()
+        if num_experts % ep_size:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be a multiple of ep_size ({ep_size})"
+            )
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.num_local = num_experts // ep_size
+        self.ep_rank = expert_groups(ep_size).ep_rank if ep_size > 1 else 0
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(self.num_local))
+        for p in self.experts.parameters():
+            mark_expert(p, ep_size)
+
+    def global_expert_index(self, local: int) -> int:
+        """The layer-wide index of local expert ``local`` on this rank."""
+        return self.ep_rank * self.num_local + local
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_td = x.reshape(-1, shape[-1])
+        probs_te = F.softmax(self.gate(x_td), dim=-1)
+        top_t = probs_te.argmax(dim=-1)
+        mask_te = F.one_hot(top_t, self.num_experts).to(x.dtype)
+        weight_t1 = (probs_te * mask_te).sum(dim=-1, keepdim=True)
+        dispatch_etd = mask_te.t().unsqueeze(-1) * x_td.unsqueeze(0)
+        if self.ep_size > 1:
+            group = expert_groups(self.ep_size).ep_group
+            # Received chunk i holds rank i's tokens for this rank's local experts.
+            recv: torch.Tensor = _AllToAll.apply(group, dispatch_etd)  # type: ignore[no-untyped-call]
+            recv_rltd = recv.view(self.ep_size, self.num_local, *recv.shape[1:])
+            outs = [
+                self.experts[k](recv_rltd[:, k].reshape(-1, shape[-1])).view(
+                    self.ep_size, -1, shape[-1]
+                )
+                for k in range(self.num_local)
+            ]
+            out_rltd = torch.stack(outs, dim=1)
+            out_etd = _AllToAll.apply(group, out_rltd.reshape(dispatch_etd.shape))  # type: ignore[no-untyped-call]
+        else:
+            out_etd = torch.stack(
+                [self.experts[e](dispatch_etd[e]) for e in range(self.num_experts)]
+            )
+        combined_td: torch.Tensor = (out_etd * mask_te.t().unsqueeze(-1)).sum(dim=0) * weight_t1
+        return combined_td.view(shape)
