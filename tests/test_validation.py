@@ -113,3 +113,19 @@ def test_unknown_derived_and_unbacked_capabilities() -> None:
 def test_all_problems_are_reported_in_one_message() -> None:
     msg = rejection(clone(ds_memory_info=None, ds_device_set=None))
     assert "ds_memory_info" in msg and "ds_device_set" in msg
+
+
+def test_every_hook_spec_states_its_device_context_and_who_implements_it() -> None:
+    from ds_core.hookspecs import SPEC_MODULES
+
+    missing = []
+    for module in SPEC_MODULES:
+        for name in all_hook_names():
+            fn = getattr(module, name, None)
+            if fn is None:
+                continue
+            doc = fn.__doc__ or ""
+            for section in ("Device context:", "Use in backends:"):
+                if section not in doc:
+                    missing.append(f"{name}: {section}")
+    assert not missing, missing

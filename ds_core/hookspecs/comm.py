@@ -54,6 +54,8 @@ def ds_comm_all_reduce(tensor: torch.Tensor, op: str, group: Any, async_op: bool
     :param async_op: return before completion; the caller waits on the handle.
     :raises ValueError: on an unknown ``op``.
 
+    Device context: uses the existing one (the process group already made it).
+
     Use in backends: optional (core default). Facade: ``all_reduce``.
     """
 
@@ -67,6 +69,8 @@ def ds_comm_all_gather(
     :param output: a contiguous tensor of ``world_size × input.numel()`` elements.
     :param input: this rank's contribution; the same size on every rank.
     :raises ValueError: when ``output`` has the wrong number of elements.
+
+    Device context: uses the existing one (the process group already made it).
 
     Use in backends: optional (core default). Facade: ``all_gather``.
     """
@@ -85,6 +89,8 @@ def ds_comm_reduce_scatter(
     :param op: as for ``ds_comm_all_reduce``.
     :raises ValueError: when the sizes do not divide.
 
+    Device context: uses the existing one (the process group already made it).
+
     Use in backends: optional (core default). Facade: ``reduce_scatter``.
     """
 
@@ -94,6 +100,8 @@ def ds_comm_broadcast(tensor: torch.Tensor, src: int, group: Any, async_op: bool
     """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place.
 
     :param src: the source's global rank.
+
+    Device context: uses the existing one (the process group already made it).
 
     Use in backends: optional (core default). Facade: ``broadcast``.
     """
@@ -113,6 +121,8 @@ def ds_comm_all_to_all(
     :param output_split_sizes: rows received from each rank, or ``None`` for equal splits.
     :param input_split_sizes: rows sent to each rank, or ``None`` for equal splits.
 
+    Device context: uses the existing one (the process group already made it).
+
     Use in backends: optional (core default). Facade: ``all_to_all``.
     """
 
@@ -120,6 +130,8 @@ def ds_comm_all_to_all(
 @hookspec(firstresult=True)
 def ds_comm_barrier(group: Any) -> bool:
     """Block until every rank of the group has reached the barrier.
+
+    Device context: uses the existing one (the process group already made it).
 
     Use in backends: optional (core default). Facade: ``barrier``.
     """

@@ -17,6 +17,8 @@ def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
 
     :param enabled: ``True`` to make execution deterministic, ``False`` to allow nondeterminism.
 
+    Device context: may create one (some vendor flags are set on the runtime).
+
     Use in backends: required. Facade: ``set_deterministic(enabled)``.
     """
 
@@ -24,6 +26,8 @@ def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
 @hookspec(firstresult=True)
 def ds_determinism_restore(record: DeterminismRecord) -> bool:
     """Undo a ``ds_determinism_apply``: restore every setting in ``record`` to its previous value.
+
+    Device context: may create one.
 
     Use in backends: required. Facade: ``restore_determinism(record)``.
     """

@@ -12,6 +12,8 @@ def ds_launcher_visible_devices_env() -> list[str]:
     A launcher writes the device list to each (``"0,1"``); the count the backend reports then
     follows it. Empty for a device type without such a variable.
 
+    Device context: never.
+
     Use in backends: required. Facade: ``visible_devices_envs()``, ``set_visible_devices_envs``.
     """
 
@@ -21,6 +23,8 @@ def ds_launcher_env_prefixes() -> list[str]:
     """Return prefixes of environment variables a multi-node launcher forwards to every node.
 
     Called on every plugin; results are concatenated (e.g. ``["NCCL_", "PYTHON"]``).
+
+    Device context: never.
 
     Use in backends: optional. Facade: ``export_envs()``.
     """

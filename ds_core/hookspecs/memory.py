@@ -54,6 +54,8 @@ def ds_memory_reserved(index: int | None) -> int:
 
     :param index: device index, or ``None`` for the current device.
 
+    Device context: may create one.
+
     Use in backends: required. Facade: ``memory_reserved(index=None)``.
     """
 
@@ -64,6 +66,8 @@ def ds_memory_stats(index: int | None) -> dict[str, int]:
 
     :param index: device index, or ``None`` for the current device.
 
+    Device context: may create one.
+
     Use in backends: required. Facade: ``memory_stats(index=None)``.
     """
 
@@ -73,6 +77,8 @@ def ds_memory_empty_cache() -> bool:
     """Return cached, unused allocator blocks to the device (or the OS).
 
     :returns: ``True``.
+
+    Device context: never creates one; a no-op on a device that has none yet.
 
     Use in backends: required. Facade: ``empty_cache()``.
     """
@@ -112,6 +118,8 @@ def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
 @hookspec(firstresult=True)
 def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
     """Return whether a host tensor is page-locked for this device type.
+
+    Device context: never.
 
     Use in backends: required. Facade: ``is_pinned(t)``.
     """

@@ -17,5 +17,7 @@ def ds_op_providers() -> list[OpProvider]:
     Well-known names: ``"fused_adam"`` (a ``torch.optim.Optimizer`` class with AdamW's
     arguments), ``"cpu_adam"`` (host Adam for optimizer offload).
 
+    Device context: never (``load`` may create one).
+
     Use in backends: optional. Facade: ``op_providers()``, ``get_op(name)``.
     """
