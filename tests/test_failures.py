@@ -1,0 +1,64 @@
+"""A rank that dies makes the others fail with a message instead of hanging (DESIGN.md §10)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    import ds_core
+    ds_core.init_distributed(timeout=15)
+    acc = ds_core.get_accelerator()
+    t = torch.ones(4)
+    acc.all_reduce(t)  # both ranks alive: completes
+    if int(os.environ["RANK"]) == 1:
+        os._exit(3)  # die without a goodbye, as a crashed or killed rank would
+    try:
+        for _ in range(100):
+            acc.all_reduce(t)
+    except Exception as exc:
+        print(f"rank 0 saw the failure: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(17)
+    print("rank 0 never noticed", file=sys.stderr)
+    """
+)
+
+
+@pytest.mark.slow
+def test_survivor_fails_with_a_message_when_a_peer_dies() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": "cpu",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK_SCRIPT],
+                env=env,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    # The bound is a hang guard, far above the 15 s process-group timeout, not a speed check.
+    _, err0 = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=120)
+    assert procs[1].returncode == 3
+    assert procs[0].returncode == 17, err0
+    assert "rank 0 saw the failure" in err0
