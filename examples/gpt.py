@@ -1,0 +1,170 @@
+"""A small GPT decoder and its data, shared by examples/train_gpt.py and the benchmarks in bench/.
+
+Shapes: B batch, T sequence (time), C embedding channels, H heads, V vocabulary.
+
+The corpus is generated, not downloaded: sentences from a small grammar, so the text has
+structure a model can learn in a few hundred steps (the loss falls from ln(30) ≈ 3.4 to well
+under 2) and every machine builds exactly the same bytes from a seed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model shape. ``n_params()`` of the built model is about ``12 · n_layer · n_embd²``."""
+
+    vocab_size: int = 32  # the corpus alphabet (30 characters), rounded up
+    block_size: int = 128  # longest sequence the position table covers
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+
+
+#: named sizes used by the example and the benchmarks; parameter counts at vocab 32
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64),  # ≈ 0.1 M parameters, for tests
+    "small": GPTConfig(n_layer=4, n_head=4, n_embd=256),  # ≈ 3.2 M, the example's default
+    "medium": GPTConfig(n_layer=6, n_head=6, n_embd=384),  # ≈ 10.7 M
+    "large": GPTConfig(n_layer=8, n_head=8, n_embd=768),  # ≈ 56.8 M, states dominate memory
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        B, T, C = x_BTC.shape
+        q, k, v = self.qkv(x_BTC).split(C, dim=2)
+        # (B, T, C) -> (B, H, T, C/H)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x_BTC)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        x_BTC = x_BTC + self.attn(self.ln_1(x_BTC))
+        return x_BTC + self.mlp(self.ln_2(x_BTC))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``forward(idx, targets)`` returns the mean cross-entropy."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        # Not tied to wte: ZeRO partitions by parameter, and a tied weight would be the one
+        # parameter two modules share, a special case this example does not need.
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        B, T = idx_BT.shape
+        pos = torch.arange(T, device=idx_BT.device)
+        x_BTC = self.wte(idx_BT) + self.wpe(pos)
+        for block in self.blocks:
+            x_BTC = block(x_BTC)
+        logits_BTV = self.lm_head(self.ln_f(x_BTC))
+        return F.cross_entropy(logits_BTV.view(B * T, -1).float(), targets_BT.reshape(-1))
+
+
+# ------------------------------------------------------------------------------------- data
+
+_SUBJECTS = ["the cat", "a dog", "the old sailor", "my sister", "the engine", "a small bird",
+             "the teacher", "every child", "the river", "our neighbour"]  # fmt: skip
+_VERBS = ["sees", "follows", "builds", "paints", "carries", "remembers", "watches", "finds",
+          "loves", "counts"]  # fmt: skip
+_OBJECTS = ["the red boat", "a quiet garden", "seven stones", "the long road", "a green apple",
+            "the morning light", "two letters", "the broken clock", "a warm loaf",
+            "the open window"]  # fmt: skip
+_TAILS = ["", " at night", " in the rain", " near the sea", " every day", " with care",
+          " before dinner", " without a word"]  # fmt: skip
+
+#: the alphabet: index 0 is a newline, then the characters the grammar can produce
+ALPHABET = "\n .,abcdefghijklmnopqrstuvwxyz"
+
+
+def make_corpus(n_chars: int = 400_000, seed: int = 1234) -> str:
+    """Sentences from a small grammar, ``n_chars`` long, identical for a given seed."""
+    rng = random.Random(seed)
+    parts, size = [], 0
+    while size < n_chars:
+        sentence = (
+            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
+            f"{rng.choice(_TAILS)}{rng.choice(['.', ',', '.'])}"
+            f"{chr(10) if rng.random() < 0.2 else ' '}"
+        )
+        parts.append(sentence)
+        size += len(sentence)
+    return "".join(parts)[:n_chars]
+
+
+def encode(text: str) -> torch.Tensor:
+    """Character ids (int64) of ``text``; every character must be in :data:`ALPHABET`."""
+    table = {c: i for i, c in enumerate(ALPHABET)}
+    return torch.tensor([table[c] for c in text], dtype=torch.long)
+
+
+class Batches:
+    """Random (input, target) windows of a token stream, the same on every run for a seed.
+
+    Each rank draws its own batches (``seed`` is offset by ``rank``), so data-parallel ranks
+    see different samples, as a distributed sampler would give them.
+    """
+
+    def __init__(self, tokens: torch.Tensor, batch: int, seq: int, seed: int, rank: int = 0):
+        self.tokens, self.batch, self.seq = tokens, batch, seq
+        self.gen = torch.Generator().manual_seed(seed * 1000 + rank)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(len(self.tokens) - self.seq - 1, (self.batch,), generator=self.gen)
+        x_BT = torch.stack([self.tokens[s : s + self.seq] for s in starts.tolist()])
+        y_BT = torch.stack([self.tokens[s + 1 : s + 1 + self.seq] for s in starts.tolist()])
+        return x_BT, y_BT
