@@ -51,9 +51,9 @@ def test_hot_hooks_are_bound_to_the_implementation_itself(acc: ds_core.Accelerat
 def test_collectives_bind_to_the_backend_override_before_the_core_default(
     acc: ds_core.Accelerator,
 ) -> None:
-    # the cpu backend overrides reduce-scatter; all-reduce comes from the core default plugin
+    # the cpu backend overrides reduce-scatter; barrier comes from the core default plugin
     assert acc._h.ds_comm_reduce_scatter is cpu.ds_comm_reduce_scatter
-    assert acc._h.ds_comm_all_reduce.__qualname__ == "DefaultCollectives.ds_comm_all_reduce"
+    assert acc._h.ds_comm_barrier.__qualname__ == "DefaultCollectives.ds_comm_barrier"
 
 
 def test_a_wrapper_plugin_sees_calls_and_unregistering_restores_direct_binding(
