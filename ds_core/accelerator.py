@@ -95,6 +95,7 @@ class Accelerator:
         self._graph_capture_enabled = False
         self._h: Any = SimpleNamespace()
         self._lock = threading.Lock()
+        self._ranges: list[Any] = []
         self.rebind()
 
     # -- binding ---------------------------------------------------------------------------
@@ -155,6 +156,18 @@ class Accelerator:
         """Raise :class:`NotSupportedError` unless ``capability`` is present."""
         if not self.has(capability):
             raise NotSupportedError(capability, self.name, what)
+
+    def is_synchronized_device(self) -> bool:
+        """True when device work completes before the queuing call returns (no ``async_streams``)."""
+        return "async_streams" not in self._declared
+
+    def resolves_data_dependency(self) -> bool:
+        """True when the runtime orders work itself, so explicit stream waits can be skipped."""
+        return self.is_synchronized_device()
+
+    def use_host_timers(self) -> bool:
+        """True when events time with a host clock (no ``device_timing``)."""
+        return "device_timing" not in self._declared
 
     def probe(self) -> ProbeResult:
         """The backend's cached probe result."""
@@ -259,6 +272,10 @@ class Accelerator:
         gen: torch.Generator = self._h.ds_rng_default_generator(index)
         return gen
 
+    def initial_seed(self, index: int | None = None) -> int:
+        """The seed the device's default generator started from."""
+        return int(self.default_generator(index).initial_seed())
+
     # -- streams and events ----------------------------------------------------------------
 
     def Stream(self, index: int | None = None, priority: int = 0) -> DeviceStream:  # noqa: N802
@@ -284,6 +301,21 @@ class Accelerator:
     def stream(self, stream: Any) -> Any:
         """Context manager making ``stream`` current inside it."""
         return self._h.ds_stream_use(stream)
+
+    def range_push(self, msg: str) -> None:
+        """Open a named profiler range (seen by ``torch.profiler`` on every device type)."""
+        ctx = torch.autograd.profiler.record_function(msg)
+        ctx.__enter__()  # type: ignore[no-untyped-call]
+        self._ranges.append(ctx)
+
+    def range_pop(self) -> None:
+        """Close the innermost range opened by :meth:`range_push`.
+
+        :raises DSCoreError: when no range is open.
+        """
+        if not self._ranges:
+            raise DSCoreError("range_pop() without a matching range_push()")
+        self._ranges.pop().__exit__(None, None, None)
 
     # -- memory (bytes) --------------------------------------------------------------------
 

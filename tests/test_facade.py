@@ -146,3 +146,20 @@ def test_op_providers_and_get_op(acc: ds_core.Accelerator) -> None:
     torch.testing.assert_close(p, ref)
     with pytest.raises(ds_core.DSCoreError, match="no provider of op 'flash' on backend 'cpu'"):
         acc.get_op("flash")
+
+
+def test_execution_model_flags_derive_from_capabilities(acc: ds_core.Accelerator) -> None:
+    assert acc.is_synchronized_device() and acc.resolves_data_dependency()
+    assert acc.use_host_timers()
+    acc.manual_seed(1234)
+    assert acc.initial_seed() == 1234
+
+
+def test_profiler_ranges_show_up_in_the_torch_profiler(acc: ds_core.Accelerator) -> None:
+    with torch.profiler.profile() as prof:
+        acc.range_push("ds::step")
+        torch.ones(8) * 2
+        acc.range_pop()
+    assert any(e.name == "ds::step" for e in prof.events())
+    with pytest.raises(ds_core.DSCoreError, match="range_pop"):
+        acc.range_pop()
