@@ -1,0 +1,463 @@
+"""Hook implementations of the Intel Gaudi backend, over ``habana_frameworks.torch.hpu``.
+
+The Gaudi stack (``habana_frameworks``, from Intel Gaudi's installers) is imported on first use
+after selection, never by importing this module or by the probe. Where Gaudi differs from the
+torch-style shape the kit drives:
+
+- one Gaudi per process: ``synchronize()`` takes no device, the RNG lives in
+  ``hpu.random`` with a single generator, and ``get_device_properties`` returns a string;
+- memory comes from the bridge's own allocator statistics (``Limit``, ``InUse``, ``MaxInUse``):
+  the bridge reserves its pool (``Limit``) up front, so reserved memory is the pool and
+  ``mem_get_info`` is ``(Limit - InUse, Limit)``;
+- lazy mode (``PT_HPU_LAZY_MODE=1``) accumulates ops until ``htcore.mark_step()``, so
+  ``synchronize`` and event ``record`` flush the accumulated graph first;
+- HPU graphs (``hpu.HPUGraph`` + ``hpu.graph(g, stream=)``, no memory pools) exist only in lazy
+  mode, so graph capture is declared only under ``PT_HPU_LAZY_MODE=1``;
+- collectives: ``hccl`` after importing ``habana_frameworks.torch.distributed.hccl``;
+- ``fused_adam`` is Habana's ``hpex.optimizers.FusedAdamW``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ds_backend_hpu import probe as _probe
+from ds_core import hookimpl
+from ds_core.backend_kit import (
+    DeterminismPolicy,
+    TorchStyleDevice,
+    TorchStyleGraph,
+    adamw_compatible,
+    attribute_setting,
+    check_options,
+    dist_version,
+    dtype_set,
+    package_file_present,
+    require_dist_backend,
+    torch_deterministic_algorithms,
+)
+from ds_core.types import (
+    BackendInfo,
+    DeterminismRecord,
+    DeviceProperties,
+    MemoryInfo,
+    OpProvider,
+    ProbeResult,
+    SimpleOpProvider,
+)
+
+NAME = "hpu"
+DEVICE_TYPE = "hpu"
+HPU_MODULE = "habana_frameworks.torch.hpu"
+CORE_MODULE = "habana_frameworks.torch.core"
+HCCL_MODULE = "habana_frameworks.torch.distributed.hccl"
+OPTIMIZERS_MODULE = "habana_frameworks.torch.hpex.optimizers"
+LAZY_MODE_ENV = "PT_HPU_LAZY_MODE"
+#: UNCONFIRMED: the distribution names Habana's PyTorch bridge is installed under.
+VENDOR_DISTRIBUTIONS = ("habana-torch-plugin", "habana_torch_plugin")
+
+
+def _hpu() -> Any:
+    return importlib.import_module(HPU_MODULE)
+
+
+_device = TorchStyleDevice(DEVICE_TYPE, _hpu, api_name=HPU_MODULE)
+
+
+def _lazy_mode() -> bool:
+    """The bridge's own answer (its default changed across releases; see the README)."""
+    internal = importlib.import_module("habana_frameworks.torch.utils.internal")
+    return bool(internal.is_lazy())
+
+
+def _flush_if_lazy() -> None:
+    """Launch the ops lazy mode has accumulated, so device work and events see them."""
+    if _lazy_mode():
+        importlib.import_module(CORE_MODULE).mark_step()
+
+
+# --------------------------------------------------------------------------- backend
+
+
+@hookimpl
+def ds_backend_info() -> BackendInfo:
+    return BackendInfo(
+        name=NAME,
+        device_type=DEVICE_TYPE,
+        priority=100,
+        hookspec_version=1,
+        vendor_version=dist_version(*VENDOR_DISTRIBUTIONS),
+        description="Intel Gaudi through habana_frameworks.torch; collectives over HCCL",
+    )
+
+
+@hookimpl
+def ds_backend_probe() -> ProbeResult:
+    return _probe.probe()
+
+
+def _graph_capture_available() -> bool:
+    # Training HPU graphs need lazy mode, where the bridge exports HPUGraph. Decided from the
+    # environment and the installed files, since capabilities must not import the stack; an
+    # unset PT_HPU_LAZY_MODE means eager in current releases (older ones defaulted to lazy).
+    return os.environ.get(LAZY_MODE_ENV) == "1" and package_file_present(
+        _probe.VENDOR_PACKAGE, "torch", "hpu", "graphs.py"
+    )
+
+
+@hookimpl
+def ds_backend_capabilities() -> frozenset[str]:
+    # pinned_memory follows DeepSpeed's HPU accelerator, which pins for 'hpu'; vLLM's HPU
+    # platform says pinning is unsupported (UNCONFIRMED which holds). "determinism" and
+    # "memory_limits" are not declared: no HCCL determinism knob and no per-process limit
+    # getter are documented.
+    caps = {"async_streams", "device_timing", "pinned_memory"}
+    if _graph_capture_available():
+        caps.add("graph_capture")
+    return frozenset(caps)
+
+
+@hookimpl
+def ds_backend_configure(options: Mapping[str, Any]) -> bool:
+    return check_options(NAME, options, ())
+
+
+# --------------------------------------------------------------------------- device
+
+
+@hookimpl
+def ds_device_count() -> int:
+    return _device.count()
+
+
+@hookimpl
+def ds_device_current() -> int:
+    return _device.current()
+
+
+@hookimpl
+def ds_device_set(index: int) -> bool:
+    return _device.set(index)
+
+
+@hookimpl
+def ds_device_synchronize(index: int | None) -> bool:
+    # One Gaudi per process: hpu.synchronize() takes no device and waits for all its streams.
+    _flush_if_lazy()
+    _hpu().synchronize()
+    return True
+
+
+@hookimpl
+def ds_device_properties(index: int | None) -> DeviceProperties:
+    hpu = _hpu()
+    i = _device.resolve(index)
+    return DeviceProperties(
+        name=str(hpu.get_device_name(i)),
+        index=i,
+        total_memory=int(hpu.memory_stats(_device.device(i))["Limit"]),
+        extra={
+            "properties": str(hpu.get_device_properties(i)),
+            "capability": str(hpu.get_device_capability()),
+            "lazy_mode": _lazy_mode(),
+        },
+    )
+
+
+# --------------------------------------------------------------------------- rng
+
+
+@hookimpl
+def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
+    random = _hpu().random
+    if all_devices:
+        random.manual_seed_all(seed)
+    else:
+        random.manual_seed(seed)
+    return True
+
+
+@hookimpl
+def ds_rng_get_state(index: int | None) -> torch.Tensor:
+    # hpu.random keeps one generator per process and refuses indices other than 0.
+    state: torch.Tensor = _hpu().random.get_rng_state(_device.device(index))
+    return state
+
+
+@hookimpl
+def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
+    _hpu().random.set_rng_state(state, _device.device(index))
+    return True
+
+
+@hookimpl
+def ds_rng_default_generator(index: int | None) -> torch.Generator:
+    generators = _hpu().random.default_generators
+    i = 0 if index is None else index
+    if not 0 <= i < len(generators):
+        raise ValueError(
+            f"device index {i} has no generator: a process drives one Gaudi, whose generator "
+            f"is index 0"
+        )
+    gen: torch.Generator = generators[i]
+    return gen
+
+
+# --------------------------------------------------------------------------- streams
+
+
+@hookimpl
+def ds_stream_create(index: int | None, priority: int) -> Any:
+    # The bridge ignores device and priority (one device per process, low priority only).
+    return _device.stream_create(index, priority)
+
+
+@hookimpl
+def ds_stream_current(index: int | None) -> Any:
+    return _device.stream_current(index)
+
+
+@hookimpl
+def ds_stream_default(index: int | None) -> Any:
+    return _device.stream_default(index)
+
+
+@hookimpl
+def ds_stream_use(stream: Any) -> Any:
+    return _device.stream_use(stream)
+
+
+class LazyFlushEvent:
+    """An HPU event that, in lazy mode, launches the accumulated ops before recording.
+
+    Without the flush an event recorded in lazy mode would precede the work queued before it
+    (UNCONFIRMED on hardware; follows the bridge's lazy-execution model). Timing is the
+    device's: ``elapsed_time`` is the bridge's, in milliseconds.
+    """
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def record(self, stream: Any = None) -> None:
+        _flush_if_lazy()
+        self.event.record(stream)
+
+    def wait(self, stream: Any = None) -> None:
+        self.event.wait(stream)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.event.query())
+
+    def elapsed_time(self, end_event: LazyFlushEvent) -> float:
+        """Milliseconds between this event and ``end_event`` (both recorded)."""
+        return float(self.event.elapsed_time(end_event.event))
+
+
+@hookimpl
+def ds_stream_event_create(enable_timing: bool) -> LazyFlushEvent:
+    return LazyFlushEvent(_device.event_create(enable_timing))
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@hookimpl
+def ds_memory_allocated(index: int | None) -> int:
+    return _device.allocated(index)
+
+
+@hookimpl
+def ds_memory_max_allocated(index: int | None) -> int:
+    return _device.max_allocated(index)
+
+
+@hookimpl
+def ds_memory_reset_peak(index: int | None) -> bool:
+    return _device.reset_peak(index)
+
+
+@hookimpl
+def ds_memory_reserved(index: int | None) -> int:
+    return _device.reserved(index)
+
+
+#: The bridge's memory_stats keys -> the contract's names.
+STATS_KEYS = {
+    "InUse": "allocated_bytes.all.current",
+    "MaxInUse": "allocated_bytes.all.peak",
+    "Limit": "reserved_bytes.all.current",
+}
+
+
+@hookimpl
+def ds_memory_stats(index: int | None) -> dict[str, int]:
+    stats = _device.stats(index)
+    for vendor_key, key in STATS_KEYS.items():
+        if vendor_key in stats:
+            stats[key] = stats[vendor_key]
+    return stats
+
+
+@hookimpl
+def ds_memory_empty_cache() -> bool:
+    empty_cache = getattr(_hpu(), "empty_cache", None)
+    if empty_cache is not None:
+        empty_cache()
+    # Bridges without empty_cache reserve their whole pool at start (reserved == Limit) and
+    # hand nothing back to the device, so there is no cache to release.
+    return True
+
+
+@hookimpl
+def ds_memory_info(index: int | None) -> MemoryInfo:
+    if hasattr(_hpu(), "mem_get_info"):
+        return _device.memory_info(index)
+    # Older bridges: the same figures from the allocator statistics.
+    stats = _device.stats(index)
+    return MemoryInfo(total=stats["Limit"], available=max(0, stats["Limit"] - stats["InUse"]))
+
+
+def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"pin_memory needs a host tensor, got one on '{tensor.device}'; move it to the CPU first"
+        )
+    return tensor
+
+
+@hookimpl
+def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
+    # Pinned for 'hpu' explicitly, as DeepSpeed's HPU accelerator does: whether the bridge
+    # registers 'hpu' as torch's current accelerator is UNCONFIRMED.
+    return _host_tensor(tensor).pin_memory(torch.device(DEVICE_TYPE))
+
+
+@hookimpl
+def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
+    return bool(_host_tensor(tensor).is_pinned(torch.device(DEVICE_TYPE)))
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+@hookimpl
+def ds_dtype_supported() -> frozenset[torch.dtype]:
+    experimental = importlib.import_module("habana_frameworks.torch.utils.experimental")
+    # fp8 (E4M3/E5M2 on Gaudi 2/3, through Intel Neural Compressor) is not claimed: the bridge
+    # has no API that reports it. Gaudi has no fp64 arithmetic.
+    return dtype_set(
+        fp16=bool(experimental._is_fp16_supported()),
+        bf16=bool(_hpu().is_bf16_supported()),
+        fp64=False,
+        fp8=False,
+    )
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+@hookimpl
+def ds_graph_create() -> TorchStyleGraph:
+    hpu = _hpu()
+    if not hasattr(hpu, "HPUGraph"):
+        raise RuntimeError(
+            f"habana_frameworks exports HPUGraph only in lazy mode; set {LAZY_MODE_ENV}=1 "
+            f"before starting the process"
+        )
+    return TorchStyleGraph(hpu.HPUGraph(), hpu.graph, accepts_pool=False)
+
+
+# --------------------------------------------------------------------------- comm
+
+
+@hookimpl
+def ds_comm_backend_name() -> str:
+    return "hccl"
+
+
+@hookimpl
+def ds_comm_prepare() -> bool:
+    importlib.import_module(HCCL_MODULE)
+    return require_dist_backend(
+        "hccl", f"importing {HCCL_MODULE} did not register it; check the Gaudi software stack"
+    )
+
+
+# --------------------------------------------------------------------------- ops
+
+FUSED_ADAMW = f"{OPTIMIZERS_MODULE}.FusedAdamW"
+
+
+def _fused_adamw_check() -> tuple[bool, str]:
+    if package_file_present(_probe.VENDOR_PACKAGE, "torch", "hpex", "optimizers", "FusedAdamW.py"):
+        return True, f"Habana's {FUSED_ADAMW}"
+    return False, f"this habana_frameworks has no {FUSED_ADAMW}"
+
+
+def _fused_adamw_load() -> Any:
+    fused = importlib.import_module(OPTIMIZERS_MODULE).FusedAdamW
+    # FusedAdamW's own defaults differ from AdamW's (eps 1e-6, no weight decay).
+    return adamw_compatible(fused, ("lr", "betas", "eps", "weight_decay"), name=FUSED_ADAMW)
+
+
+@hookimpl
+def ds_op_providers() -> list[OpProvider]:
+    return [SimpleOpProvider("fused_adam", _fused_adamw_check, _fused_adamw_load)]
+
+
+# --------------------------------------------------------------------------- determinism
+
+_determinism = DeterminismPolicy(
+    [
+        torch_deterministic_algorithms(),
+        # DeepSpeed's HPU accelerator turns this off alongside deterministic algorithms as a
+        # workaround for a memory-mapping failure; UNCONFIRMED whether current bridges need it.
+        attribute_setting(
+            "torch.utils.deterministic.fill_uninitialized_memory",
+            torch.utils.deterministic,
+            "fill_uninitialized_memory",
+            on=False,
+        ),
+    ],
+    notes=[
+        "hpu: no HCCL determinism knob is documented (UNCONFIRMED), so collectives may still "
+        "reduce in varying order"
+    ],
+)
+
+
+@hookimpl
+def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
+    return _determinism.apply(enabled)
+
+
+@hookimpl
+def ds_determinism_restore(record: DeterminismRecord) -> bool:
+    return _determinism.restore(record)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@hookimpl
+def ds_launcher_visible_devices_env() -> list[str]:
+    # Module ids; only 2-card ("0,1", "2,3", ...) and 4-card ("0,1,2,3", "4,5,6,7") partitions
+    # are supported by the runtime.
+    return [_probe.VISIBLE_DEVICES_ENV]
+
+
+@hookimpl
+def ds_launcher_env_prefixes() -> list[str]:
+    # The bridge's runtime flags (PT_HPU_), Habana's runtime and logs (HABANA_) and the
+    # collective library (HCCL_); UNCONFIRMED as a complete list.
+    return ["PT_HPU_", "HABANA_", "HCCL_"]
