@@ -1,0 +1,446 @@
+"""Contract tests of the cuda backend against a recorded fake of ``torch.cuda`` (no GPU here).
+
+They prove the backend makes the documented ``torch.cuda`` calls with the right arguments and
+translates the answers; they are not hardware validation (see backends/cuda/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from ds_backend_cuda import plugin
+
+from ds_core.accelerator import build_accelerator
+from ds_core.errors import DSCoreError, NotSupportedError
+from ds_core.plugins import BackendEntry, validate_backend
+from tests.backends.fakes import fake_xmlir
+from tests.backends.fakes.fake_cuda import FakeCuda, install
+from tests.backends.fakes.fake_device_module import GiB
+
+pytestmark = pytest.mark.contract
+
+VENDOR_MODULES = ("torch_xmlir", "torch_npu", "habana_frameworks", "pynvml", "amdsmi")
+
+
+@pytest.fixture(autouse=True)
+def fresh_probe() -> Iterator[None]:
+    plugin.probe.clear()
+    yield
+    plugin.probe.clear()
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeCuda:
+    """An NVIDIA host: a CUDA build of torch with two GPUs, no Kunlunxin device nodes."""
+    monkeypatch.setattr(plugin, "KUNLUNXIN_DEVICE_NODES", str(tmp_path / "none" / "xpu[0-9]*"))
+    return install(monkeypatch, FakeCuda(2))
+
+
+@pytest.fixture
+def xmlir() -> Iterator[None]:
+    yield from fake_xmlir.forget_xmlir()
+
+
+def accelerator_for(plugin_module: object, name: str) -> object:
+    entry = BackendEntry(name, f"ds-core-{name}", "0.1.0", f"{name}.plugin", plugin=plugin_module)
+    return build_accelerator(entry)
+
+
+# --------------------------------------------------------------------------- probe
+
+
+def run_probe_in_subprocess(module: str) -> dict[str, object]:
+    code = (
+        "import json, sys\n"
+        "before = set(sys.modules)\n"
+        f"import {module} as p\n"
+        "r = p.ds_backend_probe()\n"
+        "import torch\n"
+        "print(json.dumps({'available': r.available, 'reason': r.reason, "
+        "'imported': sorted(set(sys.modules) - before), "
+        "'initialized': bool(torch.cuda.is_initialized())}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_probe_on_this_cpu_only_torch_is_unavailable_and_imports_nothing_vendor() -> None:
+    result = run_probe_in_subprocess("ds_backend_cuda.plugin")
+    assert result["available"] is False
+    assert "built without CUDA" in str(result["reason"])
+    assert "DS_ACCELERATOR=cpu" in str(result["reason"])
+    imported = [str(m) for m in result["imported"]]  # type: ignore[attr-defined]
+    assert not [m for m in imported if m.split(".")[0] in VENDOR_MODULES]
+    assert result["initialized"] is False
+
+
+def test_probe_counts_through_device_count_only(gpu: FakeCuda) -> None:
+    result = plugin.ds_backend_probe()
+    assert result.available and result.device_count == 2
+    assert "CUDA 12.8" in result.reason
+    # device_count() is NVML-first; anything else (current_device, properties) would init CUDA.
+    assert gpu.names() == ["device_count"]
+
+
+def test_probe_result_is_cached(gpu: FakeCuda) -> None:
+    plugin.ds_backend_probe()
+    plugin.ds_backend_probe()
+    assert gpu.names() == ["device_count"]
+
+
+def test_probe_steps_aside_for_a_rocm_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, FakeCuda(2), cuda=None, hip="6.4.43482")
+    result = plugin.ds_backend_probe()
+    assert not result.available
+    assert "ROCm build" in result.reason and "ds-core[rocm]" in result.reason
+
+
+def test_probe_with_no_gpu_names_the_mask(gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu.count = 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = plugin.ds_backend_probe()
+    assert not result.available
+    assert "no NVIDIA GPU" in result.reason and "CUDA_VISIBLE_DEVICES=''" in result.reason
+
+
+def test_probe_steps_aside_when_a_redirector_hijacks_torch_cuda(
+    gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu.contrib.transfer_to_npu", object())
+    result = plugin.ds_backend_probe()
+    assert not result.available and "transfer_to_npu" in result.reason
+
+
+def test_probe_steps_aside_on_a_kunlunxin_host_without_importing_its_stack(
+    gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, xmlir: None
+) -> None:
+    nodes = fake_xmlir.install_xmlir(monkeypatch, tmp_path, nodes=2)
+    monkeypatch.setattr(plugin, "KUNLUNXIN_DEVICE_NODES", nodes)
+    result = plugin.ds_backend_probe()
+    assert not result.available
+    assert "Kunlunxin" in result.reason and "ds-core[kunlunxin]" in result.reason
+    assert fake_xmlir.IMPORTS == [] and "torch_xmlir" not in sys.modules
+    assert gpu.names() == []
+
+
+def test_a_device_less_kunlunxin_package_does_not_hide_a_working_gpu(
+    gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, xmlir: None
+) -> None:
+    fake_xmlir.install_xmlir(monkeypatch, tmp_path, nodes=0)
+    monkeypatch.setattr(plugin, "KUNLUNXIN_DEVICE_NODES", str(tmp_path / "dev" / "xpu[0-9]*"))
+    nvidia = tmp_path / "nvdev"
+    nvidia.mkdir()
+    (nvidia / "nvidia0").touch()
+    monkeypatch.setattr(plugin, "NVIDIA_DEVICE_NODES", str(nvidia / "nvidia[0-9]*"))
+    assert plugin.ds_backend_probe().available
+
+    plugin.probe.clear()
+    (nvidia / "nvidia0").unlink()
+    result = plugin.ds_backend_probe()
+    assert not result.available and "no NVIDIA GPU device node" in result.reason
+
+
+def test_registration_validation_passes(gpu: FakeCuda) -> None:
+    info, declared = validate_backend("cuda", plugin)
+    assert (info.name, info.device_type, info.priority) == ("cuda", "cuda", 100)
+    assert info.vendor_version == "12.8"
+    assert declared == {
+        "async_streams",
+        "device_timing",
+        "pinned_memory",
+        "determinism",
+        "graph_capture",
+    }
+
+
+def test_memory_limits_are_declared_where_torch_exposes_the_fraction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    install(monkeypatch, FakeCuda(1, fraction=1.0))
+    assert "memory_limits" in plugin.ds_backend_capabilities()
+
+
+# --------------------------------------------------------------------------- device, rng
+
+
+def test_device_hooks_use_cuda_device_strings(gpu: FakeCuda) -> None:
+    assert plugin.ds_device_count() == 2
+    assert plugin.ds_device_set(1) is True
+    assert gpu.called("set_device") == [("set_device", (1,), {})]
+    assert plugin.ds_device_current() == 1
+    plugin.ds_device_synchronize(0)
+    plugin.ds_device_synchronize(None)
+    assert [c[1] for c in gpu.called("synchronize")] == [("cuda:0",), ("cuda",)]
+    with pytest.raises(ValueError, match=r"out of range.*2 device"):
+        plugin.ds_device_set(2)
+
+
+def test_device_properties_carry_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, FakeCuda(2, capability=(8, 9), name="NVIDIA L40S"))
+    props = plugin.ds_device_properties(1)
+    assert (props.name, props.index, props.total_memory) == ("NVIDIA L40S", 1, 140 * GiB)
+    assert props.extra["compute_capability"] == "8.9"
+    assert props.extra["multi_processor_count"] == 132
+
+
+def test_rng_hooks(gpu: FakeCuda) -> None:
+    plugin.ds_rng_manual_seed(7, True)
+    plugin.ds_rng_manual_seed(8, False)
+    assert gpu.called("manual_seed_all") == [("manual_seed_all", (7,), {})]
+    assert gpu.called("manual_seed") == [("manual_seed", (8,), {})]
+    state = plugin.ds_rng_get_state(1)
+    assert state.dtype == torch.uint8
+    assert gpu.called("get_rng_state")[-1][1] == ("cuda:1",)
+    plugin.ds_rng_set_state(state, None)
+    assert gpu.called("set_rng_state")[-1][1][1] == "cuda"
+    gpu.current = 1
+    assert plugin.ds_rng_default_generator(None) is gpu.default_generators[1]
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def test_stream_and_event_hooks(gpu: FakeCuda) -> None:
+    stream = plugin.ds_stream_create(1, -1)
+    assert gpu.called("Stream") == [("Stream", (), {"device": "cuda:1", "priority": -1})]
+    with plugin.ds_stream_use(stream):
+        assert plugin.ds_stream_current(None) is stream
+    assert gpu.called("current_stream")[-1][1] == ("cuda",)
+    plugin.ds_stream_default(0)
+    assert gpu.called("default_stream")[-1][1] == ("cuda:0",)
+    event = plugin.ds_stream_event_create(True)
+    # CUDA events time on the device: the vendor event itself, not a host-timed wrapper.
+    assert type(event).__name__ == "FakeEvent" and event.enable_timing is True
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_memory_queries(gpu: FakeCuda) -> None:
+    assert plugin.ds_memory_allocated(1) == 3 * GiB
+    assert gpu.called("memory_allocated")[-1][1] == ("cuda:1",)
+    assert plugin.ds_memory_max_allocated(None) == 4 * GiB
+    assert plugin.ds_memory_reserved(None) == 4 * GiB
+    assert plugin.ds_memory_reset_peak(0) is True
+    assert plugin.ds_memory_empty_cache() is True
+    stats = plugin.ds_memory_stats(None)
+    assert stats["allocated_bytes.all.current"] == 3 * GiB and "not_an_int" not in stats
+
+
+def test_memory_info_is_device_wide_without_a_fraction(gpu: FakeCuda) -> None:
+    info = plugin.ds_memory_info(1)
+    assert (info.total, info.available, info.limit, info.limit_source) == (
+        140 * GiB,
+        100 * GiB,
+        None,
+        "",
+    )
+    assert gpu.called("mem_get_info") == [("mem_get_info", ("cuda:1",), {})]
+
+
+def test_memory_info_honours_the_per_process_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, FakeCuda(1, fraction=0.5))
+    info = plugin.ds_memory_info(None)
+    assert info.total == info.limit == 70 * GiB
+    # 70 GiB allowed, 4 GiB already reserved by the allocator; the device has 100 GiB free.
+    assert info.available == 66 * GiB
+    assert info.limit_source == "torch.cuda.set_per_process_memory_fraction(0.5)"
+
+
+def test_pinning_refuses_a_device_tensor_and_reports_host_tensors(gpu: FakeCuda) -> None:
+    with pytest.raises(ValueError, match="host tensor"):
+        plugin.ds_memory_pin(torch.empty(4, device="meta"))
+    assert plugin.ds_memory_is_pinned(torch.zeros(4)) is False
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize(
+    ("capability", "bf16", "expected", "absent"),
+    [
+        ((9, 0), True, {torch.float16, torch.bfloat16, torch.float8_e4m3fn}, set()),
+        ((8, 0), True, {torch.float16, torch.bfloat16}, {torch.float8_e4m3fn}),
+        ((7, 5), False, {torch.float16}, {torch.bfloat16, torch.float8_e5m2}),
+        ((6, 1), False, set(), {torch.float16, torch.bfloat16}),
+    ],
+)
+def test_dtypes_follow_compute_capability_and_native_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+    capability: tuple[int, int],
+    bf16: bool,
+    expected: set[torch.dtype],
+    absent: set[torch.dtype],
+) -> None:
+    fake = install(monkeypatch, FakeCuda(1, capability=capability, bf16=bf16))
+    dtypes = plugin.ds_dtype_supported()
+    assert expected | {torch.float32, torch.float64} <= dtypes
+    assert not absent & dtypes
+    assert fake.called("is_bf16_supported") == [
+        ("is_bf16_supported", (), {"including_emulation": False})
+    ]
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+def test_graph_wraps_cuda_graph_and_its_context(gpu: FakeCuda) -> None:
+    graph = plugin.ds_graph_create()
+    stream = gpu.Stream()
+    with graph.capture(pool=("pool", 1), stream=stream):
+        pass
+    _name, args, kwargs = gpu.called("graph")[0]
+    assert type(args[0]).__name__ == "CUDAGraph"
+    assert kwargs == {"pool": ("pool", 1), "stream": stream}
+    graph.replay()
+    graph.reset()
+    assert gpu.names()[-2:] == ["Graph.replay", "Graph.reset"]
+    assert graph.pool() == args[0].pool()
+
+
+def test_graph_capture_is_off_until_enabled_for_cuda_by_name(gpu: FakeCuda) -> None:
+    acc = accelerator_for(plugin, "cuda")
+    with pytest.raises(DSCoreError, match="graph capture is off"):
+        acc.create_graph()  # type: ignore[attr-defined]
+    acc.configure({"rocm": {"graph_capture": True}})  # type: ignore[attr-defined]
+    with pytest.raises(DSCoreError, match="graph capture is off"):
+        acc.create_graph()  # type: ignore[attr-defined]
+    acc.configure({"cuda": {"graph_capture": True}})  # type: ignore[attr-defined]
+    assert type(acc.create_graph().graph).__name__ == "CUDAGraph"  # type: ignore[attr-defined]
+
+
+def test_a_torch_without_cuda_graphs_declares_the_capability_absent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    install(monkeypatch, FakeCuda(1, graphs=False))
+    assert "graph_capture" not in plugin.ds_backend_capabilities()
+    acc = accelerator_for(plugin, "cuda")
+    with pytest.raises(NotSupportedError, match="graph_capture"):
+        acc.configure({"cuda": {"graph_capture": True}})  # type: ignore[attr-defined]
+
+
+def test_configure_rejects_unknown_options() -> None:
+    with pytest.raises(ValueError, match=r"unknown option.*turbo"):
+        plugin.ds_backend_configure({"turbo": True})
+    assert plugin.ds_backend_configure({}) is True
+
+
+# --------------------------------------------------------------------------- comm, ops
+
+
+def test_comm_is_nccl_and_prepare_checks_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert plugin.ds_comm_backend_name() == "nccl"
+    # This CPU-only torch has no NCCL: prepare must say so rather than pretend.
+    with pytest.raises(RuntimeError, match="'nccl' is not available"):
+        plugin.ds_comm_prepare()
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert plugin.ds_comm_prepare() is True
+
+
+def test_fused_adam_is_torch_fused_adamw() -> None:
+    (provider,) = plugin.ds_op_providers()
+    assert provider.name == "fused_adam"
+    ok, reason = provider.is_compatible()
+    assert ok, reason
+    factory = provider.load()
+    assert factory.func is torch.optim.AdamW and factory.keywords == {"fused": True}
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+@pytest.fixture
+def clean_determinism_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:]
+
+
+def test_determinism_sets_and_restores_every_knob(
+    gpu: FakeCuda, clean_determinism_env: None
+) -> None:
+    torch.backends.cudnn.benchmark = True
+    record = plugin.ds_determinism_apply(True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert os.environ["NCCL_ALGO"] == "Ring"
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic is True and torch.backends.cudnn.benchmark is False
+    assert record.env == {
+        "CUBLAS_WORKSPACE_CONFIG": (None, ":4096:8"),
+        "NCCL_ALGO": (None, "Ring"),
+    }
+    assert record.settings["torch.backends.cudnn.benchmark"] == (True, False)
+
+    assert plugin.ds_determinism_restore(record) is True
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and "NCCL_ALGO" not in os.environ
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic is False and torch.backends.cudnn.benchmark is True
+
+
+def test_determinism_keeps_a_valid_user_workspace_and_warns_when_cuda_is_up(
+    gpu: FakeCuda, clean_determinism_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    gpu.initialized = True
+    record = plugin.ds_determinism_apply(True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in record.env
+    assert any("already initialised" in n for n in record.notes)
+    plugin.ds_determinism_restore(record)
+
+
+def test_disabling_determinism_leaves_autotuning_alone(
+    gpu: FakeCuda, clean_determinism_env: None
+) -> None:
+    torch.backends.cudnn.benchmark = False
+    record = plugin.ds_determinism_apply(False)
+    assert "torch.backends.cudnn.benchmark" not in record.settings
+    assert torch.backends.cudnn.benchmark is False and record.env == {}
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def test_launcher_environment() -> None:
+    assert plugin.ds_launcher_visible_devices_env() == ["CUDA_VISIBLE_DEVICES"]
+    prefixes = plugin.ds_launcher_env_prefixes()
+    assert "NCCL_" in prefixes and "PYTORCH_CUDA_ALLOC_CONF" in prefixes
+    assert "CUDA_VISIBLE_DEVICES" not in prefixes  # set per rank by the launcher, not copied
+
+
+# --------------------------------------------------------------------------- probe cache
+
+
+def test_a_forked_child_probes_again(gpu: FakeCuda) -> None:
+    assert plugin.ds_backend_probe().device_count == 2
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: the cached answer belongs to the parent's process
+        gpu.count = 5
+        os.write(write, str(plugin.ds_backend_probe().device_count).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 16) == b"5"
+    os.close(read)
+    assert plugin.ds_backend_probe().device_count == 2
