@@ -45,7 +45,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -110,7 +110,7 @@ class TorchCommCounter:
     """Logical bytes of torch.distributed collectives called from Python, by wrapping them."""
 
     # name -> (index of the counted tensor among positional args, its keyword, factor)
-    RULES: dict[str, tuple[int, str, int]] = {
+    RULES: ClassVar[dict[str, tuple[int, str, int]]] = {
         "all_reduce": (0, "tensor", 2),
         "broadcast": (0, "tensor", 1),
         "all_gather_single": (0, "output_tensor", 1),
@@ -192,9 +192,9 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
 def build_ddp(model: torch.nn.Module, zero_opt: bool) -> Trainer:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DDP(model, gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     counter = TorchCommCounter()
     # DDP reduces its buckets from C++, out of the wrapper's sight; torch's stock all-reduce
     # hook (the same arithmetic: divide by world size, sum) issues each bucket's all-reduce
@@ -309,6 +309,9 @@ def build_ds(model: torch.nn.Module, stage: int, micro_batch: int) -> Trainer:
 
     def close() -> None:
         ds_core.unregister_plugin(counter)
+        destroy = getattr(engine, "destroy", None)
+        if callable(destroy):  # free the engine's buffers before the next configuration
+            destroy()
 
     return Trainer(
         step,
