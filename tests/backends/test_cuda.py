@@ -19,8 +19,16 @@ import torch.distributed as dist
 from ds_backend_cuda import plugin
 
 from ds_core.accelerator import build_accelerator
+from ds_core.backend_kit import (
+    DeterminismPolicy,
+    TorchStyleGraph,
+    dist_version,
+    module_present,
+    visible_device_count,
+)
 from ds_core.errors import DSCoreError, NotSupportedError
 from ds_core.plugins import BackendEntry, validate_backend
+from ds_core.types import DeterminismRecord
 from tests.backends.fakes import fake_xmlir
 from tests.backends.fakes.fake_cuda import FakeCuda, install
 from tests.backends.fakes.fake_device_module import GiB
@@ -444,3 +452,37 @@ def test_a_forked_child_probes_again(gpu: FakeCuda) -> None:
     assert os.read(read, 16) == b"5"
     os.close(read)
     assert plugin.ds_backend_probe().device_count == 2
+
+
+# --------------------------------------------------------------------------- kit details
+
+
+def test_graph_of_a_vendor_without_pools_refuses_a_pool(gpu: FakeCuda) -> None:
+    graph = TorchStyleGraph(gpu.CUDAGraph(), gpu.graph, accepts_pool=False)
+    with pytest.raises(ValueError, match="cannot share a memory pool"):
+        graph.capture(pool=("pool", 1))
+    with graph.capture(stream="s"):
+        pass
+    assert gpu.called("graph")[-1][2] == {"stream": "s"}
+    assert graph.pool() is None
+
+
+def test_a_policy_refuses_to_restore_another_backends_record() -> None:
+    policy = DeterminismPolicy([])
+    foreign = DeterminismRecord(settings={"vendor.flag": (False, True)})
+    with pytest.raises(ValueError, match=r"vendor\.flag"):
+        policy.restore(foreign)
+
+
+def test_probe_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="top-level"):
+        module_present("torch.cuda")
+    assert module_present("torch") and not module_present("no_such_vendor_stack")
+    monkeypatch.delenv("A_MASK", raising=False)
+    monkeypatch.setenv("B_MASK", "2,3,5")
+    assert visible_device_count(["A_MASK", "B_MASK"], 8) == 3
+    assert visible_device_count(["A_MASK", "B_MASK"], 2) == 2
+    monkeypatch.setenv("A_MASK", "")
+    assert visible_device_count(["A_MASK", "B_MASK"], 8) == 0
+    assert dist_version("no-such-distribution", "torch") == torch.__version__
+    assert dist_version("no-such-distribution") == ""
