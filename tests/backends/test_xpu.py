@@ -103,7 +103,10 @@ def test_an_xpu_torch_without_a_gpu_is_unavailable_with_the_reason(
     monkeypatch.setattr(xpu_probe, "module_present", lambda name: name == "pyzes")
     result = plugin.ds_backend_probe()
     assert (result.available, result.device_count) == (False, 0)
-    assert "report no Intel GPU" in result.reason and "sycl-ls" in result.reason
+    assert (
+        "Level Zero Sysman (pyzes) found no Intel GPU" in result.reason
+        and "sycl-ls" in result.reason
+    )
 
 
 def test_ipex_on_a_cpu_torch_is_named_in_the_reason(

@@ -19,6 +19,7 @@ torch-style shape the kit drives:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from collections.abc import Mapping
@@ -228,7 +229,7 @@ def ds_stream_default(index: int | None) -> Any:
 
 
 @hookimpl
-def ds_stream_use(stream: Any) -> Any:
+def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
     return _device.stream_use(stream)
 
 

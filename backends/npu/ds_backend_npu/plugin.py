@@ -17,6 +17,7 @@ registers as ``torch.npu``). Where Ascend differs:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Mapping
 from typing import Any
@@ -171,7 +172,7 @@ def ds_stream_default(index: int | None) -> Any:
 
 
 @hookimpl
-def ds_stream_use(stream: Any) -> Any:
+def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
     return _device.stream_use(stream)
 
 

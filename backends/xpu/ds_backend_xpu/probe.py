@@ -93,7 +93,7 @@ def _probe_uncached() -> ProbeResult:
         masked = f" with {VISIBLE_DEVICES_ENV}={mask!r}" if mask is not None else ""
         return ProbeResult(
             False,
-            f"torch {torch_version} has XPU support but {how} report no Intel GPU{masked}; "
+            f"torch {torch_version} has XPU support but {how} found no Intel GPU{masked}; "
             f"check the GPU driver (Level Zero) with `sycl-ls` or `xpu-smi discovery`"
             + (f", and {VISIBLE_DEVICES_ENV}" if masked else ""),
             0,
