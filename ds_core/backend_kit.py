@@ -251,7 +251,8 @@ class TorchStyleDevice:
         getter = getattr(self.module, "get_per_process_memory_fraction", None)
         if getter is None:
             return None
-        return float(getter(self.device(index)))
+        # Unlike the allocator queries, this getter rejects a device string without an index.
+        return float(getter(self.device(self.resolve(index))))
 
     def memory_info(self, index: int | None) -> MemoryInfo:
         """Device-wide free/total from ``mem_get_info``, capped by the process's fraction.

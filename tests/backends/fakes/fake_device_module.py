@@ -26,6 +26,9 @@ GiB = 1 << 30
 
 Call = tuple[str, tuple[Any, ...], dict[str, Any]]
 
+#: Default of the RNG calls' ``device``: the module's own bare type string, as in torch.
+_OWN_TYPE: Any = object()
+
 
 class FakeEvent:
     """A device event that records its calls; ``elapsed_time`` returns ``timing_ms``."""
@@ -148,6 +151,43 @@ class FakeDeviceModule:
         """Names of every recorded call, in order."""
         return [c[0] for c in self.calls]
 
+    def index_of(self, what: str, device: Any, *, optional: bool = True) -> int:
+        """Parse a device argument the way torch's ``_get_device_index`` does, strictly.
+
+        Accepts an int, ``"<type>:<i>"``, a ``torch.device`` of this type, and, when torch's
+        call passes ``optional=True``, ``None`` or the bare ``"<type>"`` (meaning the current
+        device). Anything torch would reject raises ``ValueError`` naming the call, so a
+        backend passing a form the real module refuses fails its contract test.
+        """
+        if device is None:
+            if optional:
+                return self.current
+            raise ValueError(f"fake {self.device_type}.{what}: torch fails on device=None here")
+        if isinstance(device, int):
+            index: int | None = device
+        else:
+            text = str(device)
+            kind, _, number = text.partition(":")
+            if kind != self.device_type:
+                raise ValueError(
+                    f"fake {self.device_type}.{what}: expected a {self.device_type} device, "
+                    f"got {device!r}"
+                )
+            index = int(number) if number else None
+        if index is None:
+            if not optional:
+                raise ValueError(
+                    f"fake {self.device_type}.{what}: torch needs an explicit index here "
+                    f"(it raises 'Expected a torch.device with a specified index'), got {device!r}"
+                )
+            index = self.current
+        if not 0 <= index < self.count:
+            raise ValueError(
+                f"fake {self.device_type}.{what}: device index {index} is out of range "
+                f"({self.count} devices)"
+            )
+        return index
+
     # -- device ----------------------------------------------------------------------------
 
     def device_count(self) -> int:
@@ -160,13 +200,16 @@ class FakeDeviceModule:
 
     def set_device(self, index: int) -> None:
         self.log("set_device", index)
+        self.index_of("set_device", index, optional=False)
         self.current = index
 
     def synchronize(self, device: Any = None) -> None:
         self.log("synchronize", device)
+        self.index_of("synchronize", device)
 
     def get_device_properties(self, index: int) -> SimpleNamespace:
         self.log("get_device_properties", index)
+        self.index_of("get_device_properties", index)
         return SimpleNamespace(name=self.name, total_memory=self.total, **self.props)
 
     # -- rng -------------------------------------------------------------------------------
@@ -177,25 +220,33 @@ class FakeDeviceModule:
     def manual_seed_all(self, seed: int) -> None:
         self.log("manual_seed_all", seed)
 
-    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+    def get_rng_state(self, device: Any = _OWN_TYPE) -> torch.Tensor:
+        # torch's default is the bare type string ("cuda"); an explicit None fails there.
+        device = self.device_type if device is _OWN_TYPE else device
         self.log("get_rng_state", device)
+        self.index_of("get_rng_state", device, optional=device is not None)
         return torch.zeros(16, dtype=torch.uint8)
 
-    def set_rng_state(self, new_state: torch.Tensor, device: Any = None) -> None:
+    def set_rng_state(self, new_state: torch.Tensor, device: Any = _OWN_TYPE) -> None:
+        device = self.device_type if device is _OWN_TYPE else device
         self.log("set_rng_state", new_state, device)
+        self.index_of("set_rng_state", device, optional=device is not None)
 
     # -- streams and events ----------------------------------------------------------------
 
     def Stream(self, device: Any = None, priority: int = 0) -> FakeStream:  # noqa: N802
         self.log("Stream", device=device, priority=priority)
+        self.index_of("Stream", device)
         return FakeStream(self, device, priority)
 
     def current_stream(self, device: Any = None) -> FakeStream:
         self.log("current_stream", device)
+        self.index_of("current_stream", device)
         return self._stream_stack[-1] if self._stream_stack else self._default_streams[0]
 
     def default_stream(self, device: Any = None) -> FakeStream:
         self.log("default_stream", device)
+        self.index_of("default_stream", device)
         return self._default_streams[0]
 
     @contextlib.contextmanager
@@ -215,21 +266,26 @@ class FakeDeviceModule:
 
     def memory_allocated(self, device: Any = None) -> int:
         self.log("memory_allocated", device)
+        self.index_of("memory_allocated", device)
         return self.allocated
 
     def max_memory_allocated(self, device: Any = None) -> int:
         self.log("max_memory_allocated", device)
+        self.index_of("max_memory_allocated", device)
         return self.allocated + GiB
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         self.log("reset_peak_memory_stats", device)
+        self.index_of("reset_peak_memory_stats", device)
 
     def memory_reserved(self, device: Any = None) -> int:
         self.log("memory_reserved", device)
+        self.index_of("memory_reserved", device)
         return self.reserved
 
     def memory_stats(self, device: Any = None) -> dict[str, Any]:
         self.log("memory_stats", device)
+        self.index_of("memory_stats", device)
         return {
             "allocated_bytes.all.current": self.allocated,
             "allocated_bytes.all.peak": self.allocated + GiB,
@@ -242,6 +298,7 @@ class FakeDeviceModule:
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
         self.log("mem_get_info", device)
+        self.index_of("mem_get_info", device)
         return self.free, self.total
 
     # -- optional APIs -----------------------------------------------------------------------
@@ -251,6 +308,9 @@ class FakeDeviceModule:
 
         def get_per_process_memory_fraction(device: Any = None) -> float:
             self.log("get_per_process_memory_fraction", device)
+            # torch resolves None itself, then parses the rest without optional=True.
+            if device is not None:
+                self.index_of("get_per_process_memory_fraction", device, optional=False)
             return fraction
 
         self.get_per_process_memory_fraction = get_per_process_memory_fraction
