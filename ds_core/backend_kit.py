@@ -186,8 +186,13 @@ class TorchStyleDevice:
         return True
 
     def default_generator(self, index: int | None) -> torch.Generator:
-        """The device's default generator (``default_generators[i]``)."""
-        gen: torch.Generator = self.module.default_generators[self.resolve(index)]
+        """The device's default generator (``default_generators[i]``).
+
+        Torch-style modules fill ``default_generators`` only when their runtime initialises,
+        which ``current_device()`` does, so it is called even when ``index`` is given.
+        """
+        current = self.current()
+        gen: torch.Generator = self.module.default_generators[current if index is None else index]
         return gen
 
     # -- streams and events ------------------------------------------------------------------

@@ -101,6 +101,7 @@ def test_probe_counts_through_device_count_only(gpu: FakeCuda) -> None:
     assert "CUDA 12.8" in result.reason
     # device_count() is NVML-first; anything else (current_device, properties) would init CUDA.
     assert gpu.names() == ["device_count"]
+    assert not gpu.initialized
 
 
 def test_probe_result_is_cached(gpu: FakeCuda) -> None:
@@ -216,6 +217,12 @@ def test_rng_hooks(gpu: FakeCuda) -> None:
     assert gpu.called("set_rng_state")[-1][1][1] == "cuda"
     gpu.current = 1
     assert plugin.ds_rng_default_generator(None) is gpu.default_generators[1]
+
+
+def test_default_generator_of_an_explicit_device_initialises_cuda_first(gpu: FakeCuda) -> None:
+    # torch fills default_generators at CUDA init; indexing it before then raises IndexError.
+    assert gpu.default_generators == ()
+    assert plugin.ds_rng_default_generator(1) is gpu.default_generators[1]
 
 
 # --------------------------------------------------------------------------- streams

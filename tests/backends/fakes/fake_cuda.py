@@ -52,10 +52,10 @@ class FakeCuda(FakeDeviceModule):
         }
         if arch is not None:
             props["gcnArchName"] = arch
+        self.initialized = False  # before the base class stores default_generators
         super().__init__("cuda", count, total=140 * GiB, free=100 * GiB, name=name, props=props)
         self.capability = capability
         self.bf16 = bf16
-        self.initialized = False
         if fraction is not None:
             self.add_memory_fraction(fraction)
         if graphs:
@@ -68,6 +68,40 @@ class FakeCuda(FakeDeviceModule):
         if name.startswith("_") and not name.startswith("__"):
             return getattr(_REAL_CUDA, name)
         raise AttributeError(f"fake torch.cuda has no attribute {name!r}")
+
+    # torch.cuda initialises its runtime lazily: these calls do it, and default_generators
+    # stays empty until then (as in torch), so a backend indexing it too early fails here.
+
+    @property  # type: ignore[override]
+    def default_generators(self) -> tuple[torch.Generator, ...]:
+        return self._generators if self.initialized else ()
+
+    @default_generators.setter
+    def default_generators(self, value: tuple[torch.Generator, ...]) -> None:
+        self._generators = value
+
+    def _lazy_init(self) -> None:
+        self.initialized = True
+
+    def current_device(self) -> int:
+        self._lazy_init()
+        return super().current_device()
+
+    def synchronize(self, device: Any = None) -> None:
+        self._lazy_init()
+        super().synchronize(device)
+
+    def get_device_properties(self, index: int) -> Any:
+        self._lazy_init()
+        return super().get_device_properties(index)
+
+    def get_rng_state(self, device: Any = "cuda") -> torch.Tensor:
+        self._lazy_init()
+        return super().get_rng_state(device)
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        self._lazy_init()
+        return super().mem_get_info(device)
 
     def get_device_capability(self, device: Any = None) -> tuple[int, int]:
         self.log("get_device_capability", device)
