@@ -7,6 +7,7 @@ the answers, not behaviour on hardware.
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import subprocess
@@ -361,3 +362,15 @@ def test_determinism_applies_and_restores_both_torch_settings() -> None:
 def test_launcher_environment() -> None:
     assert plugin.ds_launcher_visible_devices_env() == ["HABANA_VISIBLE_MODULES"]
     assert set(plugin.ds_launcher_env_prefixes()) == {"PT_HPU_", "HABANA_", "HCCL_"}
+
+
+# --------------------------------------------------------------------------- packaging
+
+
+def test_distribution_requires_no_gaudi_package() -> None:
+    # The Gaudi stack comes from Intel's installers; nothing on PyPI provides it.
+    dist = md.distribution("ds-core-hpu")
+    assert dist.requires == ["ds-core<0.2,>=0.1.0", "torch>=2.5"]
+    assert [(e.group, e.name, e.value) for e in dist.entry_points] == [
+        ("ds_core.backends", "hpu", "ds_backend_hpu.plugin")
+    ]

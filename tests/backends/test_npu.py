@@ -6,6 +6,7 @@ translates the answers, not behaviour on hardware.
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import subprocess
@@ -308,3 +309,14 @@ def test_determinism_on_torch_npu_without_set_deterministic_level(
 def test_launcher_environment() -> None:
     assert plugin.ds_launcher_visible_devices_env() == ["ASCEND_RT_VISIBLE_DEVICES"]
     assert plugin.ds_launcher_env_prefixes() == ["ASCEND_", "HCCL_", "LD_LIBRARY", "PATH"]
+
+
+# --------------------------------------------------------------------------- packaging
+
+
+def test_distribution_pulls_torch_npu() -> None:
+    dist = md.distribution("ds-core-npu")
+    assert dist.requires == ["ds-core<0.2,>=0.1.0", "torch>=2.5", "torch-npu>=2.5"]
+    assert [(e.group, e.name, e.value) for e in dist.entry_points] == [
+        ("ds_core.backends", "npu", "ds_backend_npu.plugin")
+    ]

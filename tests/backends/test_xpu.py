@@ -6,6 +6,7 @@ translates the answers, not behaviour on hardware.
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import subprocess
@@ -338,3 +339,19 @@ def test_launcher_environment(make_fake: MakeFake) -> None:
     make_fake()
     assert plugin.ds_launcher_visible_devices_env() == ["ZE_AFFINITY_MASK"]
     assert {"ZE_", "CCL_"} <= set(plugin.ds_launcher_env_prefixes())
+
+
+# --------------------------------------------------------------------------- packaging
+
+
+def test_distribution_requires_no_vendor_stack_and_offers_ipex_as_an_extra() -> None:
+    dist = md.distribution("ds-core-xpu")
+    assert dist.requires == [
+        "ds-core<0.2,>=0.1.0",
+        "torch>=2.5",
+        'intel-extension-for-pytorch; extra == "ipex"',
+        'pyzes; extra == "sysman"',
+    ]
+    assert [(e.group, e.name, e.value) for e in dist.entry_points] == [
+        ("ds_core.backends", "xpu", "ds_backend_xpu.plugin")
+    ]
