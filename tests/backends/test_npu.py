@@ -320,3 +320,14 @@ def test_distribution_pulls_torch_npu() -> None:
     assert [(e.group, e.name, e.value) for e in dist.entry_points] == [
         ("ds_core.backends", "npu", "ds_backend_npu.plugin")
     ]
+
+
+def test_package_file_present_checks_installed_files_without_importing() -> None:
+    from ds_core.backend_kit import package_file_present
+
+    assert package_file_present("ds_backend_npu", "probe.py") is True
+    assert package_file_present("ds_backend_npu", "no_such_module.py") is False
+    assert package_file_present("torch_npu", "npu", "graphs.py") is False  # not installed
+    assert "torch_npu" not in sys.modules
+    with pytest.raises(ValueError, match="top-level name"):
+        package_file_present("torch_npu.npu", "graphs.py")
