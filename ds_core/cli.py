@@ -164,9 +164,89 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _conformance_args(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        'Run the conformance suite (pip install "ds-core[conformance]") against an installed '
+        "backend; print the Markdown report; exit non-zero on any failure."
+    )
+    p.add_argument("--backend", required=True, metavar="NAME", help="backend under test")
+    p.add_argument("--report", metavar="DIR", help="write conformance.json and conformance.md")
+    p.add_argument(
+        "--tier",
+        action="append",
+        choices=("basic", "multi-rank", "graph", "ops"),
+        help="run only this tier (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--category", action="append", metavar="NAME", help="run only this hook category"
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="unexpected passes and stale xfails fail the run"
+    )
+    p.add_argument("--xfail-file", metavar="PATH", help="override the backend's xfail file")
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: passed to pytest")
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    import importlib
+
+    try:
+        # Imported by name: the suite is a separate distribution, absent from most installs.
+        runner = importlib.import_module("ds_conformance.runner")
+    except ImportError:
+        print(
+            'the conformance suite is not installed: pip install "ds-core[conformance]"',
+            file=sys.stderr,
+        )
+        return 2
+    extra = [a for a in args.pytest_args if a != "--"]
+    code: int = runner.run(
+        args.backend,
+        args.report,
+        args.tier or (),
+        args.category or (),
+        args.strict,
+        args.xfail_file,
+        extra,
+    )
+    return code
+
+
+def _new_backend_args(p: argparse.ArgumentParser) -> None:
+    p.description = "Write a complete, installable backend package skeleton."
+    p.add_argument("name", help="backend name (entry point name; lowercase, e.g. acme)")
+    p.add_argument(
+        "--device-type",
+        default="cpu",
+        help="torch device type the backend's tensors live on (default: cpu)",
+    )
+    p.add_argument(
+        "--output",
+        default=".",
+        metavar="DIR",
+        help="directory to create ds-core-NAME/ in (default: the current directory)",
+    )
+
+
+def _new_backend(args: argparse.Namespace) -> int:
+    from ds_core.scaffold import write_backend
+
+    try:
+        root = write_backend(args.name, args.device_type, args.output)
+    except (ValueError, FileExistsError) as exc:
+        print(f"ds-core new-backend: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {root}\nnext: pip install -e {root} && ds-core conformance --backend {args.name}")
+    return 0
+
+
 #: subcommand -> (add arguments, run). Other modules add theirs in :func:`_commands`.
 def _commands() -> dict[str, Command]:
-    commands: dict[str, Command] = {"report": (_report_args, _report)}
+    commands: dict[str, Command] = {
+        "report": (_report_args, _report),
+        "conformance": (_conformance_args, _conformance),
+        "new-backend": (_new_backend_args, _new_backend),
+    }
     return commands
 
 

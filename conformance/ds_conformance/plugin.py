@@ -49,6 +49,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="unexpected passes and stale xfail entries are failures",
     )
     group.addoption(
+        "--ds-no-summary",
+        action="store_true",
+        help="do not print the table in pytest's summary (ds-core conformance prints it last)",
+    )
+    group.addoption(
         "--ds-xfail-file",
         metavar="PATH",
         help="expected failures (default: conformance-xfail.txt at the backend package root)",
@@ -237,7 +242,7 @@ class Suite:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         report = getattr(self, "report", None)
-        if report is None:
+        if report is None or self.config.getoption("--ds-no-summary"):
             return
         terminalreporter.section(f"ds_core conformance: {self.name}")
         for line in rep.table(report).splitlines():

@@ -1,0 +1,78 @@
+"""The conformance suite catches each deliberately broken backend, in the right category.
+
+Each broken backend (tests/broken_backends) is installed as a real distribution in a
+temporary directory and the suite runs on its one category in a subprocess, as a vendor would
+run it; the JSON report must show failures in that category and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.broken_backends import BROKEN, install
+from tests.distfactory import make_backend
+
+pytestmark = pytest.mark.slow
+
+
+def run_suite(site: Path, *args: str, timeout: float = 900) -> tuple[int, str, dict[str, Any]]:
+    """Run ``ds-core conformance`` with ``site`` on PYTHONPATH; return (code, output, report)."""
+    report = site / "report"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *sys.path]))
+    env.pop("DS_ACCELERATOR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_core.cli", "conformance", "--report", str(report), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    output = proc.stdout + proc.stderr
+    path = report / "conformance.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    return proc.returncode, output, data
+
+
+def failing_categories(report: dict[str, Any]) -> set[str]:
+    return {name for name, row in report["categories"].items() if row["failed"]}
+
+
+@pytest.mark.parametrize("stem", sorted(BROKEN))
+def test_broken_backend_fails_in_its_category(tmp_path: Path, stem: str) -> None:
+    category, must_fail, what = BROKEN[stem]
+    name = install(tmp_path, stem)
+    code, output, report = run_suite(tmp_path, "--backend", name, "--category", category)
+    assert code == 1, f"{stem} ({what}) was not caught: exit {code}\n{output[-3000:]}"
+    assert report, f"no report written:\n{output[-3000:]}"
+    assert failing_categories(report) == {category}, report["categories"]
+    assert report["conformant"] is False
+    assert report["backend"]["name"] == name
+    assert "NOT conformant" in output
+    failed = [f["id"] for f in report["categories"][category]["failures"]]
+    assert f"{category}/{must_fail}" in failed, failed
+    if stem == "probe_touches_device":
+        assert f"{category}/test_probe_imports_only_documented_modules" in failed, failed
+
+
+def test_absent_capability_is_skipped_and_conformant(tmp_path: Path) -> None:
+    """A clone of the CPU backend that does not declare graph capture."""
+    make_backend(
+        tmp_path,
+        "nograph",
+        extra=(
+            "\n@hookimpl\ndef ds_backend_capabilities():\n"
+            "    return _cpu.ds_backend_capabilities() - {'graph_capture'}\n"
+        ),
+    )
+    code, output, report = run_suite(tmp_path, "--backend", "nograph", "--category", "graph")
+    assert code == 0, output[-3000:]
+    row = report["categories"]["graph"]
+    assert row["skipped"] == row["capability_absent"] > 0 and row["failed"] == 0
+    assert "capability absent: graph_capture" in output
