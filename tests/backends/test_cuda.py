@@ -6,10 +6,12 @@ translates the answers; they are not hardware validation (see backends/cuda/READ
 
 from __future__ import annotations
 
+import email.parser
 import json
 import os
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -493,3 +495,35 @@ def test_probe_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert visible_device_count(["A_MASK", "B_MASK"], 8) == 0
     assert dist_version("no-such-distribution", "torch") == torch.__version__
     assert dist_version("no-such-distribution") == ""
+
+
+# --------------------------------------------------------------------------- packaging
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cuda", "rocm", "kunlunxin"])
+def test_the_backend_builds_as_the_wheel_the_core_extra_pins(name: str, tmp_path: Path) -> None:
+    """Shared by the three torch.cuda-family backends: wheel, entry point, extra pin, data."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[2]
+    build = ["pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+    out = subprocess.run(
+        [sys.executable, "-m", *build, str(root / "backends" / name)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob(f"ds_core_{name}-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        files = set(archive.namelist())
+        info = next(f.split("/")[0] for f in files if f.endswith(".dist-info/METADATA"))
+        metadata = email.parser.Parser().parsestr(archive.read(f"{info}/METADATA").decode())
+        entry_points = archive.read(f"{info}/entry_points.txt").decode()
+    core = tomllib.loads((root / "pyproject.toml").read_text())
+    extra = core["project"]["optional-dependencies"][name]
+    assert extra == [f"{metadata['Name']}=={metadata['Version']}"]
+    assert "[ds_core.backends]" in entry_points
+    assert f"{name} = ds_backend_{name}.plugin" in entry_points
+    for data in ("plugin.py", "py.typed", "conformance-xfail.txt"):
+        assert f"ds_backend_{name}/{data}" in files
