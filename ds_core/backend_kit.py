@@ -12,7 +12,10 @@ and delegates to these helpers where the vendor matches the shape, writing its o
 differs. Nothing here names a vendor: the backend passes its module, its device type string and
 the labels used in messages.
 
-What is here (all sizes in bytes, times in milliseconds, ``index=None`` = current device):
+What is here (all sizes in bytes, times in milliseconds, ``index=None`` = current device).
+Device arguments passed to the vendor: the bare type string (``"<type>"``) for the current
+device where torch parses the index as optional, ``"<type>:<i>"`` for an explicit one, and a
+resolved explicit index where torch's call rejects a bare type (the memory-fraction getter).
 
 - :class:`TorchStyleDevice` ``(device_type, load, *, api_name, host_timers=False)``: device,
   RNG, stream/event, memory (incl. :meth:`~TorchStyleDevice.memory_info`, which caps total and
