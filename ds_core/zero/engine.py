@@ -530,6 +530,22 @@ class ZeroEngine:
             "total": params + master + grads + opt,
         }
 
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full copies of every parameter by name (collective: every rank must call it).
+
+        Stage-3 partitioned parameters are all-gathered; the others are copied. Expert
+        parameters are this rank's local experts.
+        """
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, zp in self.zparams.items():
+                if zp.mode is Mode.PARTITIONED:
+                    _, buf, _, _ = gather_params([zp], zp.rows, zp.group, zp.dtype, self.device)
+                    out[name] = buf[: zp.numel].view(zp.shape).clone()
+                else:
+                    out[name] = zp.param.detach().clone()
+        return out
+
     def destroy(self) -> None:
         """Release every buffer and hook the engine owns; the engine is unusable after."""
         for h in self._hooks:

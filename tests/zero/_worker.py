@@ -1,0 +1,313 @@
+"""Rank worker: ``python -m tests.zero._worker SUITE WORLD OUTDIR``.
+
+Spawns WORLD gloo ranks (one thread each) that share one process group for every job of the
+suite, and saves each job's results to ``OUTDIR/<job>.rank<r>.pt`` for the tests to compare
+against single-process references. One spawn per suite keeps CI time down.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F  # noqa: N812
+
+from tests.zero._common import (
+    IN,
+    MICRO,
+    MLP,
+    Scenario,
+    TinyNet,
+    batches,
+    global_names,
+    load_reference,
+    make_optimizer,
+    reference_state,
+)
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def stage_scenarios(world: int) -> dict[str, Scenario]:
+    """Named equivalence scenarios; the tests rebuild the same dict for their references."""
+    if world == 4:
+        return {
+            "s1_ep2": Scenario(stage=1, world=4, ep_size=2),
+            "s3_ep2": Scenario(stage=3, world=4, ep_size=2),
+            "s2_rep": Scenario(stage=2, world=4, clip=0.0),
+        }
+    return {
+        "s0": Scenario(stage=0, world=2),
+        "s1": Scenario(stage=1, world=2),
+        "s2": Scenario(stage=2, world=2),
+        "s3": Scenario(stage=3, world=2),
+        "s3_persist": Scenario(stage=3, world=2, threshold=100, bucket=10_000),
+        "s0_ep2": Scenario(stage=0, world=2, ep_size=2),
+        "s2_ep2": Scenario(stage=2, world=2, ep_size=2),
+        "s3_ep2": Scenario(stage=3, world=2, ep_size=2),
+        "s1_explicit": Scenario(stage=1, world=2, gas=3, explicit_boundary=True, steps=4),
+        "s2_explicit": Scenario(stage=2, world=2, gas=3, explicit_boundary=True, steps=4),
+        "s3_explicit": Scenario(stage=3, world=2, gas=3, explicit_boundary=True, steps=4),
+    }
+
+
+def train(sc: Scenario) -> dict[str, Any]:
+    import ds_core
+    from ds_core import comm
+
+    rank = comm.get_rank()
+    torch.manual_seed(1234 + rank)  # model init differs per rank: engine start must broadcast
+    model = TinyNet(sc.ep_size)
+    if rank == 0 or sc.ep_size > 1:
+        load_reference(model, reference_state())
+    engine, _, _, _ = ds_core.initialize(
+        model=model, optimizer=make_optimizer(model.parameters()), config=sc.config()
+    )
+    if sc.explicit_boundary:
+        engine.set_gradient_accumulation_boundary(True)
+    losses, norms = [], []
+    sl = slice(rank * MICRO, (rank + 1) * MICRO)
+    for step in batches(sc.steps, sc.gas, sc.world):
+        for x, y in step:
+            loss = F.mse_loss(engine(x[sl]), y[sl])
+            engine.backward(loss)
+            if not sc.explicit_boundary:
+                engine.step()
+            losses.append(loss.item())
+        if sc.explicit_boundary:
+            engine.step()
+        norms.append(engine.last_grad_norm)
+    engine.eval()
+    probe = torch.randn(6, IN, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        eval_out = engine(probe)
+    state = global_names(model, engine.gathered_state_dict())
+    return {"losses": losses, "norms": norms, "state": state, "eval_out": eval_out}
+
+
+def count_bytes() -> dict[str, Any]:
+    """Logical bytes per collective for one step of each stage, GAS 1 and 2."""
+    import ds_core
+    from ds_core.comm.counting import CommCounter
+
+    out: dict[str, Any] = {}
+    for stage in range(4):
+        for gas in (1, 2):
+            torch.manual_seed(0)
+            model = MLP(32, 3)
+            cfg = {
+                "train_micro_batch_size_per_gpu": MICRO,
+                "gradient_accumulation_steps": gas,
+                "gradient_clipping": 0.0,
+                "steps_per_print": 1000,
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            }
+            engine, _, _, _ = ds_core.initialize(
+                model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+            )
+            counter = CommCounter()
+            for step in range(2):  # the first step records the stage-3 prefetch trace
+                if step == 1:
+                    ds_core.register_plugin(counter)
+                for _ in range(gas):
+                    x = torch.randn(MICRO, 32)
+                    loss = engine(x).pow(2).mean()
+                    engine.backward(loss)
+                    engine.step()
+            ds_core.unregister_plugin(counter)
+            psi = sum(zp.numel * 4 for zp in engine.zparams.values())
+            out[f"s{stage}_gas{gas}"] = {
+                "bytes": counter.bytes_by_op(),
+                "calls": counter.calls_by_op(),
+                "psi": psi,
+            }
+            engine.destroy()
+    return out
+
+
+def memory() -> dict[str, Any]:
+    """Model-state bytes per stage (fp32 AdamW) from the engine's buffers, and their drift."""
+    import ds_core
+
+    out: dict[str, Any] = {}
+    for stage in range(4):
+        torch.manual_seed(0)
+        model = MLP(128, 4)
+        psi = sum(p.numel() for p in model.parameters())
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 1000,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+        )
+        states = []
+        for step in range(100):
+            loss = engine(torch.randn(MICRO, 128)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            if step in (1, 99):
+                states.append(engine.model_state_bytes())
+        out[f"s{stage}"] = {"psi": psi, "early": states[0], "late": states[1]}
+        engine.destroy()
+    return out
+
+
+def fp16_trajectory(stage: int) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        import ds_core
+        from ds_core import comm
+
+        rank = comm.get_rank()
+        torch.manual_seed(0)
+        model = MLP(16, 2)
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 1000,
+            "fp16": {
+                "enabled": True,
+                "loss_scale": 0,
+                "initial_scale_power": 4,
+                "loss_scale_window": 2,
+                "hysteresis": 2,
+                "min_loss_scale": 2,
+            },
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {
+                    "warmup_min_lr": 0.001,
+                    "warmup_max_lr": 0.01,
+                    "warmup_num_steps": 20,
+                    "warmup_type": "linear",
+                },
+            },
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+        )
+        record = []
+        for overflow in FP16_OVERFLOWS:
+            x = torch.randn(MICRO, 16).half()
+            loss = engine(x).float().pow(2).mean()
+            if overflow and rank == 0:  # one rank overflows: every rank must skip
+                loss = loss * math.inf
+            engine.backward(loss)
+            engine.step()
+            record.append(snapshot(engine))
+        engine.destroy()
+        return {"record": record}
+
+    return run
+
+
+FP16_OVERFLOWS = [False, True, True, False, False, False, True, True, True, True]
+
+
+def snapshot(engine: Any) -> dict[str, Any]:
+    masters = torch.cat([zp.master.detach().reshape(-1).clone() for zp in engine._trainable])
+    opt_state = [
+        v.detach().reshape(-1).clone().float()
+        for st in engine.optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    ]
+    return {
+        "scale": engine.loss_scaler.scale if engine.loss_scaler is not None else None,
+        "skipped": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "masters": masters,
+        "opt": torch.cat(opt_state) if opt_state else torch.zeros(0),
+        "lr": engine.get_lr()[0],
+    }
+
+
+def bf16_skip(stage: int) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        import ds_core
+        from ds_core import comm
+
+        rank = comm.get_rank()
+        torch.manual_seed(0)
+        model = MLP(16, 2)
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.0,
+            "steps_per_print": 1000,
+            "bf16": {"enabled": True, "check_grad_overflow": True},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+        )
+        record = [snapshot(engine)]
+        for step in range(4):
+            for micro in range(2):
+                loss = engine(torch.randn(MICRO, 16).bfloat16()).float().pow(2).mean()
+                if step == 2 and micro == 1 and rank == 1:
+                    loss = loss * math.nan
+                engine.backward(loss)
+                engine.step()
+            record.append(snapshot(engine))
+        engine.destroy()
+        return {"record": record}
+
+    return run
+
+
+def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
+    if suite == "stages":
+        return {name: (lambda sc=sc: train(sc)) for name, sc in stage_scenarios(world).items()}
+    if suite == "precision":
+        out: dict[str, Callable[[], dict[str, Any]]] = {}
+        for stage in range(4):
+            out[f"fp16_s{stage}"] = fp16_trajectory(stage)
+            out[f"bf16_s{stage}"] = bf16_skip(stage)
+        return out
+    if suite == "accounting":
+        return {"bytes": count_bytes, "memory": memory}
+    raise SystemExit(f"unknown suite {suite}")
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def _rank(rank: int, world: int, port: int, suite: str, outdir: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+    )
+    torch.set_num_threads(1)
+    import ds_core
+
+    ds_core.init_distributed(timeout=300)
+    for name, job in jobs(suite, world).items():
+        torch.save(job(), os.path.join(outdir, f"{name}.rank{rank}.pt"))
+
+
+def main() -> None:
+    suite, world, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    mp.spawn(_rank, args=(world, port, suite, outdir), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()

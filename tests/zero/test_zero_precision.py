@@ -1,0 +1,58 @@
+"""fp16 dynamic loss scaling and bf16 overflow skipping, every stage, on 2 gloo ranks.
+
+Overflows are injected on one rank only (loss × inf on rank 0 for fp16, × NaN on rank 1 for
+bf16), so every rank must learn of them through the engine's global check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tests.zero._worker import FP16_OVERFLOWS
+from tests.zero.conftest import SuiteResults
+
+pytestmark = pytest.mark.slow
+
+# initial_scale_power 4, loss_scale_window 2, hysteresis 2, min_loss_scale 2, worked by hand:
+# overflow 1 spends the hysteresis, overflow 2 halves; two clean steps after an overflow double
+# (and refill the hysteresis); four overflows in a row end at the floor.
+EXPECTED_SCALES = [16.0, 16.0, 8.0, 8.0, 16.0, 16.0, 16.0, 8.0, 4.0, 2.0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_loss_scale_trajectory_and_skipped_steps(
+    suite: Callable[[str, int], SuiteResults], stage: int
+) -> None:
+    for rank, res in enumerate(suite("precision", 2).ranks(f"fp16_s{stage}")):
+        record = res["record"]
+        assert [r["scale"] for r in record] == EXPECTED_SCALES, f"rank {rank}"
+        assert [r["skipped"] for r in record] == list(
+            torch.tensor(FP16_OVERFLOWS).cumsum(0).tolist()
+        ), f"rank {rank}"
+        assert [r["global_steps"] for r in record] == list(range(1, len(record) + 1))
+        for i in range(1, len(record)):
+            before, after = record[i - 1], record[i]
+            if FP16_OVERFLOWS[i]:  # skipped: parameters, optimizer state and LR untouched
+                assert torch.equal(before["masters"], after["masters"]), f"step {i}"
+                assert torch.equal(before["opt"], after["opt"]), f"step {i}"
+                assert before["lr"] == after["lr"], f"step {i}"
+            else:
+                assert not torch.equal(before["masters"], after["masters"]), f"step {i}"
+                assert torch.isfinite(after["masters"]).all()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_non_finite_gradient_skips_the_step(
+    suite: Callable[[str, int], SuiteResults], stage: int
+) -> None:
+    for rank, res in enumerate(suite("precision", 2).ranks(f"bf16_s{stage}")):
+        record = res["record"]  # initial state, then after each of 4 steps; step 3 has a NaN
+        assert [r["skipped"] for r in record] == [0, 0, 0, 1, 1], f"rank {rank}"
+        assert torch.equal(record[2]["masters"], record[3]["masters"]), f"rank {rank}"
+        assert torch.equal(record[2]["opt"], record[3]["opt"]), f"rank {rank}"
+        for i in (1, 2, 4):
+            assert not torch.equal(record[i - 1]["masters"], record[i]["masters"])
+            assert torch.isfinite(record[i]["masters"]).all()
