@@ -7,6 +7,7 @@ translates the answers; they are not hardware validation (see backends/cuda/READ
 from __future__ import annotations
 
 import email.parser
+import importlib.metadata as md
 import json
 import os
 import subprocess
@@ -527,3 +528,35 @@ def test_the_backend_builds_as_the_wheel_the_core_extra_pins(name: str, tmp_path
     assert f"{name} = ds_backend_{name}.plugin" in entry_points
     for data in ("plugin.py", "py.typed", "conformance-xfail.txt"):
         assert f"ds_backend_{name}/{data}" in files
+
+
+# --------------------------------------------------------------------------- report
+
+
+def test_report_lists_the_installed_gpu_family_backends_as_unavailable_with_reasons() -> None:
+    """On this CPU-only host with DS_ACCELERATOR unset: each one unavailable, selection refused."""
+    installed = {ep.name for ep in md.entry_points(group="ds_core.backends")}
+    mine = [n for n in ("cuda", "rocm", "kunlunxin") if n in installed]
+    if not mine:
+        pytest.skip("none of ds-core-cuda, ds-core-rocm, ds-core-kunlunxin is installed")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    out = subprocess.run(
+        [sys.executable, "-m", "ds_core.cli", "report", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode != 0  # selection is refused, by design
+    report = json.loads(out.stdout)
+    rows = {row["name"]: row for row in report["backends"]}
+    expected = {
+        "cuda": "built without CUDA",
+        "rocm": "not a ROCm build",
+        "kunlunxin": "torch_xmlir",
+    }
+    for name in mine:
+        assert rows[name]["installed"] and not rows[name]["available"]
+        assert expected[name] in rows[name]["reason"]
+        assert f"{name} (ds-core-{name} 0.1.0): " in report["selection_error"]
+    assert "DS_ACCELERATOR=cpu" in report["selection_error"]
