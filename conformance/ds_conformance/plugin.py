@@ -191,9 +191,9 @@ class Suite:
                     item.add_marker(pytest.mark.skip(reason=f"{rep.CAPABILITY_ABSENT}: {cap}"))
             keep.append(item)
         self.stale = [e.test_id for n, e in enumerate(self.xfails) if n not in used]
-        for entry in self.stale:
+        for stale in self.stale:
             warnings.warn(
-                f"{self.xfail_path}: xfail entry '{entry}' matches no conformance test",
+                f"{self.xfail_path}: xfail entry '{stale}' matches no conformance test",
                 pytest.PytestWarning,
                 stacklevel=1,
             )
