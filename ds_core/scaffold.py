@@ -100,9 +100,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata as md
 import os
-import threading
-import time
-from collections.abc import Iterator, Mapping
+${host_imports}from collections.abc import ${abc_imports}
 from typing import Any
 
 import torch
@@ -134,18 +132,18 @@ def ds_backend_configure(options: Mapping[str, Any]) -> bool:
     return True
 
 
-@hookimpl
-def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
-    torch.manual_seed(seed)  # seeds the host and every device generator torch knows
-    return True
-
-
-@hookimpl
-def ds_dtype_supported() -> frozenset[torch.dtype]:
-    return frozenset(
-        {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-         torch.int32, torch.int64, torch.uint8, torch.bool}
-    )
+_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    }
+)
 
 
 @hookimpl
@@ -235,6 +233,12 @@ def ds_device_properties(index: int | None) -> DeviceProperties:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     index = ds_device_current() if index is None else index
     return DeviceProperties(name=os.uname().machine, index=index, total_memory=total)
+
+
+@hookimpl
+def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
+    torch.manual_seed(seed)
+    return True
 
 
 @hookimpl
@@ -405,6 +409,11 @@ def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
 
 
 @hookimpl
+def ds_dtype_supported() -> frozenset[torch.dtype]:
+    return _DTYPES | {torch.bfloat16}
+
+
+@hookimpl
 def ds_comm_backend_name() -> str:
     return "gloo"
 
@@ -433,7 +442,9 @@ def _index(index: int | None) -> int:
 def ds_backend_probe() -> ProbeResult:
     module = getattr(torch, DEVICE_TYPE, None)
     if module is None or not hasattr(module, "device_count"):
-        return ProbeResult(False, f"this torch has no torch.{DEVICE_TYPE}; install the vendor build")
+        return ProbeResult(
+            False, f"this torch has no torch.{DEVICE_TYPE}; install the vendor build"
+        )
     count = int(module.device_count())  # counts without creating a context on vendor builds
     if count == 0:
         return ProbeResult(False, f"torch.{DEVICE_TYPE} sees no device")
@@ -475,6 +486,15 @@ def ds_device_properties(index: int | None) -> DeviceProperties:
     i = _index(index)
     props = _mod().get_device_properties(i)
     return DeviceProperties(name=str(props.name), index=i, total_memory=int(props.total_memory))
+
+
+@hookimpl
+def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
+    if all_devices:
+        _mod().manual_seed_all(seed)
+    else:
+        _mod().manual_seed(seed)
+    return True
 
 
 @hookimpl
@@ -569,6 +589,12 @@ def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
 
 
 @hookimpl
+def ds_dtype_supported() -> frozenset[torch.dtype]:
+    bf16 = getattr(_mod(), "is_bf16_supported", None)
+    return _DTYPES | ({torch.bfloat16} if bf16 is not None and bf16() else set())
+
+
+@hookimpl
 def ds_comm_backend_name() -> str:
     import torch.distributed as dist
 
@@ -610,6 +636,8 @@ def write_backend(name: str, device_type: str = "cpu", output: str | Path = ".")
         "package": package,
         "priority": "0" if device_type == "cpu" else "100",
         "visible_env": f"{device_type.upper()}_VISIBLE_DEVICES",
+        "host_imports": "import threading\nimport time\n" if device_type == "cpu" else "",
+        "abc_imports": "Iterator, Mapping" if device_type == "cpu" else "Mapping",
     }
     hooks = _HOST if device_type == "cpu" else _DEVICE
     files = {

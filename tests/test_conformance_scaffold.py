@@ -32,6 +32,28 @@ def test_writes_a_complete_package(tmp_path: Path) -> None:
     compile(plugin, "plugin.py", "exec")
 
 
+def test_generated_code_is_lint_clean_and_formatted(tmp_path: Path) -> None:
+    write_backend("acme", "cpu", tmp_path)
+    write_backend("chip", "privateuseone", tmp_path)
+    config = str(Path(__file__).parents[1] / "pyproject.toml")
+    for command in (["check"], ["format", "--check"]):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ruff",
+                *command,
+                "--no-cache",
+                "--config",
+                config,
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_device_template_delegates_to_the_torch_device_module(tmp_path: Path) -> None:
     root = write_backend("chip", "privateuseone", tmp_path)
     plugin = (root / "ds_backend_chip/plugin.py").read_text()
