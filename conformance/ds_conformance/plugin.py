@@ -138,11 +138,14 @@ class Suite:
             raise pytest.UsageError(f"cannot test backend '{name}': {exc}") from exc
         given = config.getoption("--ds-xfail-file")
         self.xfail_path = Path(given) if given else xfail.backend_file(self.acc.entry.target)
-        self.xfails = (
-            xfail.parse(self.xfail_path.read_text(), str(self.xfail_path))
-            if self.xfail_path is not None
-            else []
-        )
+        try:
+            self.xfails = (
+                xfail.parse(self.xfail_path.read_text(), str(self.xfail_path))
+                if self.xfail_path is not None
+                else []
+            )
+        except (OSError, ValueError) as exc:
+            raise pytest.UsageError(f"cannot read the xfail file: {exc}") from exc
 
     # -- header ------------------------------------------------------------------------------
 
