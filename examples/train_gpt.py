@@ -234,6 +234,8 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
                 mem=f"{mem_mib[-1]:.0f} MiB",
             )
     elapsed = time.perf_counter() - t_start
+    # finish collectives still in flight (stage-3 prefetches) before the process group goes
+    engine.destroy()
 
     # summary: peak memory and memory curves from every rank
     mine = {"peak": acc.max_memory_allocated() / MiB, "mem": mem_mib}
