@@ -283,9 +283,10 @@ class ZeroEngine:
     def _reject_full_gradient_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self.stage >= 1 and needs_full_gradients(optimizer):
             raise ConfigError(
-                f"optimizer {type(optimizer).__name__} needs whole gradients (it orthogonalises "
-                f"each full weight matrix), but ZeRO stage {self.stage} reduce-scatters every "
-                "gradient so each rank holds only a flat shard of it. Use zero_optimization."
+                f"optimizer {type(optimizer).__name__} needs whole gradients (Muon-style "
+                "optimizers orthogonalise each full weight matrix), but ZeRO stage "
+                f"{self.stage} partitions every gradient so each rank holds only a flat shard "
+                "of it. Use zero_optimization."
                 "stage 0 with this optimizer, or an element-wise optimizer (AdamW, SGD) with "
                 "stages 1-3."
             )

@@ -35,13 +35,16 @@ class TinyNet(nn.Module):
         self.unused = nn.Linear(HID, OUT)
         self.head = nn.Linear(HID, OUT)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
         h = h + self.frozen(h)
         h = h + self.moe(h)
         h = torch.tanh(self.hidden(h))
         h = self.tied(h)
-        return self.head(h)
+        out = self.head(h)
+        if extra is not None:  # `unused` joins in only for the samples marked in `extra`
+            out = out + extra[:, None] * self.unused(h)
+        return out
 
 
 class MLP(nn.Module):
@@ -98,6 +101,7 @@ class Scenario:
     threshold: int = 0  # stage3_param_persistence_threshold
     bucket: int = 300  # reduce/allgather bucket elements: several buckets per step
     explicit_boundary: bool = False  # GAS=1 config, `gas` backwards then one step
+    sometimes: bool = False  # `unused` gets gradients in the first micro-batch of a step only
     extra: dict[str, Any] = field(default_factory=dict)
 
     def config(self) -> dict[str, Any]:
@@ -155,7 +159,11 @@ def run_reference(sc: Scenario) -> dict[str, Any]:
     for step in batches(sc.steps, sc.gas, sc.world):
         x = torch.cat([b[0] for b in step])
         y = torch.cat([b[1] for b in step])
-        loss = F.mse_loss(model(x), y)
+        extra = None
+        if sc.sometimes:
+            extra = torch.zeros(x.shape[0])
+            extra[: step[0][0].shape[0]] = 1.0
+        loss = F.mse_loss(model(x, extra), y)
         (loss * mult).backward()
         for p in trainable:
             if p.grad is None:  # the engine's contract: no gradient means an exact zero one

@@ -54,6 +54,9 @@ def stage_scenarios(world: int) -> dict[str, Scenario]:
         "s1_explicit": Scenario(stage=1, world=2, gas=3, explicit_boundary=True, steps=4),
         "s2_explicit": Scenario(stage=2, world=2, gas=3, explicit_boundary=True, steps=4),
         "s3_explicit": Scenario(stage=3, world=2, gas=3, explicit_boundary=True, steps=4),
+        "s1_sometimes": Scenario(stage=1, world=2, sometimes=True, steps=4),
+        "s2_sometimes": Scenario(stage=2, world=2, sometimes=True, steps=4),
+        "s3_sometimes": Scenario(stage=3, world=2, sometimes=True, steps=4),
     }
 
 
@@ -74,8 +77,9 @@ def train(sc: Scenario) -> dict[str, Any]:
     losses, norms = [], []
     sl = slice(rank * MICRO, (rank + 1) * MICRO)
     for step in batches(sc.steps, sc.gas, sc.world):
-        for x, y in step:
-            loss = F.mse_loss(engine(x[sl]), y[sl])
+        for micro, (x, y) in enumerate(step):
+            extra = torch.ones(MICRO) if sc.sometimes and micro == 0 else None
+            loss = F.mse_loss(engine(x[sl], extra), y[sl])
             engine.backward(loss)
             if not sc.explicit_boundary:
                 engine.step()
@@ -266,6 +270,95 @@ def bf16_skip(stage: int) -> Callable[[], dict[str, Any]]:
     return run
 
 
+class Muon(torch.optim.SGD):
+    """Stands in for Muon: detected by class name (it orthogonalises whole matrices)."""
+
+
+class WholeGradients(torch.optim.SGD):
+    """Any optimizer can declare that it needs whole gradients."""
+
+    requires_full_gradients = True
+
+
+def api_checks() -> dict[str, Any]:
+    """Single-rank checks of the engine's contract: rejections, errors, logging, zero_grad."""
+    import logging
+
+    import ds_core
+
+    out: dict[str, Any] = {}
+    base = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 2}
+    for stage in range(4):
+        for cls in (Muon, WholeGradients):
+            model = MLP(8, 2)
+            cfg = {**base, "zero_optimization": {"stage": stage}}
+            try:
+                engine, _, _, _ = ds_core.initialize(
+                    model=model, optimizer=cls(model.parameters(), lr=0.1), config=cfg
+                )
+                out[f"{cls.__name__}_s{stage}"] = "accepted"
+                engine.destroy()
+            except ds_core.ConfigError as exc:
+                out[f"{cls.__name__}_s{stage}"] = str(exc)
+
+    # no optimizer anywhere
+    try:
+        ds_core.initialize(model=MLP(8, 1), config=base)
+        out["no_optimizer"] = "accepted"
+    except ds_core.ConfigError as exc:
+        out["no_optimizer"] = str(exc)
+
+    # the log line every steps_per_print steps (fp16: with the loss scale)
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("ds_core.zero").addHandler(handler)
+    model = MLP(8, 2)
+    cfg = {
+        **base,
+        "fp16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, _, _, _ = ds_core.initialize(model=model, config=cfg)
+    for _ in range(4):
+        loss = engine(torch.randn(MICRO, 8).half()).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    logging.getLogger("ds_core.zero").removeHandler(handler)
+    out["log"] = records
+    engine.destroy()
+
+    # zero_grad drops accumulated gradients: two micro-batches, zero_grad between them, equal
+    # the second one alone
+    results = []
+    for drop_first in (True, False):
+        torch.manual_seed(0)
+        model = MLP(8, 2)
+        cfg = {**base, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+        )
+        g = torch.Generator().manual_seed(3)
+        x1, x2 = torch.randn(MICRO, 8, generator=g), torch.randn(MICRO, 8, generator=g)
+        if drop_first:
+            engine.backward(engine(x1).pow(2).mean())
+            engine.step()
+            engine.zero_grad()
+        else:
+            engine.micro_steps += 1  # same position in the accumulation window
+        engine.backward(engine(x2).pow(2).mean())
+        engine.step()
+        results.append(engine.gathered_state_dict())
+        engine.destroy()
+    out["zero_grad_equal"] = all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+    return out
+
+
 def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
     if suite == "stages":
         return {name: (lambda sc=sc: train(sc)) for name, sc in stage_scenarios(world).items()}
@@ -275,6 +368,8 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
             out[f"fp16_s{stage}"] = fp16_trajectory(stage)
             out[f"bf16_s{stage}"] = bf16_skip(stage)
         return out
+    if suite == "api":
+        return {"api": api_checks}
     if suite == "accounting":
         return {"bytes": count_bytes, "memory": memory}
     raise SystemExit(f"unknown suite {suite}")

@@ -3,8 +3,10 @@
 Each scenario trains the tiny model (tied weight, frozen and unused parameters, one MoE layer)
 for N steps with gradient accumulation and active clipping; the reference takes one backward
 over the whole global batch per step, so a match proves accumulation equivalence (k
-micro-batches = one batch k times larger) as well. Tolerance: fp32, 1e-5 relative (1e-6
-absolute for values near zero). Norms are the pre-clipping global norm, checked against
+micro-batches = one batch k times larger) as well. Tolerance: fp32, 1e-5 relative per element,
+with an absolute floor of 1e-5 × the tensor's largest magnitude for parameters (AdamW divides by
+sqrt(v), so elements whose gradients are near zero carry amplified rounding; measured worst case
+~1e-6 absolute on tensors of magnitude ~0.1) and 1e-6 for losses and norms. Norms are the pre-clipping global norm, checked against
 ``torch.nn.utils.clip_grad_norm_`` on the reference model; expert-split scenarios (``_ep2``)
 must give the same norm as replicated experts.
 """
@@ -35,7 +37,11 @@ def _merged_state(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         for name, value in res["state"].items():
             if name in merged:
                 torch.testing.assert_close(
-                    value, merged[name], rtol=RTOL, atol=ATOL, msg=f"ranks differ: {name}"
+                    value,
+                    merged[name],
+                    rtol=RTOL,
+                    atol=ATOL,
+                    msg=lambda m, n=name: f"ranks differ: {n}: {m}",
                 )
             merged[name] = value
     return merged
@@ -68,7 +74,11 @@ def test_stage_matches_single_process_reference(
     state = _merged_state(ranks)
     assert set(state) == set(ref["params"]), "every parameter is accounted for"
     for pname, value in ref["params"].items():
-        torch.testing.assert_close(state[pname], value.detach(), rtol=RTOL, atol=ATOL, msg=pname)
+        want = value.detach()
+        floor = max(ATOL, RTOL * float(want.abs().max()))
+        torch.testing.assert_close(
+            state[pname], want, rtol=RTOL, atol=floor, msg=lambda m, n=pname: f"{n}: {m}"
+        )
 
     # eval + no_grad forward works at every stage and sees the trained parameters
     if sc.ep_size == 1:

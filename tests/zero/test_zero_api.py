@@ -1,0 +1,46 @@
+"""The engine's contract on one rank: optimizer rejection, errors, the log line, zero_grad."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.zero.conftest import SuiteResults
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def api(suite: Callable[[str, int], SuiteResults]) -> dict[str, Any]:
+    return suite("api", 1).ranks("api")[0]
+
+
+@pytest.mark.parametrize("name", ["Muon", "WholeGradients"])
+def test_optimizer_needing_whole_gradients_is_rejected_in_partitioned_stages(
+    api: dict[str, Any], name: str
+) -> None:
+    assert api[f"{name}_s0"] == "accepted"
+    for stage in (1, 2, 3):
+        msg = api[f"{name}_s{stage}"]
+        assert f"optimizer {name} needs whole gradients" in msg, msg
+        assert f"stage {stage}" in msg and "stage 0" in msg and "AdamW" in msg, msg
+
+
+def test_missing_optimizer_is_a_config_error(api: dict[str, Any]) -> None:
+    assert api["no_optimizer"].startswith("no optimizer"), api["no_optimizer"]
+
+
+def test_log_line_every_steps_per_print(api: dict[str, Any]) -> None:
+    lines = api["log"]
+    assert [re.match(r"step=(\d+) ", line).group(1) for line in lines] == ["2", "4"]  # type: ignore[union-attr]
+    for line in lines:
+        for field in ("loss=", "lr=0.001", "loss_scale=65536", "grad_norm=", "skipped=0"):
+            assert field in line, line
+        assert re.search(r"mem_allocated=\d+(\.\d+)?MiB mem_peak=\d+(\.\d+)?MiB", line), line
+
+
+def test_zero_grad_drops_accumulated_gradients(api: dict[str, Any]) -> None:
+    assert api["zero_grad_equal"]
