@@ -1,8 +1,8 @@
 """Process hygiene: probes touch no device, processes can fork after a probe, Ctrl+C is kept.
 
 What the probe checks can see (run in a fresh interpreter, after ``import torch, ds_core``):
-new top-level modules that are neither the standard library, torch, ds_core nor the
-backend's own package must be listed in ``ProbeResult.imported``; the probe must start no
+new top-level modules that are neither the standard library, torch, ds_core nor a ds_core
+backend package (its own or another) must be listed in ``ProbeResult.imported``; the probe must start no
 OS thread (device runtimes start workers when they create a context, and threads make a later
 ``fork()`` unsafe); ``torch.<device type>.is_initialized()`` and ``torch.cuda.is_initialized()``
 must stay false where they exist (not on ``cpu``, which has no context); and no driver
@@ -35,8 +35,11 @@ plugin = ep.load()
 probe = plugin.ds_backend_probe()
 info = plugin.ds_backend_info()
 result = diff(before, info.device_type)
+# Other ds_core backend packages obey these same rules; importing one is not a vendor import.
+backends = sorted(set(e.value.split(":")[0].split(".")[0]
+                       for e in md.entry_points(group="ds_core.backends")))
 result.update(available=probe.available, imported=list(probe.imported),
-              own=plugin.__name__.split(".")[0])
+              own=plugin.__name__.split(".")[0], backends=backends)
 print(json.dumps(result))
 """
     )
@@ -50,6 +53,7 @@ def probe_effects(acc: Any) -> dict[str, Any]:
 @hooks("ds_backend_probe")
 def test_probe_imports_only_documented_modules(probe_effects: dict[str, Any]) -> None:
     documented = {m.split(".")[0] for m in probe_effects["imported"]} | {probe_effects["own"]}
+    documented |= set(probe_effects["backends"])
     extra = undocumented_modules(probe_effects, documented)
     check(
         not extra,
