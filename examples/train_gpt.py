@@ -35,6 +35,7 @@ import torch.distributed as dist  # noqa: E402
 
 import ds_core  # noqa: E402
 from ds_core.comm.counting import CommCounter  # noqa: E402
+from ds_core.zero.config import load_config  # noqa: E402
 from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
 
 MiB = 2**20
@@ -52,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=64, help="characters per sequence (64)")
     p.add_argument("--model", default="small", choices=sorted(PRESETS), help="size (small)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--nproc", type=int, default=2, help="ranks when started without torchrun")
+    # not --nproc: torchrun would take it for an abbreviation of its --nproc-per-node
+    p.add_argument("--ranks", type=int, default=2, help="ranks when started without torchrun")
     p.add_argument("--out", default="out/train_gpt", help="folder for the log and the plot")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
     return p.parse_args(argv)
@@ -62,7 +64,7 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> None:
     """Started as a plain script: become ``torchrun --nproc_per_node N`` of ourselves."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; torchrun's default
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={args.nproc}", str(Path(__file__).resolve()), *sys.argv[1:]]
+    cmd += [f"--nproc_per_node={args.ranks}", str(Path(__file__).resolve()), *sys.argv[1:]]
     os.execv(sys.executable, cmd)
 
 
@@ -150,7 +152,7 @@ def write_plot(path: Path, rows: list[dict[str, float]], mem_by_rank: list[list[
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "LOCAL_RANK" not in os.environ and args.nproc > 1:
+    if "LOCAL_RANK" not in os.environ and args.ranks > 1:
         relaunch_under_torchrun(args)
     # the embedded default: the CPU backend, one thread per rank, unless asked otherwise
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     acc = ds_core.get_accelerator()
     try:
         train(args, rank, world, acc)
+        # leave together: a gloo rank that tears down while a peer is still busy (rank 0
+        # writing the plot) can abort at exit
+        dist.barrier()
     except ds_core.ConfigError as exc:
         if rank == 0:
             print(f"train_gpt: {exc}", file=sys.stderr)
@@ -171,11 +176,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
-    config = build_config(args)
+    # the config, validated up front: an error names the field, on every rank alike
+    config = load_config(build_config(args), world)
 
     # build data: the same generated corpus on every rank, a different sample stream per rank
     tokens = encode(make_corpus(seed=args.seed))
-    micro = int(config["train_micro_batch_size_per_gpu"])
+    micro = config.train_micro_batch_size_per_gpu
     data = Batches(tokens, micro, args.seq, seed=args.seed, rank=rank)
 
     # build model: same seed everywhere (the engine also broadcasts rank 0's weights)
@@ -189,13 +195,11 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
     engine, _, _, _ = ds_core.initialize(  # type: ignore[attr-defined]
         model=model, model_parameters=model.parameters(), config=config
     )
-    accum = int(config.get("gradient_accumulation_steps", 1))
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    precision = "bf16" if config.get("bf16", {}).get("enabled") else "fp32"
+    accum = config.gradient_accumulation_steps
     if rank == 0:
         print(
-            f"GPT {args.model}: {n_params / 1e6:.1f} M parameters | ZeRO stage {stage} "
-            f"| {precision} | {world} ranks on {acc.device_name()} "
+            f"GPT {args.model}: {n_params / 1e6:.1f} M parameters | ZeRO stage "
+            f"{config.zero_optimization.stage} | {config.precision} | {world} ranks on {acc.device_name()} "
             f"({acc.communication_backend_name()}) | batch {micro}×{args.seq}×{accum}×{world}",
             file=sys.stderr,
         )
