@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.zero._common import IN, TinyNet, run_reference
+from tests.zero._common import IN, Scenario, TinyNet, run_reference
 from tests.zero._worker import stage_scenarios
 from tests.zero.conftest import SuiteResults
 
@@ -51,8 +51,12 @@ def _merged_state(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 def test_stage_matches_single_process_reference(
     suite: Callable[[str, int], SuiteResults], world: int, name: str
 ) -> None:
-    sc = stage_scenarios(world)[name]
-    ranks = suite("stages", world).ranks(name)
+    check_against_reference(stage_scenarios(world)[name], suite("stages", world).ranks(name))
+
+
+def check_against_reference(sc: Scenario, ranks: list[dict[str, Any]]) -> None:
+    """Losses, norms, final parameters and an eval forward of a run equal the reference's."""
+    world = sc.world
     ref = run_reference(sc)
 
     # losses: each rank's micro-batch mean, averaged over ranks and micro-batches of a step
