@@ -1,7 +1,8 @@
 """The ZeRO engine: configuration, partitioning per stage, precision, clipping, accumulation.
 
 Public API: :func:`initialize` (also ``ds_core.initialize``), :class:`ZeroEngine`,
-:class:`ZeroParam` (one per parameter: shard layout, fp32 master) and :class:`LossScaler`.
+:class:`ZeroParam` (one per parameter: shard layout, fp32 master), :class:`LossScaler` and
+:class:`GatheredParameters` (scoped full parameters in stage 3).
 Configuration lives in :mod:`ds_core.zero.config`, optimizer and schedule builders in
 :mod:`ds_core.zero.schedules`.
 """
@@ -9,10 +10,12 @@ Configuration lives in :mod:`ds_core.zero.config`, optimizer and schedule builde
 from __future__ import annotations
 
 from ds_core.zero.engine import ZeroEngine, initialize, needs_full_gradients
+from ds_core.zero.gathered import GatheredParameters
 from ds_core.zero.partition import Mode, ZeroParam
 from ds_core.zero.precision import LossScaler
 
 __all__ = [
+    "GatheredParameters",
     "LossScaler",
     "Mode",
     "ZeroEngine",

@@ -33,7 +33,7 @@ from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
 from ds_core.zero.buckets import GradBucket, gather_params
-from ds_core.zero.partition import Mode, ZeroParam, bucketize
+from ds_core.zero.partition import ZERO_PARAM_ATTR, Mode, ZeroParam, bucketize
 from ds_core.zero.precision import LossScaler
 from ds_core.zero.stage3 import ParamCoordinator
 
@@ -186,6 +186,7 @@ class ZeroEngine:
         else:
             mode = Mode.SHARDED_STATE
         zp = ZeroParam(name, p, mode, group, gworld, grank, ep)
+        setattr(p, ZERO_PARAM_ATTR, zp)
         with torch.no_grad():
             if mode is Mode.REPLICATED:
                 if zp.trainable:
@@ -568,6 +569,8 @@ class ZeroEngine:
             zp.master = zp.full = zp.shard = zp.pending = zp.grad_view = None
             zp.param.data = torch.empty(0, dtype=zp.dtype, device=self.device)
             zp.param.grad = None
+            if getattr(zp.param, ZERO_PARAM_ATTR, None) is zp:
+                delattr(zp.param, ZERO_PARAM_ATTR)
         self.zparams.clear()
         self._by_param.clear()
         self._trainable.clear()

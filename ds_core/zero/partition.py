@@ -20,6 +20,15 @@ import math
 import torch
 from torch import nn
 
+#: attribute set on each parameter an engine manages, holding its :class:`ZeroParam`.
+ZERO_PARAM_ATTR = "ds_zero_param"
+
+
+def zero_param_of(param: torch.Tensor) -> ZeroParam | None:
+    """The :class:`ZeroParam` an engine attached to ``param``, or ``None``."""
+    zp = getattr(param, ZERO_PARAM_ATTR, None)
+    return zp if isinstance(zp, ZeroParam) else None
+
 
 class Mode(enum.Enum):
     """How a parameter is held."""

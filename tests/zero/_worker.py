@@ -421,6 +421,47 @@ def resident() -> dict[str, Any]:
     return out
 
 
+def gathered(stage: int) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        import ds_core
+        from ds_core import comm
+        from ds_core.zero import GatheredParameters
+
+        rank = comm.get_rank()
+        torch.manual_seed(0)
+        model = MLP(10, 2)  # 110 elements per layer: padded to 2 x 55
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+        )
+        weight = model.layers[0].weight
+        out: dict[str, Any] = {"outside_numel": weight.numel()}
+        with GatheredParameters(model.parameters()):
+            out["inside"] = {k: v.clone() for k, v in model.state_dict().items()}
+            weight.data.fill_(-1.0)  # discarded: no modifier rank
+        with GatheredParameters(weight, modifier_rank=1):
+            if rank == 1:
+                weight.data.fill_(0.25)
+        out["after_numel"] = weight.numel()
+        with GatheredParameters([weight]):
+            out["edited"] = weight.detach().clone()
+        # the edit reached the master: one step with zero learning rate keeps it
+        for g in engine.optimizer.param_groups:
+            g["lr"] = 0.0
+        engine.backward(engine(torch.randn(MICRO, 10)).pow(2).mean())
+        engine.step()
+        out["after_step"] = engine.gathered_state_dict()["layers.0.weight"]
+        out["initial"] = initial
+        engine.destroy()
+        return out
+
+    return run
+
+
 def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
     if suite == "stages":
         return {name: (lambda sc=sc: train(sc)) for name, sc in stage_scenarios(world).items()}
@@ -429,6 +470,7 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         for stage in range(4):
             out[f"fp16_s{stage}"] = fp16_trajectory(stage)
             out[f"bf16_s{stage}"] = bf16_skip(stage)
+            out[f"gathered_s{stage}"] = gathered(stage)
         return out
     if suite == "resident":
         return {"resident": resident}

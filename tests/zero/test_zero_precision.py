@@ -56,3 +56,18 @@ def test_bf16_non_finite_gradient_skips_the_step(
         for i in (1, 2, 4):
             assert not torch.equal(record[i - 1]["masters"], record[i]["masters"])
             assert torch.isfinite(record[i]["masters"]).all()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gathered_parameters_give_full_values_and_keep_the_modifier_ranks_edit(
+    suite: Callable[[str, int], SuiteResults], stage: int
+) -> None:
+    for rank, res in enumerate(suite("precision", 2).ranks(f"gathered_s{stage}")):
+        full = 10 * 10
+        assert res["outside_numel"] == (0 if stage == 3 else full), f"rank {rank}"
+        assert res["after_numel"] == (0 if stage == 3 else full), f"rank {rank}"
+        for name, value in res["initial"].items():
+            torch.testing.assert_close(res["inside"][name], value, rtol=0, atol=0)
+        expected = torch.full((10, 10), 0.25)
+        torch.testing.assert_close(res["edited"], expected, rtol=0, atol=0)
+        torch.testing.assert_close(res["after_step"], expected, rtol=0, atol=0)
