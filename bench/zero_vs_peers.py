@@ -297,7 +297,7 @@ def build_ds(model: torch.nn.Module, stage: int, micro_batch: int) -> Trainer:
 
     counter = CommCounter()
     ds_core.register_plugin(counter)
-    engine, _, _, _ = ds_core.initialize(  # type: ignore[attr-defined]
+    engine, _, _, _ = ds_core.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config(stage, micro_batch)
     )
 

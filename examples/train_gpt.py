@@ -196,7 +196,7 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
     # build engine; the counter wraps the collective hooks to count bytes communicated
     counter = CommCounter()
     ds_core.register_plugin(counter)
-    engine, _, _, _ = ds_core.initialize(  # type: ignore[attr-defined]
+    engine, _, _, _ = ds_core.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
     accum = config.gradient_accumulation_steps
