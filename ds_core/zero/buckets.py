@@ -42,6 +42,8 @@ class GradBucket:
         self.full: torch.Tensor | None = None
         #: stage 1: the reduced shard during a step; stage 2/3: the persistent accumulator.
         self.shard: torch.Tensor | None = None
+        #: an asynchronous reduce-scatter in flight: (handle, input, output).
+        self.inflight: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         if stage <= 1:
             self.full = torch.zeros(self.rows * self.S, dtype=torch.float32, device=device)
         else:
@@ -67,6 +69,7 @@ class GradBucket:
 
     def grad_buffer(self) -> torch.Tensor:
         """The buffer holding this rank's reduced gradients (for norms and scaling)."""
+        self.finish()
         buf = self.full if self.stage == 0 else self.shard
         if buf is None:
             raise AssertionError("gradient buffer read before reduction")
@@ -85,22 +88,38 @@ class GradBucket:
             raise AssertionError("accumulate() is for stages 0/1")
         copy_into_rows(self.full_rows(zp, self.full), grad, add=True)
 
-    def reduce_pending(self) -> None:
+    def reduce_pending(self, async_op: bool = False) -> None:
         """Stage 2/3: reduce-scatter this micro-batch's gradients and add them to the shard.
 
-        A parameter that got no gradient contributes zeros.
+        A parameter that got no gradient contributes zeros. With ``async_op`` the collective
+        runs in the background (``overlap_comm``) and :meth:`finish` adds its result; the
+        input and output buffers stay owned by the bucket until then.
         """
         from ds_core.accelerator import get_accelerator
 
         if self.shard is None:
             raise AssertionError("reduce_pending() is for stages 2/3")
+        self.finish()
         tmp = torch.zeros(self.rows * self.S, dtype=torch.float32, device=self.device)
         for zp in self.zparams:
             if zp.pending is not None:
                 copy_into_rows(self.full_rows(zp, tmp), zp.pending)
                 zp.pending = None
         out = torch.empty(self.S, dtype=torch.float32, device=self.device)
-        get_accelerator().reduce_scatter(out, tmp, "sum", self.group)
+        handle = get_accelerator().reduce_scatter(out, tmp, "sum", self.group, async_op)
+        self.inflight = (handle, tmp, out)
+        if not async_op:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for an in-flight reduce-scatter and add its result to the shard; idempotent."""
+        if self.inflight is None:
+            return
+        handle, _tmp, out = self.inflight
+        handle.wait()
+        self.inflight = None  # drops the input buffer only now that the collective is done
+        if self.shard is None:
+            raise AssertionError("reduce-scatter finished after the bucket was torn down")
         self.shard.add_(out)
 
     def reduce_boundary(self) -> None:
@@ -118,6 +137,7 @@ class GradBucket:
 
     def zero(self) -> None:
         """Reset the accumulators after a step (or a skipped step, or ``zero_grad``)."""
+        self.finish()
         if self.full is not None:
             self.full.zero_()
             if self.stage == 1:

@@ -77,6 +77,7 @@ class ZeroEngine:
         self.stage: int = zcfg.stage
         self.gas: int = config.gradient_accumulation_steps
         self.clip: float = config.gradient_clipping
+        self.overlap_comm = bool(zcfg.overlap_comm)
         log.setLevel(config.log_level.upper())
 
         # - device and groups
@@ -343,8 +344,10 @@ class ZeroEngine:
             if self.coordinator is not None:
                 self.coordinator.release_all()
         if self.stage >= 2:
+            # With overlap_comm the reduce-scatters run while the caller computes the next
+            # micro-batch; each bucket finishes its own before reusing or reading its shard.
             for b in self.buckets:
-                b.reduce_pending()
+                b.reduce_pending(self.overlap_comm)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` updates: every ``gradient_accumulation_steps``
@@ -560,6 +563,7 @@ class ZeroEngine:
         for g in self.optimizer.param_groups:
             g["params"] = []
         for b in self.buckets:
+            b.finish()
             b.full = b.shard = None
         self.buckets.clear()
         self._bucket_of.clear()

@@ -102,6 +102,7 @@ class Scenario:
     bucket: int = 300  # reduce/allgather bucket elements: several buckets per step
     explicit_boundary: bool = False  # GAS=1 config, `gas` backwards then one step
     sometimes: bool = False  # `unused` gets gradients in the first micro-batch of a step only
+    overlap: bool = False  # zero_optimization.overlap_comm (asynchronous reduce-scatters)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def config(self) -> dict[str, Any]:
@@ -117,6 +118,7 @@ class Scenario:
                 "allgather_bucket_size": self.bucket,
                 "stage3_param_persistence_threshold": self.threshold,
                 "stage3_prefetch_bucket_size": 10_000,
+                "overlap_comm": self.overlap,
             },
         }
         cfg.update(self.extra)

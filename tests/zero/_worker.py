@@ -54,6 +54,8 @@ def stage_scenarios(world: int) -> dict[str, Scenario]:
         "s1_explicit": Scenario(stage=1, world=2, gas=3, explicit_boundary=True, steps=4),
         "s2_explicit": Scenario(stage=2, world=2, gas=3, explicit_boundary=True, steps=4),
         "s3_explicit": Scenario(stage=3, world=2, gas=3, explicit_boundary=True, steps=4),
+        "s2_overlap": Scenario(stage=2, world=2, overlap=True, steps=5),
+        "s3_overlap": Scenario(stage=3, world=2, overlap=True, steps=5),
         "s1_sometimes": Scenario(stage=1, world=2, sometimes=True, steps=4),
         "s2_sometimes": Scenario(stage=2, world=2, sometimes=True, steps=4),
         "s3_sometimes": Scenario(stage=3, world=2, sometimes=True, steps=4),
