@@ -6,11 +6,12 @@ Most vendors expose their device through a module shaped like torch's reference 
 ``default_generators``, ``Stream(device=, priority=)``, ``stream(s)``, ``current_stream(device)``,
 ``default_stream(device)``, ``Event(enable_timing=)``, ``memory_allocated(device)`` and the other
 allocator queries, ``mem_get_info(device)``, and a graph class with a capture context manager.
-This module turns such a module into the *bodies* of ds_core's hooks. A backend's ``plugin.py``
-keeps one module-level ``@ds_core.hookimpl`` function per hook (signatures equal to the specs)
-and delegates to these helpers where the vendor matches the shape, writing its own code where it
-differs. Nothing here names a vendor: the backend passes its module, its device type string and
-the labels used in messages.
+This module turns such a module into ds_core's hooks. A backend's ``plugin.py`` subclasses
+:class:`TorchStyleHooks`, whose ``@ds_core.hookimpl`` methods delegate the device, RNG, stream
+and memory hooks to a :class:`TorchStyleDevice`; it overrides the hooks where its vendor differs
+from the shape, adds its own (info, probe, comm, ops, determinism, launcher) and registers an
+instance as its entry point. Nothing here names a vendor: the backend passes its module, its
+device type string and the labels used in messages.
 
 What is here (all sizes in bytes, times in milliseconds, ``index=None`` = current device).
 Device arguments passed to the vendor: the bare type string (``"<type>"``) for the current
@@ -23,6 +24,8 @@ resolved explicit index where torch's call rejects a bare type (the memory-fract
   ``get_per_process_memory_fraction``) and pinned-memory bodies. ``load`` is a zero-argument
   callable returning the vendor module, called on every use, so importing the plugin imports
   nothing and tests can swap the module.
+- :class:`TorchStyleHooks` ``(device)``: the hooks that delegate to a :class:`TorchStyleDevice`
+  unchanged, as methods a backend's plugin class inherits and overrides.
 - :class:`HostTimedEvent`: wraps a vendor event whose device timing is a stub; ``record``
   synchronises the stream and reads a monotonic host clock.
 - :class:`TorchStyleGraph`: the :class:`ds_core.types.Graph` protocol over a vendor graph object
@@ -59,12 +62,15 @@ from typing import Any, Final
 import torch
 
 from ds_core.errors import ConfigError
+from ds_core.hookspecs import hookimpl
 from ds_core.types import (
     DeterminismRecord,
     DeviceProperties,
+    Event,
     MemoryInfo,
     ProbeResult,
     SimpleOpProvider,
+    Stream,
 )
 
 __all__ = [
@@ -75,6 +81,7 @@ __all__ = [
     "Setting",
     "TorchStyleDevice",
     "TorchStyleGraph",
+    "TorchStyleHooks",
     "attribute_setting",
     "check_options",
     "count_device_nodes",
@@ -354,6 +361,143 @@ class HostTimedEvent:
         if self._t is None or end_event._t is None:
             raise RuntimeError("elapsed_time needs both events recorded first")
         return (end_event._t - self._t) * 1000.0
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+class TorchStyleHooks:
+    """The device, RNG, stream, memory and pinned-memory hooks that delegate to a
+    :class:`TorchStyleDevice` unchanged, as methods of a plugin object.
+
+    A backend subclasses this, overrides the hooks where its vendor differs from the shape
+    (or the hook is its own: info, probe, capabilities, comm, ops, determinism, launcher), and
+    registers an instance as its entry point (``"<package>.plugin:hooks"``). pluggy registers
+    an instance like a module: each ``@hookimpl`` method is a hook implementation, and its
+    argument names (``self`` aside) are the spec's.
+
+    :param device: the vendor module's hook bodies; backends keep it at module level too, so
+        their own helpers share the same object.
+    """
+
+    #: Property attribute names copied into ``DeviceProperties.extra`` where the vendor's
+    #: properties object has them (see :meth:`TorchStyleDevice.properties`).
+    property_extras: tuple[str, ...] = ()
+
+    def __init__(self, device: TorchStyleDevice) -> None:
+        self.device = device
+        # What a module plugin's __name__ was: the module defining the hooks. Reports, pluggy's
+        # canonical name and the conformance suite's probe-hygiene check name a plugin by it.
+        self.__name__ = type(self).__module__
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__qualname__} from {type(self).__module__}>"
+
+    # -- device ----------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_device_count(self) -> int:
+        return self.device.count()
+
+    @hookimpl
+    def ds_device_current(self) -> int:
+        return self.device.current()
+
+    @hookimpl
+    def ds_device_set(self, index: int) -> bool:
+        return self.device.set(index)
+
+    @hookimpl
+    def ds_device_synchronize(self, index: int | None) -> bool:
+        return self.device.synchronize(index)
+
+    @hookimpl
+    def ds_device_properties(self, index: int | None) -> DeviceProperties:
+        return self.device.properties(index, self.property_extras)
+
+    # -- rng -------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_rng_manual_seed(self, seed: int, all_devices: bool) -> bool:
+        return self.device.manual_seed(seed, all_devices)
+
+    @hookimpl
+    def ds_rng_get_state(self, index: int | None) -> torch.Tensor:
+        return self.device.get_rng_state(index)
+
+    @hookimpl
+    def ds_rng_set_state(self, state: torch.Tensor, index: int | None) -> bool:
+        return self.device.set_rng_state(state, index)
+
+    @hookimpl
+    def ds_rng_default_generator(self, index: int | None) -> torch.Generator:
+        return self.device.default_generator(index)
+
+    # -- streams and events ------------------------------------------------------------------
+
+    @hookimpl
+    def ds_stream_create(self, index: int | None, priority: int) -> Stream:
+        stream: Stream = self.device.stream_create(index, priority)
+        return stream
+
+    @hookimpl
+    def ds_stream_current(self, index: int | None) -> Stream:
+        stream: Stream = self.device.stream_current(index)
+        return stream
+
+    @hookimpl
+    def ds_stream_default(self, index: int | None) -> Stream:
+        stream: Stream = self.device.stream_default(index)
+        return stream
+
+    @hookimpl
+    def ds_stream_use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return self.device.stream_use(stream)
+
+    @hookimpl
+    def ds_stream_event_create(self, enable_timing: bool) -> Event:
+        event: Event = self.device.event_create(enable_timing)
+        return event
+
+    # -- memory (bytes) ----------------------------------------------------------------------
+
+    @hookimpl
+    def ds_memory_allocated(self, index: int | None) -> int:
+        return self.device.allocated(index)
+
+    @hookimpl
+    def ds_memory_max_allocated(self, index: int | None) -> int:
+        return self.device.max_allocated(index)
+
+    @hookimpl
+    def ds_memory_reset_peak(self, index: int | None) -> bool:
+        return self.device.reset_peak(index)
+
+    @hookimpl
+    def ds_memory_reserved(self, index: int | None) -> int:
+        return self.device.reserved(index)
+
+    @hookimpl
+    def ds_memory_stats(self, index: int | None) -> dict[str, int]:
+        return self.device.stats(index)
+
+    @hookimpl
+    def ds_memory_empty_cache(self) -> bool:
+        return self.device.empty_cache()
+
+    @hookimpl
+    def ds_memory_info(self, index: int | None) -> MemoryInfo:
+        return self.device.memory_info(index)
+
+    # -- pinned host memory ------------------------------------------------------------------
+
+    @hookimpl
+    def ds_memory_pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.device.pin(tensor)
+
+    @hookimpl
+    def ds_memory_is_pinned(self, tensor: torch.Tensor) -> bool:
+        return self.device.is_pinned(tensor)
 
 
 # --------------------------------------------------------------------------- graphs

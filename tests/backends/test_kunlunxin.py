@@ -8,9 +8,6 @@ backends/kunlunxin/README.md).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -29,6 +26,7 @@ from ds_core.plugins import BackendEntry, validate_backend
 from tests.backends.fakes import fake_xmlir
 from tests.backends.fakes.fake_cuda import FakeCuda, install
 from tests.backends.fakes.fake_device_module import GiB
+from tests.backends.helpers import probe_in_subprocess
 
 pytestmark = pytest.mark.contract
 
@@ -55,7 +53,7 @@ def host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeCuda:
 
 
 def accelerator() -> object:
-    entry = BackendEntry("kunlunxin", "ds-core-kunlunxin", "0.1.0", "x", plugin=plugin)
+    entry = BackendEntry("kunlunxin", "ds-core-kunlunxin", "0.1.0", "x", plugin=plugin.hooks)
     return build_accelerator(entry)
 
 
@@ -63,22 +61,7 @@ def accelerator() -> object:
 
 
 def test_probe_without_the_stack_says_where_it_comes_from_and_imports_nothing() -> None:
-    code = (
-        "import json, sys\n"
-        "before = set(sys.modules)\n"
-        "import ds_backend_kunlunxin.plugin as p\n"
-        "r = p.ds_backend_probe()\n"
-        "import torch\n"
-        "print(json.dumps({'available': r.available, 'reason': r.reason, "
-        "'imported': sorted(set(sys.modules) - before), "
-        "'initialized': bool(torch.cuda.is_initialized())}))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = probe_in_subprocess("ds_backend_kunlunxin.plugin")
     assert result["available"] is False
     assert "torch_xmlir" in result["reason"] and "not installed" in result["reason"]
     assert "does not come from PyPI" in result["reason"]
@@ -90,17 +73,17 @@ def test_probe_without_the_stack_says_where_it_comes_from_and_imports_nothing() 
 def test_a_kunlunxin_host_is_claimed_by_kunlunxin_alone_without_importing_the_stack(
     host: FakeCuda,
 ) -> None:
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert result.available and result.device_count == 4
     assert "CUDA-compatibility mode" in result.reason
-    assert not cuda_plugin.ds_backend_probe().available
+    assert not cuda_plugin.hooks.ds_backend_probe().available
     assert fake_xmlir.IMPORTS == [] and "torch_xmlir" not in sys.modules
     assert host.names() == []  # the probe asked the device nodes, not torch.cuda
 
 
 def test_a_plain_cuda_host_is_not_kunlunxin(monkeypatch: pytest.MonkeyPatch) -> None:
     install(monkeypatch, FakeCuda(2), cuda="12.8")
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert not result.available and "not installed" in result.reason
 
 
@@ -109,22 +92,22 @@ def test_the_stack_without_devices_is_unavailable(
 ) -> None:
     nodes = fake_xmlir.install_xmlir(monkeypatch, tmp_path, nodes=0)
     monkeypatch.setattr(plugin, "DEVICE_NODES", nodes)
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert not result.available
     assert "no Kunlunxin device" in result.reason and "xpu-smi" in result.reason
 
 
 def test_visible_devices_narrow_and_hide(host: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XPU_VISIBLE_DEVICES", "0,1")
-    assert plugin.ds_backend_probe().device_count == 2
+    assert plugin.hooks.ds_backend_probe().device_count == 2
     plugin.probe.clear()
     monkeypatch.setenv("XPU_VISIBLE_DEVICES", "")
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert not result.available and "hidden by XPU_VISIBLE_DEVICES=''" in result.reason
 
 
 def test_registration_validation_passes(host: FakeCuda) -> None:
-    info, declared = validate_backend("kunlunxin", plugin)
+    info, declared = validate_backend("kunlunxin", plugin.hooks)
     assert (info.name, info.device_type, info.priority) == ("kunlunxin", "cuda", 100)
     assert "determinism" not in declared and "memory_limits" not in declared
 
@@ -133,14 +116,14 @@ def test_registration_validation_passes(host: FakeCuda) -> None:
 
 
 def test_the_first_device_call_imports_torch_xmlir_once(host: FakeCuda) -> None:
-    assert plugin.ds_device_count() == 4
+    assert plugin.hooks.ds_device_count() == 4
     assert fake_xmlir.IMPORTS == ["torch_xmlir"]
-    plugin.ds_device_set(3)
-    plugin.ds_device_synchronize(None)
+    plugin.hooks.ds_device_set(3)
+    plugin.hooks.ds_device_synchronize(None)
     assert fake_xmlir.IMPORTS == ["torch_xmlir"]
     assert host.called("set_device") == [("set_device", (3,), {})]
     assert host.called("synchronize")[-1][1] == ("cuda",)
-    plugin.ds_rng_get_state(2)
+    plugin.hooks.ds_rng_get_state(2)
     assert host.called("get_rng_state")[-1][1] == ("cuda:2",)
 
 
@@ -148,7 +131,7 @@ def test_memory_info_is_device_wide(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     fake_xmlir.install_xmlir(monkeypatch, tmp_path, nodes=1)
     # Even if torch exposes a fraction getter, no Kunlunxin limit is claimed.
     fake = install(monkeypatch, FakeCuda(1, fraction=0.5), cuda="11.8")
-    info = plugin.ds_memory_info(0)
+    info = plugin.hooks.ds_memory_info(0)
     assert (info.total, info.available, info.limit) == (140 * GiB, 100 * GiB, None)
     assert fake.called("mem_get_info") == [("mem_get_info", ("cuda:0",), {})]
     assert fake.called("get_per_process_memory_fraction") == []
@@ -161,10 +144,10 @@ def test_events_are_host_timed_while_device_events_are_stubs(
     host: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(plugin._dev, "host_timers", True)
-    assert "device_timing" not in plugin.ds_backend_capabilities()
-    stream = plugin.ds_stream_create(0, 0)
-    start = plugin.ds_stream_event_create(True)
-    end = plugin.ds_stream_event_create(True)
+    assert "device_timing" not in plugin.hooks.ds_backend_capabilities()
+    stream = plugin.hooks.ds_stream_create(0, 0)
+    start = plugin.hooks.ds_stream_event_create(True)
+    end = plugin.hooks.ds_stream_event_create(True)
     assert isinstance(start, HostTimedEvent)
     start.record(stream)
     time.sleep(0.02)
@@ -174,7 +157,7 @@ def test_events_are_host_timed_while_device_events_are_stubs(
     assert start.elapsed_time(end) >= 15.0
     assert host.names().count("Stream.synchronize") == 2
     assert host.called("Event.record")[0][1] == (stream,)
-    unrecorded = plugin.ds_stream_event_create(True)
+    unrecorded = plugin.hooks.ds_stream_event_create(True)
     with pytest.raises(RuntimeError, match="recorded"):
         start.elapsed_time(unrecorded)
 
@@ -183,8 +166,8 @@ def test_real_device_events_are_used_when_enabled(
     host: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(plugin._dev, "host_timers", False)
-    assert "device_timing" in plugin.ds_backend_capabilities()
-    assert not isinstance(plugin.ds_stream_event_create(True), HostTimedEvent)
+    assert "device_timing" in plugin.hooks.ds_backend_capabilities()
+    assert not isinstance(plugin.hooks.ds_stream_event_create(True), HostTimedEvent)
 
 
 def test_host_timers_follow_the_vendor_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,7 +185,7 @@ def test_host_timers_follow_the_vendor_variables(monkeypatch: pytest.MonkeyPatch
 
 
 def test_dtypes_claim_no_fp64_or_fp8(host: FakeCuda) -> None:
-    dtypes = plugin.ds_dtype_supported()
+    dtypes = plugin.hooks.ds_dtype_supported()
     assert {torch.float32, torch.float16, torch.bfloat16} <= dtypes
     assert torch.float64 not in dtypes and torch.float8_e4m3fn not in dtypes
     # Called with torch's default (emulation included), which tries bf16 on the device itself.
@@ -210,11 +193,11 @@ def test_dtypes_claim_no_fp64_or_fp8(host: FakeCuda) -> None:
         ("is_bf16_supported", (), {"including_emulation": True})
     ]
     host.bf16 = False
-    assert torch.bfloat16 not in plugin.ds_dtype_supported()
+    assert torch.bfloat16 not in plugin.hooks.ds_dtype_supported()
 
 
 def test_graph_capture_is_absent_without_the_vendor_switch(host: FakeCuda) -> None:
-    assert "graph_capture" not in plugin.ds_backend_capabilities()
+    assert "graph_capture" not in plugin.hooks.ds_backend_capabilities()
     acc = accelerator()
     with pytest.raises(NotSupportedError, match="graph_capture"):
         acc.configure({"kunlunxin": {"graph_capture": True}})  # type: ignore[attr-defined]
@@ -224,7 +207,7 @@ def test_graph_capture_uses_cuda_graph_under_the_vendor_switch(
     host: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(plugin.GRAPH_ENV, "1")
-    assert "graph_capture" in plugin.ds_backend_capabilities()
+    assert "graph_capture" in plugin.hooks.ds_backend_capabilities()
     acc = accelerator()
     acc.configure({"kunlunxin": {"graph_capture": True}})  # type: ignore[attr-defined]
     graph = acc.create_graph()  # type: ignore[attr-defined]
@@ -240,12 +223,12 @@ def test_graph_capture_uses_cuda_graph_under_the_vendor_switch(
 def test_comm_prepare_imports_the_stack_then_checks_nccl(
     host: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert plugin.ds_comm_backend_name() == "nccl"
+    assert plugin.hooks.ds_comm_backend_name() == "nccl"
     with pytest.raises(RuntimeError, match="BKCL"):
-        plugin.ds_comm_prepare()
+        plugin.hooks.ds_comm_prepare()
     assert fake_xmlir.IMPORTS == ["torch_xmlir"]
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    assert plugin.ds_comm_prepare() is True
+    assert plugin.hooks.ds_comm_prepare() is True
 
 
 # --------------------------------------------------------------------------- fused adam
@@ -300,20 +283,20 @@ def test_fused_adam_refuses_what_the_kernel_lacks() -> None:
 
 def test_determinism_switches_torch_only_and_says_so(host: FakeCuda) -> None:
     before = torch.are_deterministic_algorithms_enabled()
-    record = plugin.ds_determinism_apply(True)
+    record = plugin.hooks.ds_determinism_apply(True)
     try:
         assert torch.are_deterministic_algorithms_enabled()
         assert list(record.settings) == ["torch.use_deterministic_algorithms"]
         assert record.env == {}
         assert any("no Kunlunxin determinism knob" in n for n in record.notes)
     finally:
-        plugin.ds_determinism_restore(record)
+        plugin.hooks.ds_determinism_restore(record)
     assert torch.are_deterministic_algorithms_enabled() is before
 
 
 def test_launcher_environment() -> None:
-    assert plugin.ds_launcher_visible_devices_env() == [
+    assert plugin.hooks.ds_launcher_visible_devices_env() == [
         "XPU_VISIBLE_DEVICES",
         "CUDA_VISIBLE_DEVICES",
     ]
-    assert {"BKCL_", "XPU_", "XMLIR_"} <= set(plugin.ds_launcher_env_prefixes())
+    assert {"BKCL_", "XPU_", "XMLIR_"} <= set(plugin.hooks.ds_launcher_env_prefixes())

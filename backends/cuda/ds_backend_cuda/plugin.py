@@ -1,7 +1,9 @@
 """Hook implementations of the cuda backend: NVIDIA GPUs through ``torch.cuda``.
 
-Device, RNG, stream, memory and pinned-memory hooks delegate to
-:class:`ds_core.backend_kit.TorchStyleDevice` over ``torch.cuda`` (device strings ``cuda`` and
+The hooks are the methods of :class:`CudaHooks`, registered through the instance ``hooks``.
+Device, RNG, stream, memory and pinned-memory hooks are inherited from
+:class:`ds_core.backend_kit.TorchStyleHooks`, delegating to a
+:class:`~ds_core.backend_kit.TorchStyleDevice` over ``torch.cuda`` (device strings ``cuda`` and
 ``cuda:N``). What is NVIDIA-specific lives here: the probe's claim rules, dtypes by compute
 capability, CUDA graphs, NCCL, the cuBLAS/cuDNN/NCCL determinism knobs, and the launcher's
 variables.
@@ -13,7 +15,6 @@ path initialises the driver and poisons ``fork()``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from ds_core.backend_kit import (
     ProbeCache,
     TorchStyleDevice,
     TorchStyleGraph,
+    TorchStyleHooks,
     attribute_setting,
     check_options,
     count_device_nodes,
@@ -40,12 +42,9 @@ from ds_core.types import (
     BackendInfo,
     DeterminismRecord,
     DeviceProperties,
-    Event,
     Graph,
-    MemoryInfo,
     OpProvider,
     ProbeResult,
-    Stream,
 )
 
 NAME = "cuda"
@@ -131,173 +130,6 @@ def _probe() -> ProbeResult:
 probe = ProbeCache(_probe)
 
 
-@hookimpl
-def ds_backend_info() -> BackendInfo:
-    return BackendInfo(
-        name=NAME,
-        device_type="cuda",
-        priority=100,
-        hookspec_version=1,
-        vendor_version=torch.version.cuda or "",
-        description="NVIDIA GPUs through torch.cuda; collectives over NCCL",
-    )
-
-
-@hookimpl
-def ds_backend_probe() -> ProbeResult:
-    return probe()
-
-
-@hookimpl
-def ds_backend_capabilities() -> frozenset[str]:
-    caps = {"async_streams", "device_timing", "pinned_memory", "determinism"}
-    if hasattr(torch.cuda, "get_per_process_memory_fraction"):
-        caps.add("memory_limits")
-    if hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"):
-        caps.add("graph_capture")
-    return frozenset(caps)
-
-
-@hookimpl
-def ds_backend_configure(options: Mapping[str, Any]) -> bool:
-    return check_options(NAME, options, ())
-
-
-# --------------------------------------------------------------------------- device
-
-
-@hookimpl
-def ds_device_count() -> int:
-    return _dev.count()
-
-
-@hookimpl
-def ds_device_current() -> int:
-    return _dev.current()
-
-
-@hookimpl
-def ds_device_set(index: int) -> bool:
-    return _dev.set(index)
-
-
-@hookimpl
-def ds_device_synchronize(index: int | None) -> bool:
-    return _dev.synchronize(index)
-
-
-@hookimpl
-def ds_device_properties(index: int | None) -> DeviceProperties:
-    props = _dev.properties(index, ("major", "minor", "multi_processor_count"))
-    extra = dict(props.extra)
-    if "major" in extra and "minor" in extra:
-        extra["compute_capability"] = f"{extra['major']}.{extra['minor']}"
-    return DeviceProperties(props.name, props.index, props.total_memory, extra)
-
-
-# --------------------------------------------------------------------------- rng
-
-
-@hookimpl
-def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
-    return _dev.manual_seed(seed, all_devices)
-
-
-@hookimpl
-def ds_rng_get_state(index: int | None) -> torch.Tensor:
-    return _dev.get_rng_state(index)
-
-
-@hookimpl
-def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
-    return _dev.set_rng_state(state, index)
-
-
-@hookimpl
-def ds_rng_default_generator(index: int | None) -> torch.Generator:
-    return _dev.default_generator(index)
-
-
-# --------------------------------------------------------------------------- streams
-
-
-@hookimpl
-def ds_stream_create(index: int | None, priority: int) -> Stream:
-    stream: Stream = _dev.stream_create(index, priority)
-    return stream
-
-
-@hookimpl
-def ds_stream_current(index: int | None) -> Stream:
-    stream: Stream = _dev.stream_current(index)
-    return stream
-
-
-@hookimpl
-def ds_stream_default(index: int | None) -> Stream:
-    stream: Stream = _dev.stream_default(index)
-    return stream
-
-
-@hookimpl
-def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    return _dev.stream_use(stream)
-
-
-@hookimpl
-def ds_stream_event_create(enable_timing: bool) -> Event:
-    event: Event = _dev.event_create(enable_timing)
-    return event
-
-
-# --------------------------------------------------------------------------- memory
-
-
-@hookimpl
-def ds_memory_allocated(index: int | None) -> int:
-    return _dev.allocated(index)
-
-
-@hookimpl
-def ds_memory_max_allocated(index: int | None) -> int:
-    return _dev.max_allocated(index)
-
-
-@hookimpl
-def ds_memory_reset_peak(index: int | None) -> bool:
-    return _dev.reset_peak(index)
-
-
-@hookimpl
-def ds_memory_reserved(index: int | None) -> int:
-    return _dev.reserved(index)
-
-
-@hookimpl
-def ds_memory_stats(index: int | None) -> dict[str, int]:
-    return _dev.stats(index)
-
-
-@hookimpl
-def ds_memory_empty_cache() -> bool:
-    return _dev.empty_cache()
-
-
-@hookimpl
-def ds_memory_info(index: int | None) -> MemoryInfo:
-    return _dev.memory_info(index)
-
-
-@hookimpl
-def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
-    return _dev.pin(tensor)
-
-
-@hookimpl
-def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
-    return _dev.is_pinned(tensor)
-
-
 # --------------------------------------------------------------------------- dtypes
 
 
@@ -308,53 +140,6 @@ def _bf16_native() -> bool:
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
     except TypeError:
         return bool(torch.cuda.is_bf16_supported())
-
-
-@hookimpl
-def ds_dtype_supported() -> frozenset[torch.dtype]:
-    capability = tuple(torch.cuda.get_device_capability())
-    return dtype_set(
-        # fp16 tensor cores start at Volta (7.0); DeepSpeed draws the same line.
-        fp16=capability >= (7, 0),
-        bf16=_bf16_native(),
-        fp64=True,
-        # fp8 matmuls (torch._scaled_mm) need Ada or Hopper: compute capability 8.9.
-        fp8=capability >= (8, 9),
-    )
-
-
-# --------------------------------------------------------------------------- graphs
-
-
-@hookimpl
-def ds_graph_create() -> Graph:
-    return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph)
-
-
-# --------------------------------------------------------------------------- comm
-
-
-@hookimpl
-def ds_comm_backend_name() -> str:
-    # torch ships NCCL only on Linux; Windows builds have gloo alone.
-    return "gloo" if sys.platform == "win32" else "nccl"
-
-
-@hookimpl
-def ds_comm_prepare() -> bool:
-    # NCCL is built into torch's CUDA wheels: nothing to import, only check it is there.
-    return require_dist_backend(
-        ds_comm_backend_name(),
-        "install a CUDA build of torch for Linux, which includes NCCL",
-    )
-
-
-# --------------------------------------------------------------------------- ops
-
-
-@hookimpl
-def ds_op_providers() -> list[OpProvider]:
-    return [fused_adamw_provider("cuda")]
 
 
 # --------------------------------------------------------------------------- determinism
@@ -384,39 +169,130 @@ _determinism = DeterminismPolicy(
 )
 
 
-@hookimpl
-def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
-    record = _determinism.apply(enabled)
-    if enabled and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        record.notes.append(
-            "CUDA was already initialised in this process: cuBLAS handles created before now "
-            "keep their old workspace setting"
+# --------------------------------------------------------------------------- hooks
+
+
+class CudaHooks(TorchStyleHooks):
+    """The cuda backend's hooks: the torch-style ones inherited, the NVIDIA-specific here.
+
+    Device properties add ``compute_capability`` (``"major.minor"``) to the kit's extras.
+    """
+
+    # -- backend -------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_backend_info(self) -> BackendInfo:
+        return BackendInfo(
+            name=NAME,
+            device_type="cuda",
+            priority=100,
+            hookspec_version=1,
+            vendor_version=torch.version.cuda or "",
+            description="NVIDIA GPUs through torch.cuda; collectives over NCCL",
         )
-    return record
+
+    @hookimpl
+    def ds_backend_probe(self) -> ProbeResult:
+        return probe()
+
+    @hookimpl
+    def ds_backend_capabilities(self) -> frozenset[str]:
+        caps = {"async_streams", "device_timing", "pinned_memory", "determinism"}
+        if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            caps.add("memory_limits")
+        if hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"):
+            caps.add("graph_capture")
+        return frozenset(caps)
+
+    @hookimpl
+    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
+        return check_options(NAME, options, ())
+
+    # -- device --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_device_properties(self, index: int | None) -> DeviceProperties:
+        props = self.device.properties(index, ("major", "minor", "multi_processor_count"))
+        extra = dict(props.extra)
+        if "major" in extra and "minor" in extra:
+            extra["compute_capability"] = f"{extra['major']}.{extra['minor']}"
+        return DeviceProperties(props.name, props.index, props.total_memory, extra)
+
+    # -- dtypes --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_dtype_supported(self) -> frozenset[torch.dtype]:
+        capability = tuple(torch.cuda.get_device_capability())
+        return dtype_set(
+            # fp16 tensor cores start at Volta (7.0); DeepSpeed draws the same line.
+            fp16=capability >= (7, 0),
+            bf16=_bf16_native(),
+            fp64=True,
+            # fp8 matmuls (torch._scaled_mm) need Ada or Hopper: compute capability 8.9.
+            fp8=capability >= (8, 9),
+        )
+
+    # -- graphs --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_graph_create(self) -> Graph:
+        return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph)
+
+    # -- comm ----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_comm_backend_name(self) -> str:
+        # torch ships NCCL only on Linux; Windows builds have gloo alone.
+        return "gloo" if sys.platform == "win32" else "nccl"
+
+    @hookimpl
+    def ds_comm_prepare(self) -> bool:
+        # NCCL is built into torch's CUDA wheels: nothing to import, only check it is there.
+        return require_dist_backend(
+            self.ds_comm_backend_name(),
+            "install a CUDA build of torch for Linux, which includes NCCL",
+        )
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_op_providers(self) -> list[OpProvider]:
+        return [fused_adamw_provider("cuda")]
+
+    # -- determinism ---------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
+        record = _determinism.apply(enabled)
+        if enabled and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            record.notes.append(
+                "CUDA was already initialised in this process: cuBLAS handles created before now "
+                "keep their old workspace setting"
+            )
+        return record
+
+    @hookimpl
+    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
+        return _determinism.restore(record)
+
+    # -- launcher ------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_launcher_visible_devices_env(self) -> list[str]:
+        return [VISIBLE_DEVICES_ENV]
+
+    @hookimpl
+    def ds_launcher_env_prefixes(self) -> list[str]:
+        return [
+            "NCCL_",
+            "TORCH_NCCL_",
+            "CUBLAS_",
+            "CUDA_LAUNCH_BLOCKING",
+            "CUDA_DEVICE_MAX_CONNECTIONS",
+            "CUDA_MODULE_LOADING",
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "PYTORCH_NVML_BASED_CUDA_CHECK",
+        ]
 
 
-@hookimpl
-def ds_determinism_restore(record: DeterminismRecord) -> bool:
-    return _determinism.restore(record)
-
-
-# --------------------------------------------------------------------------- launcher
-
-
-@hookimpl
-def ds_launcher_visible_devices_env() -> list[str]:
-    return [VISIBLE_DEVICES_ENV]
-
-
-@hookimpl
-def ds_launcher_env_prefixes() -> list[str]:
-    return [
-        "NCCL_",
-        "TORCH_NCCL_",
-        "CUBLAS_",
-        "CUDA_LAUNCH_BLOCKING",
-        "CUDA_DEVICE_MAX_CONNECTIONS",
-        "CUDA_MODULE_LOADING",
-        "PYTORCH_CUDA_ALLOC_CONF",
-        "PYTORCH_NVML_BASED_CUDA_CHECK",
-    ]
+hooks = CudaHooks(_dev)

@@ -2,11 +2,12 @@
 
 A ROCm build of torch (``torch.version.hip`` set) keeps torch's CUDA-named Python API: the
 device type is ``cuda``, ``torch.cuda.*`` drives HIP, CUDA graphs are hipGraphs, and the
-``nccl`` process group is compiled against RCCL. Device, RNG, stream, memory and pinned-memory
-hooks therefore delegate to :class:`ds_core.backend_kit.TorchStyleDevice` over ``torch.cuda``;
-what differs from NVIDIA lives here: the probe (a ROCm build, devices counted through amdsmi),
-the visible-devices variables (HIP/ROCR), dtypes by ``gcnArchName``, and the environment to
-forward.
+``nccl`` process group is compiled against RCCL. The device, RNG, stream, memory and
+pinned-memory hooks of :class:`RocmHooks` (registered through the instance ``hooks``) are
+therefore inherited from :class:`ds_core.backend_kit.TorchStyleHooks`, delegating to a
+:class:`~ds_core.backend_kit.TorchStyleDevice` over ``torch.cuda``; what differs from NVIDIA
+lives here: the probe (a ROCm build, devices counted through amdsmi), the visible-devices
+variables (HIP/ROCR), dtypes by ``gcnArchName``, and the environment to forward.
 
 The probe never creates a HIP context: on ROCm builds ``torch.cuda.device_count()`` asks amdsmi
 first and ``torch.cuda.is_available()`` is never called.
@@ -14,7 +15,6 @@ first and ``torch.cuda.is_available()`` is never called.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +27,7 @@ from ds_core.backend_kit import (
     ProbeCache,
     TorchStyleDevice,
     TorchStyleGraph,
+    TorchStyleHooks,
     attribute_setting,
     check_options,
     dtype_set,
@@ -37,13 +38,9 @@ from ds_core.backend_kit import (
 from ds_core.types import (
     BackendInfo,
     DeterminismRecord,
-    DeviceProperties,
-    Event,
     Graph,
-    MemoryInfo,
     OpProvider,
     ProbeResult,
-    Stream,
 )
 
 NAME = "rocm"
@@ -97,170 +94,6 @@ def _probe() -> ProbeResult:
 probe = ProbeCache(_probe)
 
 
-@hookimpl
-def ds_backend_info() -> BackendInfo:
-    return BackendInfo(
-        name=NAME,
-        device_type="cuda",
-        priority=100,
-        hookspec_version=1,
-        vendor_version=getattr(torch.version, "hip", None) or "",
-        description="AMD GPUs through a ROCm build of torch; collectives over RCCL (nccl)",
-    )
-
-
-@hookimpl
-def ds_backend_probe() -> ProbeResult:
-    return probe()
-
-
-@hookimpl
-def ds_backend_capabilities() -> frozenset[str]:
-    caps = {"async_streams", "device_timing", "pinned_memory", "determinism"}
-    if hasattr(torch.cuda, "get_per_process_memory_fraction"):
-        caps.add("memory_limits")
-    # hipGraph backs torch.cuda.CUDAGraph on ROCm builds (pytorch/pytorch#88202).
-    if hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"):
-        caps.add("graph_capture")
-    return frozenset(caps)
-
-
-@hookimpl
-def ds_backend_configure(options: Mapping[str, Any]) -> bool:
-    return check_options(NAME, options, ())
-
-
-# --------------------------------------------------------------------------- device
-
-
-@hookimpl
-def ds_device_count() -> int:
-    return _dev.count()
-
-
-@hookimpl
-def ds_device_current() -> int:
-    return _dev.current()
-
-
-@hookimpl
-def ds_device_set(index: int) -> bool:
-    return _dev.set(index)
-
-
-@hookimpl
-def ds_device_synchronize(index: int | None) -> bool:
-    return _dev.synchronize(index)
-
-
-@hookimpl
-def ds_device_properties(index: int | None) -> DeviceProperties:
-    return _dev.properties(index, ("gcnArchName", "major", "minor", "multi_processor_count"))
-
-
-# --------------------------------------------------------------------------- rng
-
-
-@hookimpl
-def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
-    return _dev.manual_seed(seed, all_devices)
-
-
-@hookimpl
-def ds_rng_get_state(index: int | None) -> torch.Tensor:
-    return _dev.get_rng_state(index)
-
-
-@hookimpl
-def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
-    return _dev.set_rng_state(state, index)
-
-
-@hookimpl
-def ds_rng_default_generator(index: int | None) -> torch.Generator:
-    return _dev.default_generator(index)
-
-
-# --------------------------------------------------------------------------- streams
-
-
-@hookimpl
-def ds_stream_create(index: int | None, priority: int) -> Stream:
-    stream: Stream = _dev.stream_create(index, priority)
-    return stream
-
-
-@hookimpl
-def ds_stream_current(index: int | None) -> Stream:
-    stream: Stream = _dev.stream_current(index)
-    return stream
-
-
-@hookimpl
-def ds_stream_default(index: int | None) -> Stream:
-    stream: Stream = _dev.stream_default(index)
-    return stream
-
-
-@hookimpl
-def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    return _dev.stream_use(stream)
-
-
-@hookimpl
-def ds_stream_event_create(enable_timing: bool) -> Event:
-    event: Event = _dev.event_create(enable_timing)
-    return event
-
-
-# --------------------------------------------------------------------------- memory
-
-
-@hookimpl
-def ds_memory_allocated(index: int | None) -> int:
-    return _dev.allocated(index)
-
-
-@hookimpl
-def ds_memory_max_allocated(index: int | None) -> int:
-    return _dev.max_allocated(index)
-
-
-@hookimpl
-def ds_memory_reset_peak(index: int | None) -> bool:
-    return _dev.reset_peak(index)
-
-
-@hookimpl
-def ds_memory_reserved(index: int | None) -> int:
-    return _dev.reserved(index)
-
-
-@hookimpl
-def ds_memory_stats(index: int | None) -> dict[str, int]:
-    return _dev.stats(index)
-
-
-@hookimpl
-def ds_memory_empty_cache() -> bool:
-    return _dev.empty_cache()
-
-
-@hookimpl
-def ds_memory_info(index: int | None) -> MemoryInfo:
-    return _dev.memory_info(index)
-
-
-@hookimpl
-def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
-    return _dev.pin(tensor)
-
-
-@hookimpl
-def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
-    return _dev.is_pinned(tensor)
-
-
 # --------------------------------------------------------------------------- dtypes
 
 
@@ -268,54 +101,6 @@ def _arch(index: int | None) -> str:
     """The device's gfx architecture without feature suffixes (``gfx942:sramecc+`` -> gfx942)."""
     props = torch.cuda.get_device_properties(_dev.resolve(index))
     return str(getattr(props, "gcnArchName", "")).split(":", 1)[0]
-
-
-@hookimpl
-def ds_dtype_supported() -> frozenset[torch.dtype]:
-    arch = _arch(None)
-    return dtype_set(
-        fp16=True,
-        # On ROCm torch answers from the build. UNCONFIRMED: whether pre-MI100 parts (gfx906)
-        # compute in bf16 at usable speed.
-        bf16=bool(torch.cuda.is_bf16_supported()),
-        fp64=True,
-        fp8=arch.startswith(FP8_ARCH_PREFIXES),
-    )
-
-
-# --------------------------------------------------------------------------- graphs
-
-
-@hookimpl
-def ds_graph_create() -> Graph:
-    # UNCONFIRMED: hipGraph's limits beyond CUDA graphs' own; capture raises where it cannot.
-    return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph)
-
-
-# --------------------------------------------------------------------------- comm
-
-
-@hookimpl
-def ds_comm_backend_name() -> str:
-    # ROCm's ProcessGroupNCCL is compiled against RCCL and keeps the name "nccl".
-    return "nccl"
-
-
-@hookimpl
-def ds_comm_prepare() -> bool:
-    # RCCL is built into torch's ROCm wheels: nothing to import, only check it is there.
-    return require_dist_backend(
-        "nccl", "install a ROCm build of torch for Linux, which includes RCCL"
-    )
-
-
-# --------------------------------------------------------------------------- ops
-
-
-@hookimpl
-def ds_op_providers() -> list[OpProvider]:
-    # torch's fused AdamW kernels are hipified into ROCm builds under the cuda device type.
-    return [fused_adamw_provider("cuda")]
 
 
 # --------------------------------------------------------------------------- determinism
@@ -346,34 +131,116 @@ _determinism = DeterminismPolicy(
 )
 
 
-@hookimpl
-def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
-    return _determinism.apply(enabled)
+# --------------------------------------------------------------------------- hooks
 
 
-@hookimpl
-def ds_determinism_restore(record: DeterminismRecord) -> bool:
-    return _determinism.restore(record)
+class RocmHooks(TorchStyleHooks):
+    """The rocm backend's hooks: the torch-style ones inherited, the AMD-specific here."""
+
+    property_extras = ("gcnArchName", "major", "minor", "multi_processor_count")
+
+    # -- backend -------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_backend_info(self) -> BackendInfo:
+        return BackendInfo(
+            name=NAME,
+            device_type="cuda",
+            priority=100,
+            hookspec_version=1,
+            vendor_version=getattr(torch.version, "hip", None) or "",
+            description="AMD GPUs through a ROCm build of torch; collectives over RCCL (nccl)",
+        )
+
+    @hookimpl
+    def ds_backend_probe(self) -> ProbeResult:
+        return probe()
+
+    @hookimpl
+    def ds_backend_capabilities(self) -> frozenset[str]:
+        caps = {"async_streams", "device_timing", "pinned_memory", "determinism"}
+        if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            caps.add("memory_limits")
+        # hipGraph backs torch.cuda.CUDAGraph on ROCm builds (pytorch/pytorch#88202).
+        if hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"):
+            caps.add("graph_capture")
+        return frozenset(caps)
+
+    @hookimpl
+    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
+        return check_options(NAME, options, ())
+
+    # -- dtypes --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_dtype_supported(self) -> frozenset[torch.dtype]:
+        arch = _arch(None)
+        return dtype_set(
+            fp16=True,
+            # On ROCm torch answers from the build. UNCONFIRMED: whether pre-MI100 parts (gfx906)
+            # compute in bf16 at usable speed.
+            bf16=bool(torch.cuda.is_bf16_supported()),
+            fp64=True,
+            fp8=arch.startswith(FP8_ARCH_PREFIXES),
+        )
+
+    # -- graphs --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_graph_create(self) -> Graph:
+        # UNCONFIRMED: hipGraph's limits beyond CUDA graphs' own; capture raises where it cannot.
+        return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph)
+
+    # -- comm ----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_comm_backend_name(self) -> str:
+        # ROCm's ProcessGroupNCCL is compiled against RCCL and keeps the name "nccl".
+        return "nccl"
+
+    @hookimpl
+    def ds_comm_prepare(self) -> bool:
+        # RCCL is built into torch's ROCm wheels: nothing to import, only check it is there.
+        return require_dist_backend(
+            "nccl", "install a ROCm build of torch for Linux, which includes RCCL"
+        )
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_op_providers(self) -> list[OpProvider]:
+        # torch's fused AdamW kernels are hipified into ROCm builds under the cuda device type.
+        return [fused_adamw_provider("cuda")]
+
+    # -- determinism ---------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
+        return _determinism.apply(enabled)
+
+    @hookimpl
+    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
+        return _determinism.restore(record)
+
+    # -- launcher ------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_launcher_visible_devices_env(self) -> list[str]:
+        return list(VISIBLE_DEVICES_ENVS)
+
+    @hookimpl
+    def ds_launcher_env_prefixes(self) -> list[str]:
+        return [
+            "NCCL_",
+            "RCCL_",
+            "TORCH_NCCL_",
+            "HSA_",
+            "MIOPEN_",
+            "ROCBLAS_",
+            "HIPBLASLT_",
+            "PYTORCH_HIP_ALLOC_CONF",
+            "PYTORCH_ROCM_ARCH",
+        ]
 
 
-# --------------------------------------------------------------------------- launcher
-
-
-@hookimpl
-def ds_launcher_visible_devices_env() -> list[str]:
-    return list(VISIBLE_DEVICES_ENVS)
-
-
-@hookimpl
-def ds_launcher_env_prefixes() -> list[str]:
-    return [
-        "NCCL_",
-        "RCCL_",
-        "TORCH_NCCL_",
-        "HSA_",
-        "MIOPEN_",
-        "ROCBLAS_",
-        "HIPBLASLT_",
-        "PYTORCH_HIP_ALLOC_CONF",
-        "PYTORCH_ROCM_ARCH",
-    ]
+hooks = RocmHooks(_dev)
