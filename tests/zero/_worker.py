@@ -358,6 +358,25 @@ def api_checks() -> dict[str, Any]:
         results.append(engine.gathered_state_dict())
         engine.destroy()
     out["zero_grad_equal"] = all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+    # training_data -> a loader of micro-batches; lr_scheduler as a callable on the optimizer
+    from torch.utils.data import TensorDataset
+
+    model = MLP(8, 1)
+    data = TensorDataset(torch.randn(10, 8))
+    engine, opt, loader, sched = ds_core.initialize(
+        model=model,
+        optimizer=make_optimizer(model.parameters()),
+        config=base,
+        training_data=data,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+    )
+    out["loader_sizes"] = [len(b[0]) for b in loader]
+    engine.backward(engine(next(iter(loader))[0]).pow(2).mean())
+    engine.step()
+    out["lr_after_step"] = engine.get_lr()[0]
+    out["returned_optimizer_is_engines"] = opt is engine.optimizer and sched is engine.lr_scheduler
+    engine.destroy()
     return out
 
 

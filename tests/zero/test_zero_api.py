@@ -44,3 +44,9 @@ def test_log_line_every_steps_per_print(api: dict[str, Any]) -> None:
 
 def test_zero_grad_drops_accumulated_gradients(api: dict[str, Any]) -> None:
     assert api["zero_grad_equal"]
+
+
+def test_training_data_and_scheduler_callable(api: dict[str, Any]) -> None:
+    assert api["loader_sizes"] == [4, 4, 2]  # micro-batch 4 of 10 samples on one rank
+    assert api["lr_after_step"] == pytest.approx(0.005)  # StepLR halved lr 1e-2 once
+    assert api["returned_optimizer_is_engines"]

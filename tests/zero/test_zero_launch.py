@@ -101,7 +101,11 @@ def _gpt_losses(out: Path, stage: int) -> list[float]:
         text=True,
         timeout=TIMEOUT,
     )
-    assert proc.returncode == 0, f"stage {stage}:\n{proc.stderr[-4000:]}"
+    if proc.returncode != 0:  # the first lines name the cause; the tail is torchrun's summary
+        lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith(("frame #", "  "))]
+        raise AssertionError(
+            f"stage {stage} failed:\n" + "\n".join([*lines[:40], "...", *lines[-15:]])
+        )
     with open(out / f"s{stage}" / "train_log.csv") as f:
         return [float(row["loss"]) for row in csv.DictReader(f)]
 
