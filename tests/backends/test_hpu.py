@@ -8,10 +8,7 @@ the answers, not behaviour on hardware.
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
-import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +24,7 @@ from ds_core.plugins import BackendEntry, validate_backend
 from tests.backends.fakes import fake_hpu
 from tests.backends.fakes.fake_device_module import GiB
 from tests.backends.fakes.fake_hpu import FakeFusedAdamW, FakeHpu
+from tests.backends.helpers import probe_in_subprocess
 
 pytestmark = pytest.mark.contract
 
@@ -68,19 +66,10 @@ def _hl_smi(monkeypatch: pytest.MonkeyPatch, stdout: str, returncode: int = 0) -
 
 
 def test_probe_without_habana_frameworks_is_unavailable_and_imports_nothing() -> None:
-    code = (
-        "import json, sys\n"
-        "from ds_backend_hpu import plugin\n"
-        "r = plugin.ds_backend_probe()\n"
-        "vendor = sorted(m for m in sys.modules if m.split('.')[0] == 'habana_frameworks')\n"
-        "print(json.dumps([r.available, r.reason, r.device_count, list(r.imported), vendor]))"
+    result = probe_in_subprocess("ds_backend_hpu.plugin", ("habana_frameworks",))
+    available, reason, count, imported, vendor = (
+        result[key] for key in ("available", "reason", "device_count", "probe_imported", "vendor")
     )
-    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    available, reason, count, imported, vendor = json.loads(out.stdout.splitlines()[-1])
     assert (available, count, imported, vendor) == (False, 0, [], [])
     assert reason.startswith("habana_frameworks is not installed")
     assert "not from pip" in reason and "docs.habana.ai" in reason
@@ -91,10 +80,10 @@ def test_probe_counts_modules_with_hl_smi_under_the_visible_modules_mask(
 ) -> None:
     argvs = _hl_smi(monkeypatch, "module_id\n0\n1\n2\n3\n")
     monkeypatch.setenv("HABANA_VISIBLE_MODULES", "2,3")
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert (result.available, result.device_count, result.imported) == (True, 2, ())
     assert argvs == [["/usr/bin/hl-smi", "-Q", "module_id", "-f", "csv"]]
-    assert plugin.ds_backend_probe() is result and len(argvs) == 1  # cached
+    assert plugin.hooks.ds_backend_probe() is result and len(argvs) == 1  # cached
 
 
 def test_probe_without_hl_smi_counts_habanalabs_driver_nodes(
@@ -106,7 +95,7 @@ def test_probe_without_hl_smi_counts_habanalabs_driver_nodes(
     monkeypatch.setattr(hpu_probe, "count_device_nodes", lambda p: patterns.append(p) or 8)
     monkeypatch.setenv("HABANA_VISIBLE_MODULES", "0,1,2,3")
     hpu_probe.probe.clear()
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert (result.available, result.device_count) == (True, 4)
     assert patterns == ["/sys/bus/pci/drivers/habanalabs/[0-9a-f]*:*"]
     assert "hl-smi is not on PATH" in result.reason
@@ -117,12 +106,12 @@ def test_an_installed_stack_without_gaudi_is_unavailable_with_the_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _hl_smi(monkeypatch, "module_id\n")
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert (result.available, result.device_count) == (False, 0)
     assert "habana_frameworks is installed but hl-smi found no Gaudi module" in result.reason
     _hl_smi(monkeypatch, "", returncode=1)
     monkeypatch.setattr(hpu_probe, "count_device_nodes", lambda pattern: 0)
-    reason = plugin.ds_backend_probe().reason
+    reason = plugin.hooks.ds_backend_probe().reason
     assert "hl-smi exited 1: driver not loaded" in reason
     hpu_probe.probe.clear()
 
@@ -135,16 +124,18 @@ def test_registration_passes_and_graphs_need_lazy_mode(
 ) -> None:
     make_fake()
     monkeypatch.setattr(plugin, "package_file_present", lambda *parts: True)
-    info, caps = validate_backend("hpu", plugin)
+    info, caps = validate_backend("hpu", plugin.hooks)
     assert (info.name, info.device_type, info.priority) == ("hpu", "hpu", 100)
     assert caps == {"async_streams", "device_timing", "pinned_memory"}
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
-    assert "graph_capture" in validate_backend("hpu", plugin)[1]
+    assert "graph_capture" in validate_backend("hpu", plugin.hooks)[1]
 
 
 def _accelerator() -> Any:
     return build_accelerator(
-        BackendEntry("hpu", "ds-core-hpu", "0.1.0", "ds_backend_hpu.plugin", plugin=plugin)
+        BackendEntry(
+            "hpu", "ds-core-hpu", "0.1.0", "ds_backend_hpu.plugin:hooks", plugin=plugin.hooks
+        )
     )
 
 
@@ -180,31 +171,31 @@ def test_eager_mode_refuses_graph_capture(make_fake: MakeFake) -> None:
 
 def test_synchronize_flushes_lazy_mode_then_waits_without_a_device(make_fake: MakeFake) -> None:
     fake = make_fake(lazy=True)
-    plugin.ds_device_synchronize(None)
+    plugin.hooks.ds_device_synchronize(None)
     assert fake.names()[-2:] == ["core.mark_step", "synchronize"]
     assert fake.called("synchronize") == [("synchronize", (), {})]
     eager = make_fake()
-    plugin.ds_device_synchronize(0)
+    plugin.hooks.ds_device_synchronize(0)
     assert "core.mark_step" not in eager.names()
 
 
 def test_device_hooks(make_fake: MakeFake) -> None:
     fake = make_fake()
-    assert plugin.ds_device_count() == 1
-    assert plugin.ds_device_set(0) is True
+    assert plugin.hooks.ds_device_count() == 1
+    assert plugin.hooks.ds_device_set(0) is True
     with pytest.raises(ValueError, match="out of range"):
-        plugin.ds_device_set(1)
-    props = plugin.ds_device_properties(None)
+        plugin.hooks.ds_device_set(1)
+    props = plugin.hooks.ds_device_properties(None)
     assert (props.name, props.index, props.total_memory) == ("GAUDI2", 0, fake.limit)
     assert "sramBaseAddress" in props.extra["properties"]
 
 
 def test_rng_goes_through_hpu_random_with_one_generator(make_fake: MakeFake) -> None:
     fake = make_fake()
-    plugin.ds_rng_manual_seed(3, True)
-    plugin.ds_rng_manual_seed(4, False)
-    state = plugin.ds_rng_get_state(None)
-    plugin.ds_rng_set_state(state, 0)
+    plugin.hooks.ds_rng_manual_seed(3, True)
+    plugin.hooks.ds_rng_manual_seed(4, False)
+    state = plugin.hooks.ds_rng_get_state(None)
+    plugin.hooks.ds_rng_set_state(state, 0)
     assert [c[0] for c in fake.calls if c[0].startswith("random.")] == [
         "random.manual_seed_all",
         "random.manual_seed",
@@ -213,9 +204,9 @@ def test_rng_goes_through_hpu_random_with_one_generator(make_fake: MakeFake) -> 
     ]
     assert fake.called("random.get_rng_state")[0][1] == ("hpu",)
     assert fake.called("random.set_rng_state")[0][1][1] == "hpu:0"
-    assert plugin.ds_rng_default_generator(None) is fake.random.default_generators[0]
+    assert plugin.hooks.ds_rng_default_generator(None) is fake.random.default_generators[0]
     with pytest.raises(ValueError, match="one Gaudi"):
-        plugin.ds_rng_default_generator(1)
+        plugin.hooks.ds_rng_default_generator(1)
 
 
 # --------------------------------------------------------------------------- streams and events
@@ -224,16 +215,19 @@ def test_rng_goes_through_hpu_random_with_one_generator(make_fake: MakeFake) -> 
 def test_events_flush_lazy_mode_before_recording_and_time_on_device(make_fake: MakeFake) -> None:
     fake = make_fake(lazy=True)
     fake.event_timing_ms = 2.5
-    start, end = plugin.ds_stream_event_create(True), plugin.ds_stream_event_create(True)
+    start, end = (
+        plugin.hooks.ds_stream_event_create(True),
+        plugin.hooks.ds_stream_event_create(True),
+    )
     start.record()
     end.record()
     assert fake.names().count("core.mark_step") == 2
     assert fake.names().index("core.mark_step") < fake.names().index("Event.record")
     assert start.elapsed_time(end) == 2.5
-    stream = plugin.ds_stream_create(None, 0)
-    with plugin.ds_stream_use(stream):
-        assert plugin.ds_stream_current(None) is stream
-    assert plugin.ds_stream_default(None) is fake.default_stream()
+    stream = plugin.hooks.ds_stream_create(None, 0)
+    with plugin.hooks.ds_stream_use(stream):
+        assert plugin.hooks.ds_stream_current(None) is stream
+    assert plugin.hooks.ds_stream_default(None) is fake.default_stream()
 
 
 # --------------------------------------------------------------------------- memory
@@ -241,29 +235,29 @@ def test_events_flush_lazy_mode_before_recording_and_time_on_device(make_fake: M
 
 def test_memory_comes_from_the_bridge_allocator_statistics(make_fake: MakeFake) -> None:
     fake = make_fake()
-    stats = plugin.ds_memory_stats(None)
+    stats = plugin.hooks.ds_memory_stats(None)
     assert stats["allocated_bytes.all.current"] == fake.allocated
     assert stats["allocated_bytes.all.peak"] == fake.allocated + GiB
     assert stats["reserved_bytes.all.current"] == fake.limit and stats["NumAllocs"] == 12
-    info = plugin.ds_memory_info(None)
+    info = plugin.hooks.ds_memory_info(None)
     assert (info.total, info.available, info.limit) == (
         fake.limit,
         fake.limit - fake.allocated,
         None,
     )
-    assert plugin.ds_memory_reserved(None) == fake.limit
+    assert plugin.hooks.ds_memory_reserved(None) == fake.limit
 
 
 def test_memory_info_on_a_bridge_without_mem_get_info(make_fake: MakeFake) -> None:
     fake = make_fake(mem_get_info=False)
-    info = plugin.ds_memory_info(0)
+    info = plugin.hooks.ds_memory_info(0)
     assert (info.total, info.available) == (fake.limit, fake.limit - fake.allocated)
     assert not fake.called("mem_get_info")
 
 
 def test_empty_cache_calls_the_bridge_where_it_has_one(make_fake: MakeFake) -> None:
     fake = make_fake()
-    assert plugin.ds_memory_empty_cache() is True
+    assert plugin.hooks.ds_memory_empty_cache() is True
     assert fake.called("empty_cache")
 
 
@@ -277,10 +271,10 @@ def test_pinning_names_the_hpu_device(make_fake: MakeFake, monkeypatch: pytest.M
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     t = torch.ones(2)
-    assert plugin.ds_memory_pin(t) is t
+    assert plugin.hooks.ds_memory_pin(t) is t
     assert devices == [torch.device("hpu")]
     with pytest.raises(ValueError, match="host tensor"):
-        plugin.ds_memory_pin(torch.ones(1, device="meta"))
+        plugin.hooks.ds_memory_pin(torch.ones(1, device="meta"))
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -288,12 +282,12 @@ def test_pinning_names_the_hpu_device(make_fake: MakeFake, monkeypatch: pytest.M
 
 def test_dtypes_follow_the_bridge(make_fake: MakeFake) -> None:
     make_fake(fp16=False)
-    dtypes = plugin.ds_dtype_supported()
+    dtypes = plugin.hooks.ds_dtype_supported()
     assert torch.bfloat16 in dtypes and torch.float16 not in dtypes
     assert torch.float64 not in dtypes
     assert not any(str(d).startswith("torch.float8") for d in dtypes)
     make_fake(fp16=True)
-    assert torch.float16 in plugin.ds_dtype_supported()
+    assert torch.float16 in plugin.hooks.ds_dtype_supported()
 
 
 # --------------------------------------------------------------------------- comm
@@ -311,11 +305,11 @@ def test_comm_is_hccl_after_importing_habanas_process_group(
         return real_import(name)
 
     monkeypatch.setattr(plugin.importlib, "import_module", record)
-    assert plugin.ds_comm_backend_name() == "hccl"
+    assert plugin.hooks.ds_comm_backend_name() == "hccl"
     with pytest.raises(RuntimeError, match="'hccl' is not available"):
-        plugin.ds_comm_prepare()
+        plugin.hooks.ds_comm_prepare()
     monkeypatch.setattr(dist.Backend, "backend_list", [*dist.Backend.backend_list, "hccl"])
-    assert plugin.ds_comm_prepare() is True
+    assert plugin.hooks.ds_comm_prepare() is True
     assert imported == ["habana_frameworks.torch.distributed.hccl"] * 2
 
 
@@ -326,7 +320,7 @@ def test_fused_adam_is_habanas_fused_adamw_with_adamw_defaults(
     make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make_fake()
-    (provider,) = plugin.ds_op_providers()
+    (provider,) = plugin.hooks.ds_op_providers()
     monkeypatch.setattr(plugin, "package_file_present", lambda *parts: False)
     assert provider.is_compatible()[0] is False
     monkeypatch.setattr(plugin, "package_file_present", lambda *parts: True)
@@ -346,22 +340,22 @@ def test_fused_adam_is_habanas_fused_adamw_with_adamw_defaults(
 def test_determinism_applies_and_restores_both_torch_settings() -> None:
     det = torch.utils.deterministic
     before = (torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory)
-    record = plugin.ds_determinism_apply(True)
+    record = plugin.hooks.ds_determinism_apply(True)
     try:
         assert torch.are_deterministic_algorithms_enabled() is True
         assert det.fill_uninitialized_memory is False
         assert any("HCCL" in n for n in record.notes)
     finally:
-        plugin.ds_determinism_restore(record)
+        plugin.hooks.ds_determinism_restore(record)
     assert (torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory) == before
-    record = plugin.ds_determinism_apply(False)
+    record = plugin.hooks.ds_determinism_apply(False)
     assert det.fill_uninitialized_memory is before[1]  # disabling leaves it alone
-    plugin.ds_determinism_restore(record)
+    plugin.hooks.ds_determinism_restore(record)
 
 
 def test_launcher_environment() -> None:
-    assert plugin.ds_launcher_visible_devices_env() == ["HABANA_VISIBLE_MODULES"]
-    assert set(plugin.ds_launcher_env_prefixes()) == {"PT_HPU_", "HABANA_", "HCCL_"}
+    assert plugin.hooks.ds_launcher_visible_devices_env() == ["HABANA_VISIBLE_MODULES"]
+    assert set(plugin.hooks.ds_launcher_env_prefixes()) == {"PT_HPU_", "HABANA_", "HCCL_"}
 
 
 # --------------------------------------------------------------------------- packaging
@@ -372,5 +366,5 @@ def test_distribution_requires_no_gaudi_package() -> None:
     dist = md.distribution("ds-core-hpu")
     assert dist.requires == ["ds-core<0.2,>=0.1.0", "torch>=2.5"]
     assert [(e.group, e.name, e.value) for e in dist.entry_points] == [
-        ("ds_core.backends", "hpu", "ds_backend_hpu.plugin")
+        ("ds_core.backends", "hpu", "ds_backend_hpu.plugin:hooks")
     ]

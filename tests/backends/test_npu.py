@@ -7,9 +7,7 @@ translates the answers, not behaviour on hardware.
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -27,6 +25,7 @@ from ds_core.types import BackendInfo, ProbeResult
 from tests.backends.fakes import fake_npu
 from tests.backends.fakes.fake_device_module import FakeEvent, GiB
 from tests.backends.fakes.fake_npu import FakeNpu, FakeNpuFusedAdamW
+from tests.backends.helpers import probe_in_subprocess
 
 pytestmark = pytest.mark.contract
 
@@ -60,19 +59,10 @@ def _driver(monkeypatch: pytest.MonkeyPatch, found: int | None) -> None:
 
 
 def test_probe_without_torch_npu_is_unavailable_and_imports_nothing() -> None:
-    code = (
-        "import json, sys\n"
-        "from ds_backend_npu import plugin\n"
-        "r = plugin.ds_backend_probe()\n"
-        "vendor = sorted(m for m in sys.modules if m.split('.')[0] == 'torch_npu')\n"
-        "print(json.dumps([r.available, r.reason, r.device_count, list(r.imported), vendor]))"
+    result = probe_in_subprocess("ds_backend_npu.plugin", ("torch_npu",))
+    available, reason, count, imported, vendor = (
+        result[key] for key in ("available", "reason", "device_count", "probe_imported", "vendor")
     )
-    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    available, reason, count, imported, vendor = json.loads(out.stdout.splitlines()[-1])
     assert (available, count, imported, vendor) == (False, 0, [], [])
     assert reason.startswith('torch_npu is not installed; pip install "ds-core[npu]"')
 
@@ -82,7 +72,7 @@ def test_probe_counts_through_the_driver_under_the_visible_devices_mask(
 ) -> None:
     _driver(monkeypatch, 8)
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,5,6,7")
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert (result.available, result.device_count, result.imported) == (True, 4, ())
     assert "drvGetDevNum" in result.reason
     assert "torch_npu" not in sys.modules  # the probe never imports it
@@ -118,7 +108,7 @@ def test_without_the_ascend_driver_library_the_probe_says_so(
     assert found is None and "libascend_hal.so" in why
     monkeypatch.setattr(npu_probe, "module_present", lambda name: True)
     npu_probe.probe.clear()
-    reason = plugin.ds_backend_probe().reason
+    reason = plugin.hooks.ds_backend_probe().reason
     assert reason.startswith("torch_npu is installed but the Ascend driver library")
     assert "npu-smi info" in reason
     npu_probe.probe.clear()
@@ -128,7 +118,7 @@ def test_a_device_less_torch_npu_never_wins_over_a_working_accelerator(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _driver(monkeypatch, 0)
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert (result.available, result.device_count) == (False, 0)
     assert "reports 0 NPU(s), none" in result.reason
     gpu = SimpleNamespace(
@@ -137,7 +127,9 @@ def test_a_device_less_torch_npu_never_wins_over_a_working_accelerator(
     )
     entries = {
         "gpu": BackendEntry("gpu", "ds-core-gpu", "0.1.0", "gpu", plugin=gpu),
-        "npu": BackendEntry("npu", "ds-core-npu", "0.1.0", "ds_backend_npu.plugin", plugin=plugin),
+        "npu": BackendEntry(
+            "npu", "ds-core-npu", "0.1.0", "ds_backend_npu.plugin:hooks", plugin=plugin.hooks
+        ),
     }
     assert choose(None, entries).name == "gpu"
     npu_probe.probe.clear()
@@ -151,7 +143,7 @@ def test_registration_passes_with_determinism_and_npugraph(
 ) -> None:
     make_fake()
     monkeypatch.setattr(plugin, "package_file_present", lambda *parts: True)
-    info, caps = validate_backend("npu", plugin)
+    info, caps = validate_backend("npu", plugin.hooks)
     assert (info.name, info.device_type, info.priority) == ("npu", "npu", 100)
     assert caps == {
         "async_streams",
@@ -161,7 +153,7 @@ def test_registration_passes_with_determinism_and_npugraph(
         "graph_capture",
     }
     monkeypatch.setattr(plugin, "package_file_present", lambda *parts: False)
-    assert "graph_capture" not in validate_backend("npu", plugin)[1]
+    assert "graph_capture" not in validate_backend("npu", plugin.hooks)[1]
 
 
 def test_npugraph_capture_behind_the_graph_protocol(
@@ -170,7 +162,9 @@ def test_npugraph_capture_behind_the_graph_protocol(
     fake = make_fake()
     monkeypatch.setattr(plugin, "package_file_present", lambda *parts: True)
     acc = build_accelerator(
-        BackendEntry("npu", "ds-core-npu", "0.1.0", "ds_backend_npu.plugin", plugin=plugin)
+        BackendEntry(
+            "npu", "ds-core-npu", "0.1.0", "ds_backend_npu.plugin:hooks", plugin=plugin.hooks
+        )
     )
     acc.configure({"npu": {"graph_capture": True}})
     graph = acc.create_graph()
@@ -190,21 +184,21 @@ def test_npugraph_capture_behind_the_graph_protocol(
 
 def test_device_rng_and_stream_hooks_use_npu_device_strings(make_fake: MakeFake) -> None:
     fake = make_fake()
-    assert plugin.ds_device_count() == 8
-    plugin.ds_device_set(3)
-    plugin.ds_device_synchronize(2)
-    plugin.ds_rng_get_state(5)
-    plugin.ds_stream_create(1, -1)
-    plugin.ds_stream_default(None)
+    assert plugin.hooks.ds_device_count() == 8
+    plugin.hooks.ds_device_set(3)
+    plugin.hooks.ds_device_synchronize(2)
+    plugin.hooks.ds_rng_get_state(5)
+    plugin.hooks.ds_stream_create(1, -1)
+    plugin.hooks.ds_stream_default(None)
     assert fake.called("set_device")[0][1] == (3,)
     assert fake.called("synchronize")[0][1] == ("npu:2",)
     assert fake.called("get_rng_state")[0][1] == ("npu:5",)
     assert fake.called("Stream")[0][2] == {"device": "npu:1", "priority": -1}
     assert fake.called("default_stream")[0][1] == ("npu",)
-    props = plugin.ds_device_properties(None)
+    props = plugin.hooks.ds_device_properties(None)
     assert (props.name, props.index) == ("Ascend910B2", 3)
     assert props.extra == {"cube_core_num": 24, "vector_core_num": 48, "L2_cache_size": 192 << 20}
-    assert isinstance(plugin.ds_stream_event_create(True), FakeEvent)
+    assert isinstance(plugin.hooks.ds_stream_event_create(True), FakeEvent)
 
 
 # --------------------------------------------------------------------------- memory and dtypes
@@ -212,21 +206,21 @@ def test_device_rng_and_stream_hooks_use_npu_device_strings(make_fake: MakeFake)
 
 def test_memory_info_is_device_wide_without_a_fraction_getter(make_fake: MakeFake) -> None:
     fake = make_fake()
-    info = plugin.ds_memory_info(1)
+    info = plugin.hooks.ds_memory_info(1)
     assert (info.total, info.available, info.limit) == (64 * GiB, 61 * GiB, None)
     assert fake.called("mem_get_info")[0][1] == ("npu:1",)
-    assert plugin.ds_memory_stats(None)["allocated_bytes.all.current"] == fake.allocated
-    assert plugin.ds_memory_empty_cache() is True and fake.called("empty_cache")
+    assert plugin.hooks.ds_memory_stats(None)["allocated_bytes.all.current"] == fake.allocated
+    assert plugin.hooks.ds_memory_empty_cache() is True and fake.called("empty_cache")
 
 
 def test_bf16_is_claimed_only_where_torch_npu_reports_it(make_fake: MakeFake) -> None:
     make_fake(bf16=False)
-    dtypes = plugin.ds_dtype_supported()
+    dtypes = plugin.hooks.ds_dtype_supported()
     assert torch.float16 in dtypes and torch.bfloat16 not in dtypes
     assert torch.float64 not in dtypes
     assert not any(str(d).startswith("torch.float8") for d in dtypes)
     make_fake(bf16=True)
-    assert torch.bfloat16 in plugin.ds_dtype_supported()
+    assert torch.bfloat16 in plugin.hooks.ds_dtype_supported()
 
 
 # --------------------------------------------------------------------------- comm and ops
@@ -241,11 +235,11 @@ def test_comm_is_hccl_registered_by_importing_torch_npu(
     monkeypatch.setattr(
         plugin.importlib, "import_module", lambda name: imported.append(name) or real_import(name)
     )
-    assert plugin.ds_comm_backend_name() == "hccl"
+    assert plugin.hooks.ds_comm_backend_name() == "hccl"
     with pytest.raises(RuntimeError, match="importing torch_npu did not register it"):
-        plugin.ds_comm_prepare()
+        plugin.hooks.ds_comm_prepare()
     monkeypatch.setattr(dist.Backend, "backend_list", [*dist.Backend.backend_list, "hccl"])
-    assert plugin.ds_comm_prepare() is True
+    assert plugin.hooks.ds_comm_prepare() is True
     assert imported == ["torch_npu", "torch_npu"]
 
 
@@ -253,7 +247,7 @@ def test_fused_adam_is_npu_fused_adamw(
     make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make_fake()
-    (provider,) = plugin.ds_op_providers()
+    (provider,) = plugin.hooks.ds_op_providers()
     monkeypatch.setattr(plugin, "package_file_present", lambda *parts: True)
     assert provider.is_compatible() == (True, "torch_npu's NpuFusedAdamW")
     factory = provider.load()
@@ -275,20 +269,20 @@ def test_determinism_sets_the_npu_level_and_hccl_and_restores_them(
     fake = make_fake()
     monkeypatch.delenv("HCCL_DETERMINISTIC", raising=False)
     before = torch.are_deterministic_algorithms_enabled()
-    record = plugin.ds_determinism_apply(True)
+    record = plugin.hooks.ds_determinism_apply(True)
     try:
         assert fake.level == 1 and torch.are_deterministic_algorithms_enabled()
         assert os.environ["HCCL_DETERMINISTIC"] == "true"
         assert torch.utils.deterministic.fill_uninitialized_memory is True
         assert record.env == {"HCCL_DETERMINISTIC": (None, "true")}
     finally:
-        plugin.ds_determinism_restore(record)
+        plugin.hooks.ds_determinism_restore(record)
     assert "HCCL_DETERMINISTIC" not in os.environ
     assert fake.called("set_deterministic_level")[-1][1] == (int(before),)
     monkeypatch.setenv("HCCL_DETERMINISTIC", "strict")
-    record = plugin.ds_determinism_apply(True)
+    record = plugin.hooks.ds_determinism_apply(True)
     assert os.environ["HCCL_DETERMINISTIC"] == "strict" and record.env == {}
-    plugin.ds_determinism_restore(record)
+    plugin.hooks.ds_determinism_restore(record)
 
 
 def test_determinism_on_torch_npu_without_set_deterministic_level(
@@ -297,18 +291,18 @@ def test_determinism_on_torch_npu_without_set_deterministic_level(
     fake = make_fake(deterministic_level=False)
     monkeypatch.delenv("HCCL_DETERMINISTIC", raising=False)
     before = torch.are_deterministic_algorithms_enabled()
-    record = plugin.ds_determinism_apply(True)
+    record = plugin.hooks.ds_determinism_apply(True)
     try:
         assert torch.are_deterministic_algorithms_enabled() is True
         assert not fake.called("set_deterministic_level")
     finally:
-        plugin.ds_determinism_restore(record)
+        plugin.hooks.ds_determinism_restore(record)
     assert torch.are_deterministic_algorithms_enabled() is before
 
 
 def test_launcher_environment() -> None:
-    assert plugin.ds_launcher_visible_devices_env() == ["ASCEND_RT_VISIBLE_DEVICES"]
-    assert plugin.ds_launcher_env_prefixes() == ["ASCEND_", "HCCL_", "LD_LIBRARY", "PATH"]
+    assert plugin.hooks.ds_launcher_visible_devices_env() == ["ASCEND_RT_VISIBLE_DEVICES"]
+    assert plugin.hooks.ds_launcher_env_prefixes() == ["ASCEND_", "HCCL_", "LD_LIBRARY", "PATH"]
 
 
 # --------------------------------------------------------------------------- packaging
@@ -318,7 +312,7 @@ def test_distribution_pulls_torch_npu() -> None:
     dist = md.distribution("ds-core-npu")
     assert dist.requires == ["ds-core<0.2,>=0.1.0", "torch>=2.5", "torch-npu>=2.5"]
     assert [(e.group, e.name, e.value) for e in dist.entry_points] == [
-        ("ds_core.backends", "npu", "ds_backend_npu.plugin")
+        ("ds_core.backends", "npu", "ds_backend_npu.plugin:hooks")
     ]
 
 

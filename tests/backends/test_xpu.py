@@ -7,10 +7,6 @@ translates the answers, not behaviour on hardware.
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +20,7 @@ from ds_core.errors import ConfigError, DSCoreError, NotSupportedError
 from ds_core.plugins import BackendEntry, validate_backend
 from tests.backends.fakes.fake_device_module import FakeEvent, GiB
 from tests.backends.fakes.fake_xpu import FakeXpu
+from tests.backends.helpers import probe_in_subprocess
 
 pytestmark = pytest.mark.contract
 
@@ -50,20 +47,13 @@ def make_fake(monkeypatch: pytest.MonkeyPatch) -> MakeFake:
 
 
 def test_probe_on_a_torch_without_xpu_is_unavailable_and_imports_nothing() -> None:
-    code = (
-        "import json, sys\n"
-        "from ds_backend_xpu import plugin\n"
-        "r = plugin.ds_backend_probe()\n"
-        "vendor = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('intel_extension_for_pytorch', 'pyzes', 'oneccl_bindings_for_pytorch'))\n"
-        "print(json.dumps([r.available, r.reason, r.device_count, list(r.imported), vendor]))"
+    result = probe_in_subprocess(
+        "ds_backend_xpu.plugin",
+        ("intel_extension_for_pytorch", "pyzes", "oneccl_bindings_for_pytorch"),
     )
-    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    available, reason, count, imported, vendor = (
+        result[key] for key in ("available", "reason", "device_count", "probe_imported", "vendor")
     )
-    assert out.returncode == 0, out.stderr
-    available, reason, count, imported, vendor = json.loads(out.stdout.splitlines()[-1])
     assert torch.xpu._is_compiled() is False  # this CI's torch is a CPU build
     assert (available, count, imported, vendor) == (False, 0, [], [])
     assert "was built without XPU support" in reason
@@ -75,10 +65,10 @@ def test_probe_counts_through_level_zero_sysman_when_pyzes_is_installed(
 ) -> None:
     fake = make_fake(zes_count=4)
     monkeypatch.setattr(xpu_probe, "module_present", lambda name: name == "pyzes")
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert (result.available, result.device_count, result.imported) == (True, 4, ("pyzes",))
     assert "Level Zero Sysman" in result.reason
-    assert plugin.ds_backend_probe() is result  # cached: Sysman is asked once
+    assert plugin.hooks.ds_backend_probe() is result  # cached: Sysman is asked once
     assert fake.names() == ["_is_compiled", "_device_count_zes"]
     assert "device_count" not in fake.names()  # the SYCL count would initialise the runtime
 
@@ -91,7 +81,7 @@ def test_probe_without_sysman_counts_kernel_driver_nodes_under_the_affinity_mask
     monkeypatch.setattr(xpu_probe, "count_device_nodes", nodes.__getitem__)
     monkeypatch.setattr(xpu_probe, "module_present", lambda name: False)
     monkeypatch.setenv("ZE_AFFINITY_MASK", "0,1")
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert (result.available, result.device_count, result.imported) == (True, 2, ())
     assert "i915/xe" in result.reason
     assert "_device_count_zes" not in fake.names()  # pyzes absent: Sysman is not tried
@@ -102,7 +92,7 @@ def test_an_xpu_torch_without_a_gpu_is_unavailable_with_the_reason(
 ) -> None:
     make_fake(zes_count=0)
     monkeypatch.setattr(xpu_probe, "module_present", lambda name: name == "pyzes")
-    result = plugin.ds_backend_probe()
+    result = plugin.hooks.ds_backend_probe()
     assert (result.available, result.device_count) == (False, 0)
     assert (
         "Level Zero Sysman (pyzes) found no Intel GPU" in result.reason
@@ -117,7 +107,7 @@ def test_ipex_on_a_cpu_torch_is_named_in_the_reason(
     monkeypatch.setattr(
         xpu_probe, "module_present", lambda name: name == "intel_extension_for_pytorch"
     )
-    reason = plugin.ds_backend_probe().reason
+    reason = plugin.hooks.ds_backend_probe().reason
     assert "intel_extension_for_pytorch is installed" in reason
 
 
@@ -126,7 +116,7 @@ def test_ipex_on_a_cpu_torch_is_named_in_the_reason(
 
 def test_registration_passes_and_capabilities_follow_the_torch_build(make_fake: MakeFake) -> None:
     make_fake(fraction=1.0)
-    info, caps = validate_backend("xpu", plugin)
+    info, caps = validate_backend("xpu", plugin.hooks)
     assert (info.name, info.device_type, info.priority) == ("xpu", "xpu", 100)
     assert caps == {
         "async_streams",
@@ -136,13 +126,15 @@ def test_registration_passes_and_capabilities_follow_the_torch_build(make_fake: 
         "graph_capture",
     }
     make_fake(graphs=False)
-    _info, caps = validate_backend("xpu", plugin)
+    _info, caps = validate_backend("xpu", plugin.hooks)
     assert "graph_capture" not in caps and "memory_limits" not in caps
 
 
 def _accelerator() -> object:
     return build_accelerator(
-        BackendEntry("xpu", "ds-core-xpu", "0.1.0", "ds_backend_xpu.plugin", plugin=plugin)
+        BackendEntry(
+            "xpu", "ds-core-xpu", "0.1.0", "ds_backend_xpu.plugin:hooks", plugin=plugin.hooks
+        )
     )
 
 
@@ -182,28 +174,28 @@ def test_a_torch_without_xpugraph_refuses_graph_capture(make_fake: MakeFake) -> 
 
 def test_device_hooks_call_torch_xpu_with_device_strings(make_fake: MakeFake) -> None:
     fake = make_fake()
-    assert plugin.ds_device_count() == 2
-    assert plugin.ds_device_set(1) is True and fake.current == 1
+    assert plugin.hooks.ds_device_count() == 2
+    assert plugin.hooks.ds_device_set(1) is True and fake.current == 1
     with pytest.raises(ValueError, match=r"torch\.xpu sees 2 device"):
-        plugin.ds_device_set(2)
-    plugin.ds_device_synchronize(0)
+        plugin.hooks.ds_device_set(2)
+    plugin.hooks.ds_device_synchronize(0)
     assert fake.called("synchronize")[-1][1] == ("xpu:0",)
-    props = plugin.ds_device_properties(None)
+    props = plugin.hooks.ds_device_properties(None)
     assert (props.index, props.total_memory) == (1, 64 * GiB)
     assert props.extra["gpu_eu_count"] == 448 and props.extra["has_fp64"] is True
 
 
 def test_rng_hooks(make_fake: MakeFake) -> None:
     fake = make_fake()
-    plugin.ds_rng_manual_seed(7, True)
-    plugin.ds_rng_manual_seed(8, False)
-    state = plugin.ds_rng_get_state(1)
-    plugin.ds_rng_set_state(state, None)
+    plugin.hooks.ds_rng_manual_seed(7, True)
+    plugin.hooks.ds_rng_manual_seed(8, False)
+    state = plugin.hooks.ds_rng_get_state(1)
+    plugin.hooks.ds_rng_set_state(state, None)
     assert fake.called("manual_seed_all")[0][1] == (7,)
     assert fake.called("manual_seed")[0][1] == (8,)
     assert fake.called("get_rng_state")[0][1] == ("xpu:1",)
     assert fake.called("set_rng_state")[0][1][1] == "xpu"
-    assert plugin.ds_rng_default_generator(1) is fake.default_generators[1]
+    assert plugin.hooks.ds_rng_default_generator(1) is fake.default_generators[1]
 
 
 # --------------------------------------------------------------------------- streams and events
@@ -213,19 +205,19 @@ def test_default_stream_is_the_initial_stream_even_inside_a_stream_context(
     make_fake: MakeFake,
 ) -> None:
     fake = make_fake()
-    side = plugin.ds_stream_create(1, -1)
+    side = plugin.hooks.ds_stream_create(1, -1)
     assert fake.called("Stream")[0][2] == {"device": "xpu:1", "priority": -1}
-    initial = plugin.ds_stream_current(1)
-    with plugin.ds_stream_use(side):
-        assert plugin.ds_stream_current(1) is side
-        assert plugin.ds_stream_default(1) is initial
-    assert plugin.ds_stream_default(1) is initial
+    initial = plugin.hooks.ds_stream_current(1)
+    with plugin.hooks.ds_stream_use(side):
+        assert plugin.hooks.ds_stream_current(1) is side
+        assert plugin.hooks.ds_stream_default(1) is initial
+    assert plugin.hooks.ds_stream_default(1) is initial
     assert fake.called("stream")[0][1] == (side,)
 
 
 def test_events_are_device_timed(make_fake: MakeFake) -> None:
     fake = make_fake()
-    event = plugin.ds_stream_event_create(True)
+    event = plugin.hooks.ds_stream_event_create(True)
     assert isinstance(event, FakeEvent)  # not wrapped in host timers: XPU events time on device
     assert fake.called("Event")[0][2] == {"enable_timing": True}
 
@@ -235,7 +227,7 @@ def test_events_are_device_timed(make_fake: MakeFake) -> None:
 
 def test_memory_info_is_capped_by_the_process_fraction(make_fake: MakeFake) -> None:
     fake = make_fake(fraction=0.25)
-    info = plugin.ds_memory_info(0)
+    info = plugin.hooks.ds_memory_info(0)
     assert info.total == 16 * GiB and info.limit == 16 * GiB
     assert info.available == 16 * GiB - fake.reserved
     assert "set_per_process_memory_fraction(0.25)" in info.limit_source
@@ -246,20 +238,20 @@ def test_memory_stats_before_runtime_init_still_carry_the_contract_keys(
     make_fake: MakeFake,
 ) -> None:
     fake = make_fake(initialised=False)
-    stats = plugin.ds_memory_stats(None)
+    stats = plugin.hooks.ds_memory_stats(None)
     assert stats["allocated_bytes.all.current"] == fake.allocated
     assert stats["allocated_bytes.all.peak"] == fake.allocated + GiB
 
 
 def test_memory_counters_and_pinning(make_fake: MakeFake) -> None:
     fake = make_fake()
-    assert plugin.ds_memory_allocated(1) == fake.allocated
-    assert plugin.ds_memory_reserved(1) == fake.reserved
-    assert plugin.ds_memory_reset_peak(1) is True
-    assert plugin.ds_memory_empty_cache() is True
+    assert plugin.hooks.ds_memory_allocated(1) == fake.allocated
+    assert plugin.hooks.ds_memory_reserved(1) == fake.reserved
+    assert plugin.hooks.ds_memory_reset_peak(1) is True
+    assert plugin.hooks.ds_memory_empty_cache() is True
     assert fake.called("reset_peak_memory_stats")[0][1] == ("xpu:1",)
     with pytest.raises(ValueError, match="host tensor"):
-        plugin.ds_memory_pin(torch.zeros(1, device="meta"))
+        plugin.hooks.ds_memory_pin(torch.zeros(1, device="meta"))
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -267,12 +259,12 @@ def test_memory_counters_and_pinning(make_fake: MakeFake) -> None:
 
 def test_bf16_is_claimed_only_with_native_conversions(make_fake: MakeFake) -> None:
     make_fake(native_bf16=False, fp64=False)
-    dtypes = plugin.ds_dtype_supported()
+    dtypes = plugin.hooks.ds_dtype_supported()
     assert torch.float16 in dtypes
     assert torch.bfloat16 not in dtypes and torch.float64 not in dtypes
     assert not any(str(d).startswith("torch.float8") for d in dtypes)
     make_fake()
-    assert {torch.bfloat16, torch.float64} <= plugin.ds_dtype_supported()
+    assert {torch.bfloat16, torch.float64} <= plugin.hooks.ds_dtype_supported()
 
 
 # --------------------------------------------------------------------------- comm
@@ -283,8 +275,8 @@ def test_comm_uses_xccl_where_torch_has_it(
 ) -> None:
     make_fake()
     monkeypatch.setattr(dist, "is_xccl_available", lambda: True)
-    assert plugin.ds_comm_backend_name() == "xccl"
-    assert plugin.ds_comm_prepare() is True
+    assert plugin.hooks.ds_comm_backend_name() == "xccl"
+    assert plugin.hooks.ds_comm_prepare() is True
 
 
 def test_comm_falls_back_to_legacy_ccl_by_importing_the_oneccl_bindings(
@@ -295,9 +287,9 @@ def test_comm_falls_back_to_legacy_ccl_by_importing_the_oneccl_bindings(
     monkeypatch.setattr(dist, "is_xccl_available", lambda: False)
     monkeypatch.setattr(plugin, "module_present", lambda name: name == plugin.ONECCL_MODULE)
     monkeypatch.setattr(plugin.importlib, "import_module", lambda name: imported.append(name))
-    assert plugin.ds_comm_backend_name() == "ccl"
+    assert plugin.hooks.ds_comm_backend_name() == "ccl"
     monkeypatch.setattr(dist.Backend, "backend_list", [*dist.Backend.backend_list, "ccl"])
-    assert plugin.ds_comm_prepare() is True
+    assert plugin.hooks.ds_comm_prepare() is True
     assert imported == ["oneccl_bindings_for_pytorch"]
 
 
@@ -307,9 +299,9 @@ def test_comm_prepare_without_xccl_or_ccl_says_what_to_install(
     make_fake()
     monkeypatch.setattr(dist, "is_xccl_available", lambda: False)
     monkeypatch.setattr(plugin, "module_present", lambda name: False)
-    assert plugin.ds_comm_backend_name() == "xccl"
+    assert plugin.hooks.ds_comm_backend_name() == "xccl"
     with pytest.raises(RuntimeError, match=r"torch >= 2.8"):
-        plugin.ds_comm_prepare()
+        plugin.hooks.ds_comm_prepare()
 
 
 # --------------------------------------------------------------------------- ops, determinism, launcher
@@ -317,7 +309,7 @@ def test_comm_prepare_without_xccl_or_ccl_says_what_to_install(
 
 def test_fused_adam_is_torch_fused_adamw_on_xpu(make_fake: MakeFake) -> None:
     make_fake()
-    (provider,) = plugin.ds_op_providers()
+    (provider,) = plugin.hooks.ds_op_providers()
     ok, reason = provider.is_compatible()
     assert (provider.name, ok) == ("fused_adam", True), reason
     factory = provider.load()
@@ -326,19 +318,19 @@ def test_fused_adam_is_torch_fused_adamw_on_xpu(make_fake: MakeFake) -> None:
 
 def test_determinism_sets_torch_flag_and_restores_it() -> None:
     before = torch.are_deterministic_algorithms_enabled()
-    record = plugin.ds_determinism_apply(True)
+    record = plugin.hooks.ds_determinism_apply(True)
     try:
         assert torch.are_deterministic_algorithms_enabled() is True
         assert any("UNCONFIRMED" in n for n in record.notes)
     finally:
-        plugin.ds_determinism_restore(record)
+        plugin.hooks.ds_determinism_restore(record)
     assert torch.are_deterministic_algorithms_enabled() is before
 
 
 def test_launcher_environment(make_fake: MakeFake) -> None:
     make_fake()
-    assert plugin.ds_launcher_visible_devices_env() == ["ZE_AFFINITY_MASK"]
-    assert {"ZE_", "CCL_"} <= set(plugin.ds_launcher_env_prefixes())
+    assert plugin.hooks.ds_launcher_visible_devices_env() == ["ZE_AFFINITY_MASK"]
+    assert {"ZE_", "CCL_"} <= set(plugin.hooks.ds_launcher_env_prefixes())
 
 
 # --------------------------------------------------------------------------- packaging
@@ -353,5 +345,5 @@ def test_distribution_requires_no_vendor_stack_and_offers_ipex_as_an_extra() -> 
         'pyzes; extra == "sysman"',
     ]
     assert [(e.group, e.name, e.value) for e in dist.entry_points] == [
-        ("ds_core.backends", "xpu", "ds_backend_xpu.plugin")
+        ("ds_core.backends", "xpu", "ds_backend_xpu.plugin:hooks")
     ]

@@ -1,8 +1,10 @@
 """Hook implementations of the Intel Gaudi backend, over ``habana_frameworks.torch.hpu``.
 
 The Gaudi stack (``habana_frameworks``, from Intel Gaudi's installers) is imported on first use
-after selection, never by importing this module or by the probe. Where Gaudi differs from the
-torch-style shape the kit drives:
+after selection, never by importing this module or by the probe. The hooks are the methods of
+:class:`HpuHooks`, registered through the instance ``hooks``; those where Gaudi matches the
+torch-style shape are inherited from :class:`ds_core.backend_kit.TorchStyleHooks`. Where Gaudi
+differs from the torch-style shape the kit drives:
 
 - one Gaudi per process: ``synchronize()`` takes no device, the RNG lives in
   ``hpu.random`` with a single generator, and ``get_device_properties`` returns a string;
@@ -19,7 +21,6 @@ torch-style shape the kit drives:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ from ds_core.backend_kit import (
     DeterminismPolicy,
     TorchStyleDevice,
     TorchStyleGraph,
+    TorchStyleHooks,
     adamw_compatible,
     attribute_setting,
     check_options,
@@ -85,23 +87,6 @@ def _flush_if_lazy() -> None:
 # --------------------------------------------------------------------------- backend
 
 
-@hookimpl
-def ds_backend_info() -> BackendInfo:
-    return BackendInfo(
-        name=NAME,
-        device_type=DEVICE_TYPE,
-        priority=100,
-        hookspec_version=1,
-        vendor_version=dist_version(*VENDOR_DISTRIBUTIONS),
-        description="Intel Gaudi through habana_frameworks.torch; collectives over HCCL",
-    )
-
-
-@hookimpl
-def ds_backend_probe() -> ProbeResult:
-    return _probe.probe()
-
-
 def _graph_capture_available() -> bool:
     # Training HPU graphs need lazy mode, where the bridge exports HPUGraph. Decided from the
     # environment and the installed files, since capabilities must not import the stack; an
@@ -111,126 +96,7 @@ def _graph_capture_available() -> bool:
     )
 
 
-@hookimpl
-def ds_backend_capabilities() -> frozenset[str]:
-    # pinned_memory follows DeepSpeed's HPU accelerator, which pins for 'hpu'; vLLM's HPU
-    # platform says pinning is unsupported (UNCONFIRMED which holds). "determinism" and
-    # "memory_limits" are not declared: no HCCL determinism knob and no per-process limit
-    # getter are documented.
-    caps = {"async_streams", "device_timing", "pinned_memory"}
-    if _graph_capture_available():
-        caps.add("graph_capture")
-    return frozenset(caps)
-
-
-@hookimpl
-def ds_backend_configure(options: Mapping[str, Any]) -> bool:
-    return check_options(NAME, options, ())
-
-
-# --------------------------------------------------------------------------- device
-
-
-@hookimpl
-def ds_device_count() -> int:
-    return _device.count()
-
-
-@hookimpl
-def ds_device_current() -> int:
-    return _device.current()
-
-
-@hookimpl
-def ds_device_set(index: int) -> bool:
-    return _device.set(index)
-
-
-@hookimpl
-def ds_device_synchronize(index: int | None) -> bool:
-    # One Gaudi per process: hpu.synchronize() takes no device and waits for all its streams.
-    _flush_if_lazy()
-    _hpu().synchronize()
-    return True
-
-
-@hookimpl
-def ds_device_properties(index: int | None) -> DeviceProperties:
-    hpu = _hpu()
-    i = _device.resolve(index)
-    return DeviceProperties(
-        name=str(hpu.get_device_name(i)),
-        index=i,
-        total_memory=int(hpu.memory_stats(_device.device(i))["Limit"]),
-        extra={
-            "properties": str(hpu.get_device_properties(i)),
-            "capability": str(hpu.get_device_capability()),
-            "lazy_mode": _lazy_mode(),
-        },
-    )
-
-
-# --------------------------------------------------------------------------- rng
-
-
-@hookimpl
-def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
-    random = _hpu().random
-    if all_devices:
-        random.manual_seed_all(seed)
-    else:
-        random.manual_seed(seed)
-    return True
-
-
-@hookimpl
-def ds_rng_get_state(index: int | None) -> torch.Tensor:
-    # hpu.random keeps one generator per process and refuses indices other than 0.
-    state: torch.Tensor = _hpu().random.get_rng_state(_device.device(index))
-    return state
-
-
-@hookimpl
-def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
-    _hpu().random.set_rng_state(state, _device.device(index))
-    return True
-
-
-@hookimpl
-def ds_rng_default_generator(index: int | None) -> torch.Generator:
-    generators = _hpu().random.default_generators
-    i = 0 if index is None else index
-    if not 0 <= i < len(generators):
-        raise ValueError(
-            f"device index {i} has no generator: a process drives one Gaudi, whose generator "
-            f"is index 0"
-        )
-    gen: torch.Generator = generators[i]
-    return gen
-
-
 # --------------------------------------------------------------------------- streams
-
-
-@hookimpl
-def ds_stream_create(index: int | None, priority: int) -> Any:
-    # The bridge ignores device and priority (one device per process, low priority only).
-    return _device.stream_create(index, priority)
-
-
-@hookimpl
-def ds_stream_current(index: int | None) -> Any:
-    return _device.stream_current(index)
-
-
-@hookimpl
-def ds_stream_default(index: int | None) -> Any:
-    return _device.stream_default(index)
-
-
-@hookimpl
-def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    return _device.stream_use(stream)
 
 
 class LazyFlushEvent:
@@ -264,32 +130,7 @@ class LazyFlushEvent:
         return float(self.event.elapsed_time(end_event.event))
 
 
-@hookimpl
-def ds_stream_event_create(enable_timing: bool) -> LazyFlushEvent:
-    return LazyFlushEvent(_device.event_create(enable_timing))
-
-
 # --------------------------------------------------------------------------- memory
-
-
-@hookimpl
-def ds_memory_allocated(index: int | None) -> int:
-    return _device.allocated(index)
-
-
-@hookimpl
-def ds_memory_max_allocated(index: int | None) -> int:
-    return _device.max_allocated(index)
-
-
-@hookimpl
-def ds_memory_reset_peak(index: int | None) -> bool:
-    return _device.reset_peak(index)
-
-
-@hookimpl
-def ds_memory_reserved(index: int | None) -> int:
-    return _device.reserved(index)
 
 
 #: The bridge's memory_stats keys -> the contract's names.
@@ -300,98 +141,12 @@ STATS_KEYS = {
 }
 
 
-@hookimpl
-def ds_memory_stats(index: int | None) -> dict[str, int]:
-    stats = _device.stats(index)
-    for vendor_key, key in STATS_KEYS.items():
-        if vendor_key in stats:
-            stats[key] = stats[vendor_key]
-    return stats
-
-
-@hookimpl
-def ds_memory_empty_cache() -> bool:
-    empty_cache = getattr(_hpu(), "empty_cache", None)
-    if empty_cache is not None:
-        empty_cache()
-    # Bridges without empty_cache reserve their whole pool at start (reserved == Limit) and
-    # hand nothing back to the device, so there is no cache to release.
-    return True
-
-
-@hookimpl
-def ds_memory_info(index: int | None) -> MemoryInfo:
-    if hasattr(_hpu(), "mem_get_info"):
-        return _device.memory_info(index)
-    # Older bridges: the same figures from the allocator statistics.
-    stats = _device.stats(index)
-    return MemoryInfo(total=stats["Limit"], available=max(0, stats["Limit"] - stats["InUse"]))
-
-
 def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu":
         raise ValueError(
             f"pin_memory needs a host tensor, got one on '{tensor.device}'; move it to the CPU first"
         )
     return tensor
-
-
-@hookimpl
-def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
-    # Pinned for 'hpu' explicitly, as DeepSpeed's HPU accelerator does: whether the bridge
-    # registers 'hpu' as torch's current accelerator is UNCONFIRMED.
-    return _host_tensor(tensor).pin_memory(torch.device(DEVICE_TYPE))
-
-
-@hookimpl
-def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
-    return bool(_host_tensor(tensor).is_pinned(torch.device(DEVICE_TYPE)))
-
-
-# --------------------------------------------------------------------------- dtypes
-
-
-@hookimpl
-def ds_dtype_supported() -> frozenset[torch.dtype]:
-    experimental = importlib.import_module("habana_frameworks.torch.utils.experimental")
-    # fp8 (E4M3/E5M2 on Gaudi 2/3, through Intel Neural Compressor) is not claimed: the bridge
-    # has no API that reports it. Gaudi has no fp64 arithmetic.
-    return dtype_set(
-        fp16=bool(experimental._is_fp16_supported()),
-        bf16=bool(_hpu().is_bf16_supported()),
-        fp64=False,
-        fp8=False,
-    )
-
-
-# --------------------------------------------------------------------------- graphs
-
-
-@hookimpl
-def ds_graph_create() -> TorchStyleGraph:
-    hpu = _hpu()
-    if not hasattr(hpu, "HPUGraph"):
-        raise RuntimeError(
-            f"habana_frameworks exports HPUGraph only in lazy mode; set {LAZY_MODE_ENV}=1 "
-            f"before starting the process"
-        )
-    return TorchStyleGraph(hpu.HPUGraph(), hpu.graph, accepts_pool=False)
-
-
-# --------------------------------------------------------------------------- comm
-
-
-@hookimpl
-def ds_comm_backend_name() -> str:
-    return "hccl"
-
-
-@hookimpl
-def ds_comm_prepare() -> bool:
-    importlib.import_module(HCCL_MODULE)
-    return require_dist_backend(
-        "hccl", f"importing {HCCL_MODULE} did not register it; check the Gaudi software stack"
-    )
 
 
 # --------------------------------------------------------------------------- ops
@@ -409,11 +164,6 @@ def _fused_adamw_load() -> Any:
     fused = importlib.import_module(OPTIMIZERS_MODULE).FusedAdamW
     # FusedAdamW's own defaults differ from AdamW's (eps 1e-6, no weight decay).
     return adamw_compatible(fused, ("lr", "betas", "eps", "weight_decay"), name=FUSED_ADAMW)
-
-
-@hookimpl
-def ds_op_providers() -> list[OpProvider]:
-    return [SimpleOpProvider("fused_adam", _fused_adamw_check, _fused_adamw_load)]
 
 
 # --------------------------------------------------------------------------- determinism
@@ -437,28 +187,217 @@ _determinism = DeterminismPolicy(
 )
 
 
-@hookimpl
-def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
-    return _determinism.apply(enabled)
+# --------------------------------------------------------------------------- hooks
 
 
-@hookimpl
-def ds_determinism_restore(record: DeterminismRecord) -> bool:
-    return _determinism.restore(record)
+class HpuHooks(TorchStyleHooks):
+    """The hpu backend's hooks: the torch-style ones inherited, the Gaudi-specific here.
+
+    Streams are the kit's; the bridge ignores their device and priority (one device per
+    process, low priority only).
+    """
+
+    # -- backend -------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_backend_info(self) -> BackendInfo:
+        return BackendInfo(
+            name=NAME,
+            device_type=DEVICE_TYPE,
+            priority=100,
+            hookspec_version=1,
+            vendor_version=dist_version(*VENDOR_DISTRIBUTIONS),
+            description="Intel Gaudi through habana_frameworks.torch; collectives over HCCL",
+        )
+
+    @hookimpl
+    def ds_backend_probe(self) -> ProbeResult:
+        return _probe.probe()
+
+    @hookimpl
+    def ds_backend_capabilities(self) -> frozenset[str]:
+        # pinned_memory follows DeepSpeed's HPU accelerator, which pins for 'hpu'; vLLM's HPU
+        # platform says pinning is unsupported (UNCONFIRMED which holds). "determinism" and
+        # "memory_limits" are not declared: no HCCL determinism knob and no per-process limit
+        # getter are documented.
+        caps = {"async_streams", "device_timing", "pinned_memory"}
+        if _graph_capture_available():
+            caps.add("graph_capture")
+        return frozenset(caps)
+
+    @hookimpl
+    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
+        return check_options(NAME, options, ())
+
+    # -- device --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_device_synchronize(self, index: int | None) -> bool:
+        # One Gaudi per process: hpu.synchronize() takes no device and waits for all its streams.
+        _flush_if_lazy()
+        _hpu().synchronize()
+        return True
+
+    @hookimpl
+    def ds_device_properties(self, index: int | None) -> DeviceProperties:
+        hpu = _hpu()
+        i = self.device.resolve(index)
+        return DeviceProperties(
+            name=str(hpu.get_device_name(i)),
+            index=i,
+            total_memory=int(hpu.memory_stats(self.device.device(i))["Limit"]),
+            extra={
+                "properties": str(hpu.get_device_properties(i)),
+                "capability": str(hpu.get_device_capability()),
+                "lazy_mode": _lazy_mode(),
+            },
+        )
+
+    # -- rng -----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_rng_manual_seed(self, seed: int, all_devices: bool) -> bool:
+        random = _hpu().random
+        if all_devices:
+            random.manual_seed_all(seed)
+        else:
+            random.manual_seed(seed)
+        return True
+
+    @hookimpl
+    def ds_rng_get_state(self, index: int | None) -> torch.Tensor:
+        # hpu.random keeps one generator per process and refuses indices other than 0.
+        state: torch.Tensor = _hpu().random.get_rng_state(self.device.device(index))
+        return state
+
+    @hookimpl
+    def ds_rng_set_state(self, state: torch.Tensor, index: int | None) -> bool:
+        _hpu().random.set_rng_state(state, self.device.device(index))
+        return True
+
+    @hookimpl
+    def ds_rng_default_generator(self, index: int | None) -> torch.Generator:
+        generators = _hpu().random.default_generators
+        i = 0 if index is None else index
+        if not 0 <= i < len(generators):
+            raise ValueError(
+                f"device index {i} has no generator: a process drives one Gaudi, whose generator "
+                f"is index 0"
+            )
+        gen: torch.Generator = generators[i]
+        return gen
+
+    # -- streams -------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_stream_event_create(self, enable_timing: bool) -> LazyFlushEvent:
+        return LazyFlushEvent(self.device.event_create(enable_timing))
+
+    # -- memory --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_memory_stats(self, index: int | None) -> dict[str, int]:
+        stats = self.device.stats(index)
+        for vendor_key, key in STATS_KEYS.items():
+            if vendor_key in stats:
+                stats[key] = stats[vendor_key]
+        return stats
+
+    @hookimpl
+    def ds_memory_empty_cache(self) -> bool:
+        empty_cache = getattr(_hpu(), "empty_cache", None)
+        if empty_cache is not None:
+            empty_cache()
+        # Bridges without empty_cache reserve their whole pool at start (reserved == Limit) and
+        # hand nothing back to the device, so there is no cache to release.
+        return True
+
+    @hookimpl
+    def ds_memory_info(self, index: int | None) -> MemoryInfo:
+        if hasattr(_hpu(), "mem_get_info"):
+            return self.device.memory_info(index)
+        # Older bridges: the same figures from the allocator statistics.
+        stats = self.device.stats(index)
+        return MemoryInfo(total=stats["Limit"], available=max(0, stats["Limit"] - stats["InUse"]))
+
+    @hookimpl
+    def ds_memory_pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Pinned for 'hpu' explicitly, as DeepSpeed's HPU accelerator does: whether the bridge
+        # registers 'hpu' as torch's current accelerator is UNCONFIRMED.
+        return _host_tensor(tensor).pin_memory(torch.device(DEVICE_TYPE))
+
+    @hookimpl
+    def ds_memory_is_pinned(self, tensor: torch.Tensor) -> bool:
+        return bool(_host_tensor(tensor).is_pinned(torch.device(DEVICE_TYPE)))
+
+    # -- dtypes --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_dtype_supported(self) -> frozenset[torch.dtype]:
+        experimental = importlib.import_module("habana_frameworks.torch.utils.experimental")
+        # fp8 (E4M3/E5M2 on Gaudi 2/3, through Intel Neural Compressor) is not claimed: the bridge
+        # has no API that reports it. Gaudi has no fp64 arithmetic.
+        return dtype_set(
+            fp16=bool(experimental._is_fp16_supported()),
+            bf16=bool(_hpu().is_bf16_supported()),
+            fp64=False,
+            fp8=False,
+        )
+
+    # -- graphs --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_graph_create(self) -> TorchStyleGraph:
+        hpu = _hpu()
+        if not hasattr(hpu, "HPUGraph"):
+            raise RuntimeError(
+                f"habana_frameworks exports HPUGraph only in lazy mode; set {LAZY_MODE_ENV}=1 "
+                f"before starting the process"
+            )
+        return TorchStyleGraph(hpu.HPUGraph(), hpu.graph, accepts_pool=False)
+
+    # -- comm ----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_comm_backend_name(self) -> str:
+        return "hccl"
+
+    @hookimpl
+    def ds_comm_prepare(self) -> bool:
+        importlib.import_module(HCCL_MODULE)
+        return require_dist_backend(
+            "hccl", f"importing {HCCL_MODULE} did not register it; check the Gaudi software stack"
+        )
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_op_providers(self) -> list[OpProvider]:
+        return [SimpleOpProvider("fused_adam", _fused_adamw_check, _fused_adamw_load)]
+
+    # -- determinism ---------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
+        return _determinism.apply(enabled)
+
+    @hookimpl
+    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
+        return _determinism.restore(record)
+
+    # -- launcher ------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_launcher_visible_devices_env(self) -> list[str]:
+        # Module ids; only 2-card ("0,1", "2,3", ...) and 4-card ("0,1,2,3", "4,5,6,7") partitions
+        # are supported by the runtime.
+        return [_probe.VISIBLE_DEVICES_ENV]
+
+    @hookimpl
+    def ds_launcher_env_prefixes(self) -> list[str]:
+        # The bridge's runtime flags (PT_HPU_), Habana's runtime and logs (HABANA_) and the
+        # collective library (HCCL_); UNCONFIRMED as a complete list.
+        return ["PT_HPU_", "HABANA_", "HCCL_"]
 
 
-# --------------------------------------------------------------------------- launcher
-
-
-@hookimpl
-def ds_launcher_visible_devices_env() -> list[str]:
-    # Module ids; only 2-card ("0,1", "2,3", ...) and 4-card ("0,1,2,3", "4,5,6,7") partitions
-    # are supported by the runtime.
-    return [_probe.VISIBLE_DEVICES_ENV]
-
-
-@hookimpl
-def ds_launcher_env_prefixes() -> list[str]:
-    # The bridge's runtime flags (PT_HPU_), Habana's runtime and logs (HABANA_) and the
-    # collective library (HCCL_); UNCONFIRMED as a complete list.
-    return ["PT_HPU_", "HABANA_", "HCCL_"]
+hooks = HpuHooks(_device)

@@ -2,7 +2,10 @@
 
 ``torch.xpu`` ships inside torch's XPU builds (PyTorch ≥ 2.4); Intel's extension (IPEX) is not
 needed and not imported. ``torch.xpu`` is looked up on every call rather than bound at import,
-so importing this module touches nothing and contract tests can swap in a recorded fake.
+so importing this module touches nothing and contract tests can swap in a recorded fake. The
+hooks are the methods of :class:`XpuHooks`, registered through the instance ``hooks``; those
+where XPU matches the torch-style shape are inherited from
+:class:`ds_core.backend_kit.TorchStyleHooks`.
 
 Where XPU differs from the torch-style shape the kit drives:
 
@@ -32,6 +35,7 @@ from ds_core.backend_kit import (
     DeterminismPolicy,
     TorchStyleDevice,
     TorchStyleGraph,
+    TorchStyleHooks,
     check_options,
     dist_version,
     dtype_set,
@@ -43,7 +47,6 @@ from ds_core.backend_kit import (
 from ds_core.types import (
     BackendInfo,
     DeterminismRecord,
-    DeviceProperties,
     MemoryInfo,
     OpProvider,
     ProbeResult,
@@ -81,95 +84,10 @@ _device = TorchStyleDevice(DEVICE_TYPE, _xpu, api_name="torch.xpu")
 # --------------------------------------------------------------------------- backend
 
 
-@hookimpl
-def ds_backend_info() -> BackendInfo:
-    return BackendInfo(
-        name=NAME,
-        device_type=DEVICE_TYPE,
-        priority=100,
-        hookspec_version=1,
-        vendor_version=dist_version("torch"),
-        description="Intel GPUs through torch.xpu; collectives over XCCL",
-    )
-
-
-@hookimpl
-def ds_backend_probe() -> ProbeResult:
-    return _probe.probe()
-
-
 def _graph_capture_available() -> bool:
     # XPUGraph arrived after torch.xpu itself (2.11 per a release summary; UNCONFIRMED which
     # release first shipped it); on a build without XPU support the class is a placeholder.
     return _probe.xpu_compiled(torch.xpu) and hasattr(torch.xpu, "XPUGraph")
-
-
-@hookimpl
-def ds_backend_capabilities() -> frozenset[str]:
-    caps = {"async_streams", "device_timing", "pinned_memory"}
-    if hasattr(torch.xpu, "get_per_process_memory_fraction"):
-        caps.add("memory_limits")
-    if _graph_capture_available():
-        caps.add("graph_capture")
-    # "determinism" is not declared: torch's deterministic-algorithms flag is all there is;
-    # oneDNN/oneCCL determinism knobs are UNCONFIRMED, so bitwise-equal runs are not promised.
-    return frozenset(caps)
-
-
-@hookimpl
-def ds_backend_configure(options: Mapping[str, Any]) -> bool:
-    return check_options(NAME, options, ())
-
-
-# --------------------------------------------------------------------------- device
-
-
-@hookimpl
-def ds_device_count() -> int:
-    return _device.count()
-
-
-@hookimpl
-def ds_device_current() -> int:
-    return _device.current()
-
-
-@hookimpl
-def ds_device_set(index: int) -> bool:
-    return _device.set(index)
-
-
-@hookimpl
-def ds_device_synchronize(index: int | None) -> bool:
-    return _device.synchronize(index)
-
-
-@hookimpl
-def ds_device_properties(index: int | None) -> DeviceProperties:
-    return _device.properties(index, PROPERTY_EXTRAS)
-
-
-# --------------------------------------------------------------------------- rng
-
-
-@hookimpl
-def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
-    return _device.manual_seed(seed, all_devices)
-
-
-@hookimpl
-def ds_rng_get_state(index: int | None) -> torch.Tensor:
-    return _device.get_rng_state(index)
-
-
-@hookimpl
-def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
-    return _device.set_rng_state(state, index)
-
-
-@hookimpl
-def ds_rng_default_generator(index: int | None) -> torch.Generator:
-    return _device.default_generator(index)
 
 
 # --------------------------------------------------------------------------- streams
@@ -193,28 +111,6 @@ def _remember_default(index: int) -> Any:
     return stream
 
 
-@hookimpl
-def ds_stream_create(index: int | None, priority: int) -> Any:
-    return _device.stream_create(index, priority)
-
-
-@hookimpl
-def ds_stream_current(index: int | None) -> Any:
-    return _device.stream_current(index)
-
-
-@hookimpl
-def ds_stream_default(index: int | None) -> Any:
-    i = _device.resolve(index)
-    stream = _remember_default(i)
-    if stream is None:
-        raise RuntimeError(
-            f"the default stream of xpu:{i} is unknown: it was first asked for inside a stream "
-            f"context on another device; ask for it once outside any stream context"
-        )
-    return stream
-
-
 @contextlib.contextmanager
 def _use(stream: Any) -> Iterator[Any]:
     _remember_default(int(stream.device_index))
@@ -224,74 +120,6 @@ def _use(stream: Any) -> Iterator[Any]:
             yield stream
     finally:
         _local.depth -= 1
-
-
-@hookimpl
-def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    return _use(stream)
-
-
-@hookimpl
-def ds_stream_event_create(enable_timing: bool) -> Any:
-    return _device.event_create(enable_timing)
-
-
-# --------------------------------------------------------------------------- memory
-
-
-@hookimpl
-def ds_memory_allocated(index: int | None) -> int:
-    return _device.allocated(index)
-
-
-@hookimpl
-def ds_memory_max_allocated(index: int | None) -> int:
-    return _device.max_allocated(index)
-
-
-@hookimpl
-def ds_memory_reset_peak(index: int | None) -> bool:
-    return _device.reset_peak(index)
-
-
-@hookimpl
-def ds_memory_reserved(index: int | None) -> int:
-    return _device.reserved(index)
-
-
-@hookimpl
-def ds_memory_stats(index: int | None) -> dict[str, int]:
-    stats = _device.stats(index)
-    # torch.xpu.memory_stats() is {} until the runtime is initialised; the contract's two keys
-    # then come from the counters, which are valid (zero) before initialisation too.
-    stats.setdefault("allocated_bytes.all.current", _device.allocated(index))
-    stats.setdefault("allocated_bytes.all.peak", _device.max_allocated(index))
-    return stats
-
-
-@hookimpl
-def ds_memory_empty_cache() -> bool:
-    return _device.empty_cache()
-
-
-@hookimpl
-def ds_memory_info(index: int | None) -> MemoryInfo:
-    if hasattr(torch.xpu, "mem_get_info"):
-        return _device.memory_info(index)
-    # Releases before mem_get_info (first release UNCONFIRMED; present by 2.9) only know the
-    # capacity, so available is what this process has not reserved.
-    total = _device.properties(index).total_memory
-    return MemoryInfo(total=total, available=max(0, total - _device.reserved(index)))
-
-
-@hookimpl
-def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
-    return _device.pin(tensor)
-
-
-@hookimpl
-def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
-    return _device.is_pinned(tensor)
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -305,28 +133,6 @@ def _native_bf16() -> bool:
     return bool(check())
 
 
-@hookimpl
-def ds_dtype_supported() -> frozenset[torch.dtype]:
-    props = torch.xpu.get_device_properties(_device.current())
-    # fp8 is not claimed: torch.xpu reports no fp8 capability of the device.
-    return dtype_set(
-        fp16=bool(props.has_fp16), bf16=_native_bf16(), fp64=bool(props.has_fp64), fp8=False
-    )
-
-
-# --------------------------------------------------------------------------- graphs
-
-
-@hookimpl
-def ds_graph_create() -> TorchStyleGraph:
-    if not _graph_capture_available():
-        raise RuntimeError(
-            f"torch {torch.__version__} has no torch.xpu.XPUGraph; graph capture needs a newer "
-            f"torch XPU build"
-        )
-    return TorchStyleGraph(torch.xpu.XPUGraph(), torch.xpu.graph)
-
-
 # --------------------------------------------------------------------------- comm
 
 
@@ -336,34 +142,6 @@ def _comm_backend() -> str:
     if xccl is not None and xccl():
         return "xccl"
     return "ccl" if module_present(ONECCL_MODULE) else "xccl"
-
-
-@hookimpl
-def ds_comm_backend_name() -> str:
-    return _comm_backend()
-
-
-@hookimpl
-def ds_comm_prepare() -> bool:
-    name = _comm_backend()
-    if name == "ccl":
-        importlib.import_module(ONECCL_MODULE)
-        return require_dist_backend(
-            "ccl", f"importing {ONECCL_MODULE} did not register it; reinstall oneccl_bind_pt"
-        )
-    return require_dist_backend(
-        "xccl",
-        "XCCL is built into torch >= 2.8 XPU builds; upgrade torch, or for an older torch "
-        "install Intel's oneccl_bind_pt (legacy 'ccl' backend)",
-    )
-
-
-# --------------------------------------------------------------------------- ops
-
-
-@hookimpl
-def ds_op_providers() -> list[OpProvider]:
-    return [fused_adamw_provider(DEVICE_TYPE)]
 
 
 # --------------------------------------------------------------------------- determinism
@@ -377,28 +155,153 @@ _determinism = DeterminismPolicy(
 )
 
 
-@hookimpl
-def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
-    return _determinism.apply(enabled)
+# --------------------------------------------------------------------------- hooks
 
 
-@hookimpl
-def ds_determinism_restore(record: DeterminismRecord) -> bool:
-    return _determinism.restore(record)
+class XpuHooks(TorchStyleHooks):
+    """The xpu backend's hooks: the torch-style ones inherited, the XPU-specific here."""
+
+    property_extras = PROPERTY_EXTRAS
+
+    # -- backend -------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_backend_info(self) -> BackendInfo:
+        return BackendInfo(
+            name=NAME,
+            device_type=DEVICE_TYPE,
+            priority=100,
+            hookspec_version=1,
+            vendor_version=dist_version("torch"),
+            description="Intel GPUs through torch.xpu; collectives over XCCL",
+        )
+
+    @hookimpl
+    def ds_backend_probe(self) -> ProbeResult:
+        return _probe.probe()
+
+    @hookimpl
+    def ds_backend_capabilities(self) -> frozenset[str]:
+        caps = {"async_streams", "device_timing", "pinned_memory"}
+        if hasattr(torch.xpu, "get_per_process_memory_fraction"):
+            caps.add("memory_limits")
+        if _graph_capture_available():
+            caps.add("graph_capture")
+        # "determinism" is not declared: torch's deterministic-algorithms flag is all there is;
+        # oneDNN/oneCCL determinism knobs are UNCONFIRMED, so bitwise-equal runs are not promised.
+        return frozenset(caps)
+
+    @hookimpl
+    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
+        return check_options(NAME, options, ())
+
+    # -- streams -------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_stream_default(self, index: int | None) -> Any:
+        i = self.device.resolve(index)
+        stream = _remember_default(i)
+        if stream is None:
+            raise RuntimeError(
+                f"the default stream of xpu:{i} is unknown: it was first asked for inside a stream "
+                f"context on another device; ask for it once outside any stream context"
+            )
+        return stream
+
+    @hookimpl
+    def ds_stream_use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return _use(stream)
+
+    # -- memory --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_memory_stats(self, index: int | None) -> dict[str, int]:
+        stats = self.device.stats(index)
+        # torch.xpu.memory_stats() is {} until the runtime is initialised; the contract's two keys
+        # then come from the counters, which are valid (zero) before initialisation too.
+        stats.setdefault("allocated_bytes.all.current", self.device.allocated(index))
+        stats.setdefault("allocated_bytes.all.peak", self.device.max_allocated(index))
+        return stats
+
+    @hookimpl
+    def ds_memory_info(self, index: int | None) -> MemoryInfo:
+        if hasattr(torch.xpu, "mem_get_info"):
+            return self.device.memory_info(index)
+        # Releases before mem_get_info (first release UNCONFIRMED; present by 2.9) only know the
+        # capacity, so available is what this process has not reserved.
+        total = self.device.properties(index).total_memory
+        return MemoryInfo(total=total, available=max(0, total - self.device.reserved(index)))
+
+    # -- dtypes --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_dtype_supported(self) -> frozenset[torch.dtype]:
+        props = torch.xpu.get_device_properties(self.device.current())
+        # fp8 is not claimed: torch.xpu reports no fp8 capability of the device.
+        return dtype_set(
+            fp16=bool(props.has_fp16), bf16=_native_bf16(), fp64=bool(props.has_fp64), fp8=False
+        )
+
+    # -- graphs --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_graph_create(self) -> TorchStyleGraph:
+        if not _graph_capture_available():
+            raise RuntimeError(
+                f"torch {torch.__version__} has no torch.xpu.XPUGraph; graph capture needs a newer "
+                f"torch XPU build"
+            )
+        return TorchStyleGraph(torch.xpu.XPUGraph(), torch.xpu.graph)
+
+    # -- comm ----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_comm_backend_name(self) -> str:
+        return _comm_backend()
+
+    @hookimpl
+    def ds_comm_prepare(self) -> bool:
+        name = _comm_backend()
+        if name == "ccl":
+            importlib.import_module(ONECCL_MODULE)
+            return require_dist_backend(
+                "ccl", f"importing {ONECCL_MODULE} did not register it; reinstall oneccl_bind_pt"
+            )
+        return require_dist_backend(
+            "xccl",
+            "XCCL is built into torch >= 2.8 XPU builds; upgrade torch, or for an older torch "
+            "install Intel's oneccl_bind_pt (legacy 'ccl' backend)",
+        )
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_op_providers(self) -> list[OpProvider]:
+        return [fused_adamw_provider(DEVICE_TYPE)]
+
+    # -- determinism ---------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
+        return _determinism.apply(enabled)
+
+    @hookimpl
+    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
+        return _determinism.restore(record)
+
+    # -- launcher ------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_launcher_visible_devices_env(self) -> list[str]:
+        # Comma-separated device ordinals; COMPOSITE-style "0.0,0.1" masks work for Level Zero but
+        # not for torch's fork-safe count.
+        return [_probe.VISIBLE_DEVICES_ENV]
+
+    @hookimpl
+    def ds_launcher_env_prefixes(self) -> list[str]:
+        # Level Zero (ZE_), the SYCL runtime (SYCL_) and oneCCL (CCL_) read their settings from
+        # these; UNCONFIRMED as a complete list (the reference names no XPU export list).
+        return ["ZE_", "SYCL_", "CCL_"]
 
 
-# --------------------------------------------------------------------------- launcher
-
-
-@hookimpl
-def ds_launcher_visible_devices_env() -> list[str]:
-    # Comma-separated device ordinals; COMPOSITE-style "0.0,0.1" masks work for Level Zero but
-    # not for torch's fork-safe count.
-    return [_probe.VISIBLE_DEVICES_ENV]
-
-
-@hookimpl
-def ds_launcher_env_prefixes() -> list[str]:
-    # Level Zero (ZE_), the SYCL runtime (SYCL_) and oneCCL (CCL_) read their settings from
-    # these; UNCONFIRMED as a complete list (the reference names no XPU export list).
-    return ["ZE_", "SYCL_", "CCL_"]
+hooks = XpuHooks(_device)
