@@ -39,7 +39,7 @@ result = diff(before, info.device_type)
 backends = sorted(set(e.value.split(":")[0].split(".")[0]
                        for e in md.entry_points(group="ds_core.backends")))
 result.update(available=probe.available, imported=list(probe.imported),
-              own=plugin.__name__.split(".")[0], backends=backends)
+              own=ep.value.split(":")[0].split(".")[0], backends=backends)
 print(json.dumps(result))
 """
     )
