@@ -35,12 +35,14 @@ class CommRecord:
     :param logical_bytes: bytes counted under the rules in the module docstring.
     :param numel: elements of the buffer the rule counts.
     :param dtype: that buffer's dtype.
+    :param async_op: whether the caller asked for an asynchronous handle.
     """
 
     op: str
     logical_bytes: int
     numel: int
     dtype: torch.dtype | None
+    async_op: bool = False
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -54,12 +56,13 @@ class CommCounter:
         self._lock = threading.Lock()
         self.records: list[CommRecord] = []
 
-    def _add(self, op: str, buf: torch.Tensor | None, factor: int) -> None:
+    def _add(self, op: str, buf: torch.Tensor | None, factor: int, async_op: bool = False) -> None:
         rec = CommRecord(
             op,
             factor * _nbytes(buf) if buf is not None else 0,
             buf.numel() if buf is not None else 0,
             buf.dtype if buf is not None else None,
+            async_op,
         )
         with self._lock:
             self.records.append(rec)
@@ -86,12 +89,12 @@ class CommCounter:
                     out[r.op] = out.get(r.op, 0) + r.logical_bytes
         return out
 
-    def calls_by_op(self, min_numel: int = 0) -> dict[str, int]:
-        """Number of calls per collective name."""
+    def calls_by_op(self, min_numel: int = 0, async_only: bool = False) -> dict[str, int]:
+        """Number of calls per collective name (only asynchronous ones with ``async_only``)."""
         out: dict[str, int] = {}
         with self._lock:
             for r in self.records:
-                if r.numel >= min_numel:
+                if r.numel >= min_numel and (r.async_op or not async_only):
                     out[r.op] = out.get(r.op, 0) + 1
         return out
 
@@ -101,28 +104,28 @@ class CommCounter:
     def ds_comm_all_reduce(
         self, tensor: torch.Tensor, op: str, group: Any, async_op: bool
     ) -> Generator[None, Work, Work]:
-        self._add("all_reduce", tensor, 2)
+        self._add("all_reduce", tensor, 2, async_op)
         return (yield)
 
     @hookimpl(wrapper=True)
     def ds_comm_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: str, group: Any, async_op: bool
     ) -> Generator[None, Work, Work]:
-        self._add("reduce_scatter", input, 1)
+        self._add("reduce_scatter", input, 1, async_op)
         return (yield)
 
     @hookimpl(wrapper=True)
     def ds_comm_all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
     ) -> Generator[None, Work, Work]:
-        self._add("all_gather", output, 1)
+        self._add("all_gather", output, 1, async_op)
         return (yield)
 
     @hookimpl(wrapper=True)
     def ds_comm_broadcast(
         self, tensor: torch.Tensor, src: int, group: Any, async_op: bool
     ) -> Generator[None, Work, Work]:
-        self._add("broadcast", tensor, 1)
+        self._add("broadcast", tensor, 1, async_op)
         return (yield)
 
     @hookimpl(wrapper=True)
@@ -135,7 +138,7 @@ class CommCounter:
         group: Any,
         async_op: bool,
     ) -> Generator[None, Work, Work]:
-        self._add("all_to_all", input, 1)
+        self._add("all_to_all", input, 1, async_op)
         return (yield)
 
     @hookimpl(wrapper=True)

@@ -13,7 +13,9 @@ gathered once and reference-counted. Parameters are meant to be used only inside
 the module that owns them (or shares them), as with FSDP.
 
 Prefetch: the first forward records the order modules run in; later forwards, as long as they
-follow it, issue the next module's all-gather asynchronously before running the current one.
+follow it, issue the next module's all-gather asynchronously before running the current one,
+and each module's backward gather prefetches the module before it in that order (a prefetch
+nobody consumes is finished and dropped at the end of the pass).
 The trace must be the same on every rank (data-dependent module order would desynchronise the
 collectives). All collectives go through ``get_accelerator()``.
 """
@@ -126,6 +128,8 @@ class ParamCoordinator:
             self.handles.append(sub.register_forward_hook(self._post_forward))
         # - prefetch state
         self.trace: list[nn.Module] = []
+        #: module -> its last index in the trace (where backward prefetch starts from).
+        self.last_position: dict[nn.Module, int] = {}
         self.trace_done = False
         self.cursor = 0
         self.on_trace = True
@@ -140,6 +144,7 @@ class ParamCoordinator:
     def end_forward(self) -> None:
         if not self.trace_done:
             self.trace_done = True
+            self.last_position = {m: i for i, m in enumerate(self.trace)}
         self._drop_inflight()
 
     # -- hooks -------------------------------------------------------------------------------
@@ -162,8 +167,15 @@ class ParamCoordinator:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         self.release(module)
         if torch.is_grad_enabled():
-            return _map_tensors(output, _through(lambda: self.gather(module)))
+            return _map_tensors(output, _through(lambda: self._pre_backward(module)))
         return None
+
+    def _pre_backward(self, module: nn.Module) -> None:
+        self.gather(module)
+        # Backward runs roughly in reverse forward order: prefetch the module before this one.
+        pos = self.last_position.get(module)
+        if pos:
+            self._prefetch(self.trace[pos - 1])
 
     # -- gather / release --------------------------------------------------------------------
 
@@ -242,6 +254,7 @@ class ParamCoordinator:
         self.handles.clear()
         self.module_params.clear()
         self.trace.clear()
+        self.last_position.clear()
 
 
 def _split(zps: list[ZeroParam]) -> list[list[ZeroParam]]:

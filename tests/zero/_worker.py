@@ -131,6 +131,7 @@ def count_bytes() -> dict[str, Any]:
             out[f"s{stage}_gas{gas}"] = {
                 "bytes": counter.bytes_by_op(),
                 "calls": counter.calls_by_op(),
+                "async_calls": counter.calls_by_op(async_only=True),
                 "psi": psi,
             }
             engine.destroy()

@@ -42,6 +42,11 @@ def test_bytes_per_step_match_the_paper(
         psi = got["psi"]
         expected = {op: k * psi for op, k in EXPECTED_BYTES[(stage, gas)].items()}
         assert got["bytes"] == expected, f"{got['bytes']=}, but should be {expected=} (Ψ={psi})"
+        if stage == 3:
+            # 3 layers: forward prefetches layers 2 and 3, backward layers 2 and 1; overlap_comm
+            # (on by default in stage 3) makes the reduce-scatter asynchronous too
+            expected_async = {"all_gather": 4 * gas, "reduce_scatter": gas}
+            assert got["async_calls"] == expected_async, got["calls"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
