@@ -52,6 +52,17 @@ def main() -> None:
             f"{got['early']['total'] / expected:>6.3f}  {parts}; unchanged at step 100: "
             f"{got['late'] == got['early']}"
         )
+    print("\nbf16 model states per rank: params 2 + fp32 master 4 + fp32 grads 4 + moments 8")
+    print("(the paper's 16-bit formula has 2-byte gradients; DESIGN.md §3 accumulates in fp32)")
+    print(f"{'stage':>5} {'measured':>10} {'engine formula':>14} {'paper formula':>13}")
+    paper16 = {0: 16, 1: 4 + 12 / N, 2: 2 + 14 / N, 3: 16 / N}
+    ours16 = {0: 18, 1: 2 + 4 + 12 / N, 2: 2 + 16 / N, 3: 18 / N}
+    for stage in range(4):
+        got = memory[f"bf16_s{stage}"]
+        print(
+            f"{stage:>5} {got['early']['total']:>10} {ours16[stage] * got['psi']:>14.0f} "
+            f"{paper16[stage] * got['psi']:>13.0f}"
+        )
     print("\nresident growth through the memory hooks (MALLOC_MMAP_THRESHOLD_=65536), MiB")
     print(f"{'stage':>5} {'rank':>4} {'measured':>9} {'formula':>8} {'buffers':>8}")
     for stage in range(4):

@@ -165,6 +165,23 @@ def memory() -> dict[str, Any]:
                 states.append(engine.model_state_bytes())
         out[f"s{stage}"] = {"psi": psi, "early": states[0], "late": states[1]}
         engine.destroy()
+    for stage in range(4):  # bf16: reported (fp32 gradient accumulation, DESIGN.md §3)
+        torch.manual_seed(0)
+        model = MLP(128, 4)
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 1000,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+        )
+        for _ in range(2):
+            engine.backward(engine(torch.randn(MICRO, 128).bfloat16()).float().pow(2).mean())
+            engine.step()
+        out[f"bf16_s{stage}"] = {"psi": psi, "early": engine.model_state_bytes()}
+        engine.destroy()
     return out
 
 
