@@ -33,6 +33,7 @@ from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
 from ds_core.zero.buckets import GradBucket, gather_params
+from ds_core.zero.init import INIT_ATTR, restore_full
 from ds_core.zero.partition import ZERO_PARAM_ATTR, Mode, ZeroParam, bucketize
 from ds_core.zero.precision import LossScaler
 from ds_core.zero.stage3 import ParamCoordinator
@@ -161,6 +162,8 @@ class ZeroEngine:
             return
         with torch.no_grad():
             for p in self.module.parameters():
+                if hasattr(p, INIT_ATTR):
+                    continue  # zero.Init broadcast it from rank 0 before partitioning
                 ep = expert_parallel_size(p)
                 if ep is not None and ep > 1:
                     g = expert_groups(ep)
@@ -173,6 +176,9 @@ class ZeroEngine:
 
     def _make_zparam(self, name: str, p: nn.Parameter) -> ZeroParam:
         zcfg = self.config.zero_optimization
+        # Built under zero.Init: rebuild this one parameter (the others stay shards) and
+        # partition it for this stage below.
+        restore_full(p, self.device, self.model_dtype)
         ep = expert_parallel_size(p)
         if ep is not None and ep > 1:
             groups = expert_groups(ep)

@@ -501,6 +501,49 @@ def gathered(stage: int) -> Callable[[], dict[str, Any]]:
     return run
 
 
+def built_partitioned(stage: int) -> Callable[[], dict[str, Any]]:
+    """The tiny model built under zero.Init trains exactly like one built whole."""
+
+    def run() -> dict[str, Any]:
+        import ds_core
+        from ds_core import comm
+        from ds_core.zero import Init
+
+        rank = comm.get_rank()
+        out: dict[str, Any] = {}
+        for use_init in (False, True):
+            torch.manual_seed(0 if rank == 0 else 99)  # rank 0's values must win either way
+            if use_init:
+                with Init():
+                    model = TinyNet(1)
+                out["placeholder_numels"] = sorted({p.numel() for p in model.parameters()})
+                out["shard_numels"] = {
+                    n: p.ds_init_partition[0].numel() for n, p in model.named_parameters()
+                }
+            else:
+                model = TinyNet(1)
+            sc = Scenario(stage=stage, world=comm.get_world_size(), steps=3)
+            engine, _, _, _ = ds_core.initialize(
+                model=model, optimizer=make_optimizer(model.parameters()), config=sc.config()
+            )
+            losses = []
+            sl = slice(rank * MICRO, (rank + 1) * MICRO)
+            for step in batches(sc.steps, sc.gas, sc.world):
+                for x, y in step:
+                    loss = F.mse_loss(engine(x[sl]), y[sl])
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.item())
+            out["init" if use_init else "whole"] = {
+                "losses": losses,
+                "state": engine.gathered_state_dict(),
+            }
+            engine.destroy()
+        return out
+
+    return run
+
+
 def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
     if suite == "stages":
         return {name: (lambda sc=sc: train(sc)) for name, sc in stage_scenarios(world).items()}
@@ -510,6 +553,7 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
             out[f"fp16_s{stage}"] = fp16_trajectory(stage)
             out[f"bf16_s{stage}"] = bf16_skip(stage)
             out[f"gathered_s{stage}"] = gathered(stage)
+            out[f"init_s{stage}"] = built_partitioned(stage)
         return out
     if suite == "resident":
         return {"resident": resident}

@@ -71,3 +71,16 @@ def test_gathered_parameters_give_full_values_and_keep_the_modifier_ranks_edit(
         expected = torch.full((10, 10), 0.25)
         torch.testing.assert_close(res["edited"], expected, rtol=0, atol=0)
         torch.testing.assert_close(res["after_step"], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_built_under_init_is_partitioned_and_trains_like_a_whole_one(
+    suite: Callable[[str, int], SuiteResults], stage: int
+) -> None:
+    for rank, res in enumerate(suite("precision", 2).ranks(f"init_s{stage}")):
+        assert res["placeholder_numels"] == [0], f"rank {rank}: parameters left whole"
+        assert res["shard_numels"]["inp.weight"] == 16 * 8 // 2  # numel / world
+        assert res["shard_numels"]["inp.bias"] == 16 // 2
+        assert res["init"]["losses"] == res["whole"]["losses"], f"rank {rank}"
+        for name, value in res["whole"]["state"].items():
+            torch.testing.assert_close(res["init"]["state"][name], value, rtol=0, atol=0)

@@ -1,0 +1,130 @@
+"""``ds_core.zero.Init()``: build a model already partitioned, so it never exists whole.
+
+Inside the context, as soon as a module's ``__init__`` returns (its most-derived one, so its own
+``reset_parameters`` has run), each of its direct parameters is broadcast from rank 0 and cut to
+this rank's ``ceil(numel / world)``-element shard; the parameter itself becomes an empty
+placeholder. :func:`ds_core.initialize` rebuilds each parameter one at a time while it
+partitions it for its stage, so peak memory during construction and engine start is the shards
+plus one full parameter.
+
+Rules that follow from the placeholders (as with DeepSpeed's ``zero.Init``): code that runs
+after a submodule's ``__init__`` — a parent's custom weight init, a read of a child's weight
+shape — sees the placeholder; run such code inside
+``GatheredParameters(params, modifier_rank=0)``, or before entering the context. Module
+classes must be defined before entering it. Collective: every rank builds the same modules in
+the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_core import comm
+
+#: attribute holding ``(shard, shape, numel)`` of a parameter partitioned at construction.
+INIT_ATTR = "ds_init_partition"
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out: list[type] = []
+    stack: list[type] = [cls]
+    while stack:
+        subs: list[type] = stack.pop().__subclasses__()
+        out.extend(subs)
+        stack.extend(subs)
+    return out
+
+
+def _partition(module: nn.Module) -> None:
+    from ds_core.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    world, rank = comm.get_world_size(), comm.get_rank()
+    with torch.no_grad():
+        for p in module._parameters.values():
+            if p is None or hasattr(p, INIT_ATTR):
+                continue
+            if world > 1:
+                acc.broadcast(p.data, 0, None)  # every rank must hold the same values
+            numel = p.numel()
+            s = -(-numel // world)
+            flat = torch.zeros(s * world, dtype=p.dtype, device=p.device)
+            flat[:numel].copy_(p.data.reshape(-1))
+            shard = flat[rank * s : (rank + 1) * s].clone()
+            setattr(p, INIT_ATTR, (shard, p.shape, numel))
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def restore_full(p: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Rebuild a parameter partitioned by :class:`Init` (collective over the world)."""
+    from ds_core.accelerator import get_accelerator
+
+    state = getattr(p, INIT_ATTR, None)
+    if state is None:
+        return
+    shard, shape, numel = state
+    shard = shard.to(device)
+    out = torch.empty(shard.numel() * comm.get_world_size(), dtype=shard.dtype, device=device)
+    get_accelerator().all_gather(out, shard, None)
+    full = out[:numel].view(shape)
+    p.data = full.to(dtype) if dtype is not None else full
+    delattr(p, INIT_ATTR)
+
+
+class Init:
+    """Context manager partitioning parameters as modules are built (see the module docstring).
+
+    :param enabled: ``False`` makes the context do nothing.
+    :raises RuntimeError: when entered while another ``Init`` is active.
+    """
+
+    _active = False
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._patched: list[tuple[type, Callable[..., None]]] = []
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        if Init._active:
+            raise RuntimeError("ds_core.zero.Init() is already active; do not nest it")
+        comm.init_distributed()
+        Init._active = True
+        for cls in _all_subclasses(nn.Module):
+            if "__init__" in cls.__dict__:
+                original = cls.__dict__["__init__"]
+                cls.__init__ = _wrap(cls, original)  # type: ignore[misc]
+                self._patched.append((cls, original))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self.enabled:
+            return
+        for cls, original in reversed(self._patched):
+            cls.__init__ = original
+        self._patched.clear()
+        Init._active = False
+
+
+def _wrap(cls: type, original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        # Only the instance's most-derived __init__ partitions: subclasses may still touch
+        # their parameters after super().__init__() returns.
+        if type(self).__init__ is init:
+            _partition(self)
+
+    return init
