@@ -37,7 +37,10 @@ class _PreBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, fn: Callable[[], None], *tensors: torch.Tensor) -> Any:
         ctx.fn = fn
-        out = tuple(t.view_as(t) for t in tensors)
+        # detach(), not view_as(): the caller may modify the output in place (ReLU(inplace))
+        # and a view made inside a Function forbids that; detach() shares the version
+        # counter, so autograd still catches an in-place write to a tensor it saved.
+        out = tuple(t.detach() for t in tensors)
         return out if len(out) > 1 else out[0]
 
     @staticmethod

@@ -377,6 +377,36 @@ def api_checks() -> dict[str, Any]:
         engine.destroy()
     out["zero_grad_equal"] = all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
+    # stage 3 around a module whose output is modified in place (ReLU(inplace=True))
+    torch.manual_seed(0)
+
+    def relu_net() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 2)
+        )
+
+    model, ref = relu_net(), relu_net()
+    ref.load_state_dict(model.state_dict())
+    cfg = {**base, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = ds_core.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pairs = []
+    for _ in range(3):
+        x = torch.randn(MICRO, 4)
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(x).pow(2).mean()
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        pairs.append((loss.item(), ref_loss.item()))
+    out["inplace_relu_losses"] = pairs
+    engine.destroy()
+
     # training_data -> a loader of micro-batches; lr_scheduler as a callable on the optimizer
     from torch.utils.data import TensorDataset
 

@@ -50,3 +50,8 @@ def test_training_data_and_scheduler_callable(api: dict[str, Any]) -> None:
     assert api["loader_sizes"] == [4, 4, 2]  # micro-batch 4 of 10 samples on one rank
     assert api["lr_after_step"] == pytest.approx(0.005)  # StepLR halved lr 1e-2 once
     assert api["returned_optimizer_is_engines"]
+
+
+def test_stage3_allows_in_place_ops_on_module_outputs(api: dict[str, Any]) -> None:
+    for got, want in api["inplace_relu_losses"]:
+        assert got == pytest.approx(want, rel=1e-6)
