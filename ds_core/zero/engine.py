@@ -61,8 +61,9 @@ class ZeroEngine:
     Public state: ``module`` (the wrapped model), ``optimizer`` (stepping the fp32 masters),
     ``lr_scheduler``, ``global_steps`` (boundaries seen, skipped ones included),
     ``skipped_steps``, ``micro_steps``, ``zparams`` (one :class:`ZeroParam` per unique
-    parameter, by name), ``loss_scaler`` (fp16) and ``last_grad_norm`` (after clipping is
-    decided, before it is applied; ``None`` when no norm was needed).
+    parameter, by name), ``loss_scaler`` (fp16) and ``last_grad_norm`` (the last step's global
+    gradient norm before clipping, unscaled; ``None`` when neither clipping nor an overflow
+    check needed it).
     """
 
     def __init__(
@@ -576,7 +577,7 @@ class ZeroEngine:
         self._gather_buckets.clear()
         self._gather_after_step.clear()
         for zp in self.zparams.values():
-            zp.master = zp.full = zp.shard = zp.pending = zp.grad_view = None
+            zp.master = zp.full = zp.shard = zp.pending = None
             zp.param.data = torch.empty(0, dtype=zp.dtype, device=self.device)
             zp.param.grad = None
             if getattr(zp.param, ZERO_PARAM_ATTR, None) is zp:

@@ -55,7 +55,6 @@ class ZeroParam:
         "expert_ep_size",
         "full",
         "gather_count",
-        "grad_view",
         "group",
         "group_rank",
         "group_world",
@@ -108,8 +107,6 @@ class ZeroParam:
         self.master: nn.Parameter | None = None
         #: this micro-batch's gradient, taken from autograd (stages 2/3) until reduced.
         self.pending: torch.Tensor | None = None
-        #: view of the reduced gradient owned by this rank (fp32), set at the step.
-        self.grad_view: torch.Tensor | None = None
         #: how many gathers of a PARTITIONED parameter are live (tied weights share one).
         self.gather_count = 0
 

@@ -77,34 +77,31 @@ def test_two_torchrun_nodes_train_stages_2_and_3(tmp_path: Path) -> None:
         check_against_reference(stage_scenarios(2)[name], results.ranks(name))
 
 
+# Seen intermittently under heavy load on this 2-core machine (torch 2.13, gloo): a rank that
+# has finished, written its results and called destroy_process_group() aborts during
+# interpreter teardown ("terminate called without an active exception"). It is not a training
+# failure, so such a run is retried once; any other failure, or a second one, fails the test.
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _gpt_losses(out: Path, stage: int) -> list[float]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "examples/train_gpt.py",
-            "--stage",
-            str(stage),
-            "--steps",
-            "10",
-            "--no-plot",
-            "--out",
-            str(out / f"s{stage}"),
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "examples/train_gpt.py", "--stage", str(stage), "--steps", "10", "--no-plot",
+        "--out", str(out / f"s{stage}"),
+    ]  # fmt: skip
+    for _attempt in (1, 2):
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT
+        )
+        finished = "step 10/10" in proc.stderr  # every step ran before the abort
+        if proc.returncode == 0 or not (finished and _TEARDOWN_ABORT in proc.stderr):
+            break
     if proc.returncode != 0:  # the first lines name the cause; the tail is torchrun's summary
         lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith(("frame #", "  "))]
         raise AssertionError(
-            f"stage {stage} failed:\n" + "\n".join([*lines[:40], "...", *lines[-15:]])
+            f"stage {stage} failed (attempt {_attempt}):\n"
+            + "\n".join([*lines[:40], "...", *lines[-15:]])
         )
     with open(out / f"s{stage}" / "train_log.csv") as f:
         return [float(row["loss"]) for row in csv.DictReader(f)]
