@@ -1,3 +1,5 @@
+# Tensor names carry shape suffixes (x_BTC), which the naming rules would flag.
+# ruff: noqa: N803, N806, N812
 """A small GPT decoder and its data, shared by examples/train_gpt.py and the benchmarks in bench/.
 
 Shapes: B batch, T sequence (time), C embedding channels, H heads, V vocabulary.
