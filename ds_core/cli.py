@@ -101,7 +101,7 @@ def collect_report() -> tuple[dict[str, Any], list[str]]:
             "total_bytes": mem.total,
             "available_bytes": mem.available,
             "limit_bytes": mem.limit,
-            "limit_source": mem.limit_source or "none (device capacity)",
+            "limit_source": mem.limit_source,
         },
         "op_providers": ops,
         "visible_devices_envs": acc.visible_devices_envs(),
@@ -138,7 +138,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"  capabilities     {', '.join(sel['capabilities']) or 'none'}",
         f"  comm backend     {sel['communication_backend']}",
         f"  memory total     {_gib(mem['total_bytes'])}  available {_gib(mem['available_bytes'])}",
-        f"  memory limit     {_gib(mem['limit_bytes'])} ({mem['limit_source']})",
+        f"  memory limit     {_gib(mem['limit_bytes'])} ({mem['limit_source'] or 'no process limit below the device capacity'})",
         f"  visible devices  {', '.join(sel['visible_devices_envs']) or '-'}",
         "  op providers:",
     ]

@@ -23,6 +23,9 @@ EXTRAS = {
     "conformance": "ds-core-conformance",
 }
 
+#: backend wheel -> the vendor package it must pull from a package index
+VENDOR_REQUIRES = {"ds-core-npu": "torch-npu"}
+
 
 def metadata(wheel: Path) -> tuple[str, str, list[str]]:
     with zipfile.ZipFile(wheel) as zf:
@@ -33,10 +36,12 @@ def metadata(wheel: Path) -> tuple[str, str, list[str]]:
 
 def main(wheel_dir: str) -> int:
     built = {}
+    requires_of: dict[str, list[str]] = {}
     core_requires: list[str] = []
     for wheel in Path(wheel_dir).glob("*.whl"):
         name, version, requires = metadata(wheel)
         built[name.lower().replace("_", "-")] = version
+        requires_of[name.lower().replace("_", "-")] = requires
         if name == "ds-core":
             core_requires = requires
     problems = []
@@ -46,6 +51,10 @@ def main(wheel_dir: str) -> int:
             problems.append(f"ds-core's extra '{extra}' does not require {dist}")
         if dist not in built:
             problems.append(f"no wheel was built for {dist} (extra '{extra}')")
+    # the vendor stack that comes from a package index is pulled by the backend's wheel
+    for dist, vendor in VENDOR_REQUIRES.items():
+        if not any(r.startswith(vendor) for r in requires_of.get(dist, [])):
+            problems.append(f"{dist} does not require {vendor}")
     for p in problems:
         print("extras:", p)
     if not problems:
