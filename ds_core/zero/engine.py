@@ -13,7 +13,7 @@ Per step (one optimizer update, ``gradient_accumulation_steps`` micro-batches):
 
 Gradients are averaged (mean) over data-parallel ranks; ``backward`` divides the loss by the
 accumulation steps; ``step`` is called every micro-batch and updates at the boundary. The
-global gradient norm is one fp32 (fp64 where the backend has it) sum of squares over every
+global gradient norm: each bucket's fp32 norm, squared and summed in fp64 where the backend has it (else fp32) over every
 unique shard, each partition and expert counted once, summed (never averaged) across ranks.
 """
 
@@ -448,7 +448,10 @@ class ZeroEngine:
         total = torch.zeros((), dtype=self.norm_dtype, device=self.device)
         for b in self.buckets:
             if b.counts_in_norm():
-                total += torch.linalg.vector_norm(b.grad_buffer(), 2, dtype=self.norm_dtype) ** 2
+                # Each bucket's norm in the buffer's fp32, the squares summed in norm_dtype: a
+                # float64 norm of the buffer would copy it to float64 first (8 bytes an
+                # element) and cost ~30x the time (bench/README.md).
+                total += torch.linalg.vector_norm(b.grad_buffer(), 2).to(self.norm_dtype) ** 2
         if self.world > 1:
             # Every shard and expert is held by exactly one rank (replicas are counted on the
             # group's first rank only), so the sum over the world counts each once.
