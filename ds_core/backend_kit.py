@@ -378,20 +378,33 @@ class TorchStyleHooks:
 
     :param device: the vendor module's hook bodies; backends keep it at module level too, so
         their own helpers share the same object.
+    :param determinism: the backend's determinism knobs, applied and undone by the
+        determinism hooks.
     """
 
     #: Property attribute names copied into ``DeviceProperties.extra`` where the vendor's
     #: properties object has them (see :meth:`TorchStyleDevice.properties`).
     property_extras: tuple[str, ...] = ()
 
-    def __init__(self, device: TorchStyleDevice) -> None:
+    def __init__(self, device: TorchStyleDevice, determinism: DeterminismPolicy) -> None:
         self.device = device
+        self.determinism = determinism
         # What a module plugin's __name__ was: the module defining the hooks. Reports, pluggy's
         # canonical name and the conformance suite's probe-hygiene check name a plugin by it.
         self.__name__ = type(self).__module__
 
     def __repr__(self) -> str:
         return f"<{type(self).__qualname__} from {type(self).__module__}>"
+
+    # -- determinism -----------------------------------------------------------------------
+
+    @hookimpl
+    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
+        return self.determinism.apply(enabled)
+
+    @hookimpl
+    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
+        return self.determinism.restore(record)
 
     # -- device ----------------------------------------------------------------------------
 

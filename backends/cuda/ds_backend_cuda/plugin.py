@@ -263,17 +263,13 @@ class CudaHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
-        record = _determinism.apply(enabled)
+        record = self.determinism.apply(enabled)
         if enabled and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             record.notes.append(
                 "CUDA was already initialised in this process: cuBLAS handles created before now "
                 "keep their old workspace setting"
             )
         return record
-
-    @hookimpl
-    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
-        return _determinism.restore(record)
 
     # -- launcher ------------------------------------------------------------------------------
 
@@ -295,4 +291,4 @@ class CudaHooks(TorchStyleHooks):
         ]
 
 
-hooks = CudaHooks(_dev)
+hooks = CudaHooks(_dev, _determinism)

@@ -46,7 +46,6 @@ from ds_core.backend_kit import (
 )
 from ds_core.types import (
     BackendInfo,
-    DeterminismRecord,
     DeviceProperties,
     MemoryInfo,
     OpProvider,
@@ -375,16 +374,6 @@ class HpuHooks(TorchStyleHooks):
     def ds_op_providers(self) -> list[OpProvider]:
         return [SimpleOpProvider("fused_adam", _fused_adamw_check, _fused_adamw_load)]
 
-    # -- determinism ---------------------------------------------------------------------------
-
-    @hookimpl
-    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
-        return _determinism.apply(enabled)
-
-    @hookimpl
-    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
-        return _determinism.restore(record)
-
     # -- launcher ------------------------------------------------------------------------------
 
     @hookimpl
@@ -400,4 +389,4 @@ class HpuHooks(TorchStyleHooks):
         return ["PT_HPU_", "HABANA_", "HCCL_"]
 
 
-hooks = HpuHooks(_device)
+hooks = HpuHooks(_device, _determinism)

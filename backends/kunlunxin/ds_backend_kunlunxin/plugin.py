@@ -46,7 +46,6 @@ from ds_core.backend_kit import (
 )
 from ds_core.types import (
     BackendInfo,
-    DeterminismRecord,
     Graph,
     MemoryInfo,
     OpProvider,
@@ -254,16 +253,6 @@ class KunlunxinHooks(TorchStyleHooks):
     def ds_op_providers(self) -> list[OpProvider]:
         return [fused_adam.PROVIDER]
 
-    # -- determinism ---------------------------------------------------------------------------
-
-    @hookimpl
-    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
-        return _determinism.apply(enabled)
-
-    @hookimpl
-    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
-        return _determinism.restore(record)
-
     # -- launcher ------------------------------------------------------------------------------
 
     @hookimpl
@@ -276,4 +265,4 @@ class KunlunxinHooks(TorchStyleHooks):
         return ["BKCL_", "XPU_", "XMLIR_", "XCCL_", "ALLREDUCE_", "LD_LIBRARY_PATH", "PATH"]
 
 
-hooks = KunlunxinHooks(_dev)
+hooks = KunlunxinHooks(_dev, _determinism)

@@ -43,7 +43,6 @@ from ds_core.backend_kit import (
 )
 from ds_core.types import (
     BackendInfo,
-    DeterminismRecord,
     OpProvider,
     ProbeResult,
     SimpleOpProvider,
@@ -205,16 +204,6 @@ class NpuHooks(TorchStyleHooks):
     def ds_op_providers(self) -> list[OpProvider]:
         return [SimpleOpProvider("fused_adam", _fused_adamw_check, _fused_adamw_load)]
 
-    # -- determinism ---------------------------------------------------------------------------
-
-    @hookimpl
-    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
-        return _determinism.apply(enabled)
-
-    @hookimpl
-    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
-        return _determinism.restore(record)
-
     # -- launcher ------------------------------------------------------------------------------
 
     @hookimpl
@@ -229,4 +218,4 @@ class NpuHooks(TorchStyleHooks):
         return ["ASCEND_", "HCCL_", "LD_LIBRARY", "PATH"]
 
 
-hooks = NpuHooks(_device)
+hooks = NpuHooks(_device, _determinism)

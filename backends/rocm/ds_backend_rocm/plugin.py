@@ -37,7 +37,6 @@ from ds_core.backend_kit import (
 )
 from ds_core.types import (
     BackendInfo,
-    DeterminismRecord,
     Graph,
     OpProvider,
     ProbeResult,
@@ -212,16 +211,6 @@ class RocmHooks(TorchStyleHooks):
         # torch's fused AdamW kernels are hipified into ROCm builds under the cuda device type.
         return [fused_adamw_provider("cuda")]
 
-    # -- determinism ---------------------------------------------------------------------------
-
-    @hookimpl
-    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
-        return _determinism.apply(enabled)
-
-    @hookimpl
-    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
-        return _determinism.restore(record)
-
     # -- launcher ------------------------------------------------------------------------------
 
     @hookimpl
@@ -243,4 +232,4 @@ class RocmHooks(TorchStyleHooks):
         ]
 
 
-hooks = RocmHooks(_dev)
+hooks = RocmHooks(_dev, _determinism)

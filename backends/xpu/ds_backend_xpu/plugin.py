@@ -46,7 +46,6 @@ from ds_core.backend_kit import (
 )
 from ds_core.types import (
     BackendInfo,
-    DeterminismRecord,
     MemoryInfo,
     OpProvider,
     ProbeResult,
@@ -279,16 +278,6 @@ class XpuHooks(TorchStyleHooks):
     def ds_op_providers(self) -> list[OpProvider]:
         return [fused_adamw_provider(DEVICE_TYPE)]
 
-    # -- determinism ---------------------------------------------------------------------------
-
-    @hookimpl
-    def ds_determinism_apply(self, enabled: bool) -> DeterminismRecord:
-        return _determinism.apply(enabled)
-
-    @hookimpl
-    def ds_determinism_restore(self, record: DeterminismRecord) -> bool:
-        return _determinism.restore(record)
-
     # -- launcher ------------------------------------------------------------------------------
 
     @hookimpl
@@ -304,4 +293,4 @@ class XpuHooks(TorchStyleHooks):
         return ["ZE_", "SYCL_", "CCL_"]
 
 
-hooks = XpuHooks(_device)
+hooks = XpuHooks(_device, _determinism)
