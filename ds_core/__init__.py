@@ -35,6 +35,13 @@ def init_distributed(*args: Any, **kwargs: Any) -> None:
     _init(*args, **kwargs)
 
 
+def destroy_distributed() -> None:
+    """Tear down ds_core's and torch's process groups; see :func:`ds_core.comm.destroy_distributed`."""
+    from ds_core.comm import destroy_distributed as _destroy
+
+    _destroy()
+
+
 def initialize(*args: Any, **kwargs: Any) -> Any:
     """Wrap a model for ZeRO training: ``engine, optimizer, dataloader, lr_scheduler``.
 
@@ -54,6 +61,7 @@ __all__ = [
     "DSCoreError",
     "NotSupportedError",
     "__version__",
+    "destroy_distributed",
     "get_accelerator",
     "hookimpl",
     "hookspec",

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"train_gpt: {exc}", file=sys.stderr)
         sys.exit(2)
     finally:
-        dist.destroy_process_group()
+        ds_core.destroy_distributed()
 
 
 def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:

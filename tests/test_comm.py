@@ -107,7 +107,15 @@ def _ranks(rank: int, port: int, errors: mp.Queue) -> None:  # type: ignore[type
         acc.all_reduce(t, group=group)
         torch.testing.assert_close(t, torch.full((2,), 3.0))
         assert acc.barrier()
-        torch.distributed.destroy_process_group()
+
+        # teardown releases ds_core's cached groups too, and may be called twice
+        from ds_core import moe
+
+        moe.expert_groups(2)
+        assert moe._groups
+        ds_core.destroy_distributed()
+        assert not moe._groups and not torch.distributed.is_initialized()
+        ds_core.destroy_distributed()
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise

@@ -9,7 +9,9 @@ where its library lacks it or does better another way.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 from typing import Any
 
@@ -182,9 +184,27 @@ def init_distributed(
         )
     kwargs["init_method"] = init_method or "env://"
     dist.init_process_group(**kwargs)
+    atexit.register(destroy_distributed)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank < acc.device_count():
         acc.set_device(local_rank)
+
+
+def destroy_distributed() -> None:
+    """Release ds_core's cached process groups and destroy ``torch.distributed``'s.
+
+    Safe to call twice, or after ``torch.distributed.destroy_process_group()``.
+    ``init_distributed`` registers it to run at exit: a process-group object that outlives
+    ``destroy_process_group`` (held by a cache, or by a module in a reference cycle) is
+    otherwise destroyed during interpreter finalization, where gloo's worker threads abort the
+    process ("terminate called without an active exception", seen with torch 2.13).
+    """
+    from ds_core import moe
+
+    moe.reset_expert_groups()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _free_port() -> int:

@@ -26,9 +26,9 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     for name in names:
         torch.save(train(stage_scenarios(2)[name]), os.path.join(outdir, f"{name}.rank{rank}.pt"))
-    # Tear the group down before exit: gloo's threads must not outlive the interpreter.
+    # Tear the groups down before exit: gloo's threads must not outlive the interpreter.
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    ds_core.destroy_distributed()
 
 
 if __name__ == "__main__":

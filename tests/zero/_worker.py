@@ -613,9 +613,9 @@ def _rank(rank: int, world: int, port: int, suite: str, outdir: str) -> None:
     ds_core.init_distributed(timeout=300)
     for name, job in jobs(suite, world).items():
         torch.save(job(), os.path.join(outdir, f"{name}.rank{rank}.pt"))
-    # Tear the group down before exit: gloo's threads must not outlive the interpreter.
+    # Tear the groups down before exit: gloo's threads must not outlive the interpreter.
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    ds_core.destroy_distributed()
 
 
 def main() -> None:
