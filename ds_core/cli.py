@@ -79,7 +79,7 @@ def collect_report() -> tuple[dict[str, Any], list[str]]:
         acc = build_accelerator(entry)
     except DSCoreError as exc:
         report["selection_error"] = str(exc)
-        problems.append(str(exc))
+        problems.append("no backend could be selected (see 'selected' above for why)")
         return report, problems
     # Capabilities, comm name and limits are cold queries; none creates a device context on
     # the cpu backend, and vendor backends answer them from the probe's management queries.
