@@ -469,7 +469,11 @@ def resident() -> dict[str, Any]:
     for stage in range(4):
         engine = build(stage)
         train(engine, 2)
-        out[f"s{stage}"] = {"rss": rss() - base, "buffers": engine.model_state_bytes()["total"]}
+        out[f"s{stage}"] = {
+            "rss": rss() - base,
+            "buffers": engine.model_state_bytes()["total"],
+            "staging": engine.reducer.staging_bytes(),
+        }
         engine.destroy()
         del engine
     after_destroy = []
