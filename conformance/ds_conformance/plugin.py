@@ -92,6 +92,15 @@ def acc(request: pytest.FixtureRequest) -> Any:
     return suite_of(request.config).acc
 
 
+@pytest.fixture(scope="session")
+def rank_groups(request: pytest.FixtureRequest) -> Any:
+    """Rank processes shared by every multi-rank test of the run (:mod:`ds_conformance.ranks`)."""
+    from ds_conformance.ranks import RankGroups
+
+    suite_of(request.config)
+    return RankGroups(request.session.items)
+
+
 def _is_suite_item(item: pytest.Item) -> bool:
     module = getattr(item, "module", None)
     return module is not None and module.__name__.startswith(_PACKAGE + ".test_")
