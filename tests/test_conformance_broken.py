@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.broken_backends import BROKEN, install
+from tests.broken_backends import BROKEN, NARROW, install
 from tests.distfactory import make_backend
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,8 @@ def failing_categories(report: dict[str, Any]) -> set[str]:
 def test_broken_backend_fails_in_its_category(tmp_path: Path, stem: str) -> None:
     category, must_fail, what = BROKEN[stem]
     name = install(tmp_path, stem)
-    code, output, report = run_suite(tmp_path, "--backend", name, "--category", category)
+    extra = ("--", *NARROW[stem]) if stem in NARROW else ()
+    code, output, report = run_suite(tmp_path, "--backend", name, "--category", category, *extra)
     assert code == 1, f"{stem} ({what}) was not caught: exit {code}\n{output[-3000:]}"
     assert report, f"no report written:\n{output[-3000:]}"
     assert failing_categories(report) == {category}, report["categories"]

@@ -62,6 +62,11 @@ def test_record_names_what_was_set_and_restore_undoes_it(acc: Any) -> None:
             repr(env_before.get(var)),
             "ds_determinism_restore",
         )
+    env_after = dict(os.environ)
+    leaked = sorted(
+        k for k in set(env_before) | set(env_after) if env_before.get(k) != env_after.get(k)
+    )
+    check(not leaked, "environment variables left changed", leaked, "none", "apply + restore")
     now = torch.are_deterministic_algorithms_enabled()
     check(
         now == algos_before,

@@ -105,7 +105,7 @@ for i in reversed(range(out["count"])):  # descending: a stale "current" cannot 
     acc.set_device(i)
     out["after_set"].append(acc.current_device())
     out["default_props"].append(acc.device_properties(None).index)
-    out["props"].append(acc.device_properties(i).index)
+    out["props"].append([acc.device_properties(j).index for j in range(out["count"])])
 print(json.dumps(out))
 """
 
@@ -125,9 +125,10 @@ def test_several_devices_are_told_apart(acc: Any) -> None:
         check(n == 3, "device_count()", n, "3", "LOCAL_WORLD_SIZE=3")
         check(r["initial"] == 1, "current_device()", r["initial"], "1", "LOCAL_RANK=1")
     descending = list(reversed(range(n)))
-    for what, got in (
-        ("current_device() after each set_device(i)", r["after_set"]),
-        ("device_properties(None).index after each set_device(i)", r["default_props"]),
-        ("device_properties(i).index", r["props"]),
+    every = [list(range(n))] * n
+    for what, got, want in (
+        ("current_device() after each set_device(i)", r["after_set"], descending),
+        ("device_properties(None).index after each set_device(i)", r["default_props"], descending),
+        ("[device_properties(j).index for j] after each set_device(i)", r["props"], every),
     ):
-        check(got == descending, what, got, str(descending), f"i = {descending}")
+        check(got == want, what, got, str(want), f"i = {descending}")
