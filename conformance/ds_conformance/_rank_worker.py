@@ -21,7 +21,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc} ({os.path.basename(last.filename)}:{last.lineno})"
 
 
-def _comm(acc: Any, rank: int, world: int, scratch: Path) -> dict[str, str]:
+def _comm(
+    acc: Any, rank: int, world: int, scratch: Path, selected: set[str] | None
+) -> dict[str, str]:
     from ds_conformance.comm_cases import SUBGROUPS, Context, cases, run_case
     from ds_core import comm
 
@@ -30,7 +32,7 @@ def _comm(acc: Any, rank: int, world: int, scratch: Path) -> dict[str, str]:
     ctx = Context(acc=acc, rank=rank, scratch=scratch, groups=groups)
     results: dict[str, str] = {}
     for case in cases(acc.supported_dtypes()):
-        if case.world != world:
+        if case.world != world or (selected is not None and case.key not in selected):
             continue
         if case.capability and case.capability not in acc.capabilities:
             continue  # the test reports it skipped (capability absent)
@@ -49,6 +51,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", default="comm")
+    parser.add_argument("--cases", help="a JSON list of the case keys to run (default: all)")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
     os.environ.update(
@@ -69,7 +72,8 @@ def main() -> int:
     jobs = {j for j in args.jobs.split(",") if j}
     results: dict[str, str] = {}
     if "comm" in jobs:
-        results.update(_comm(acc, args.rank, args.world, Path(args.out).parent))
+        selected = set(json.loads(Path(args.cases).read_text())) if args.cases else None
+        results.update(_comm(acc, args.rank, args.world, Path(args.out).parent, selected))
     if "zero" in jobs:
         from ds_conformance.zero_smoke import WORLD, run_all
 

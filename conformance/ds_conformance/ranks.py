@@ -33,13 +33,20 @@ def _free_port() -> int:
         return port
 
 
-def spawn_group(world: int, jobs: Iterable[str]) -> dict[str, str]:
+def spawn_group(
+    world: int, jobs: Iterable[str], cases: Iterable[str] | None = None
+) -> dict[str, str]:
     """Run ``jobs`` on ``world`` ranks; return result key -> "" (pass) or the failure.
+
+    :param cases: the collective case keys to run (default: every case of the world size).
 
     Key ``__group__`` carries problems of the group itself (a rank that crashed or hung).
     """
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="ds-conformance-ranks-") as tmp:
+        selection = Path(tmp) / "cases.json"
+        if cases is not None:
+            selection.write_text(json.dumps(sorted(cases)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         env["OMP_NUM_THREADS"] = "1"
         procs = []
@@ -48,6 +55,8 @@ def spawn_group(world: int, jobs: Iterable[str]) -> dict[str, str]:
             cmd = [sys.executable, "-m", "ds_conformance._rank_worker"]
             cmd += ["--rank", str(rank), "--world", str(world), "--port", str(port)]
             cmd += ["--out", str(out), "--jobs", ",".join(sorted(jobs))]
+            if cases is not None:
+                cmd += ["--cases", str(selection)]
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
             procs.append(
                 (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
@@ -83,11 +92,15 @@ class RankGroups:
 
     def __init__(self, items: list[pytest.Item]) -> None:
         self._jobs: set[str] = set()
+        self._cases: set[str] = set()  # only the selected collective cases run (-k, ids)
         for item in items:
             module = getattr(item, "module", None)
             name = module.__name__.rsplit(".", 1)[-1] if module is not None else ""
             if name in JOB_OF_MODULE:
                 self._jobs.add(JOB_OF_MODULE[name])
+            case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+            if case is not None:
+                self._cases.add(case.key)
         self._results: dict[int, dict[str, str]] = {}
 
     def result(self, acc: object, world: int, key: str) -> None:
@@ -98,7 +111,7 @@ class RankGroups:
         if device_type != "cpu" and count < world:
             pytest.skip(f"{world} ranks need {world} devices; this host has {count}")
         if world not in self._results:
-            self._results[world] = spawn_group(world, self._jobs)
+            self._results[world] = spawn_group(world, self._jobs, self._cases)
         results = self._results[world]
         if key not in results:
             pytest.fail(

@@ -79,13 +79,16 @@ def rank_values(
         if dtype.is_floating_point:
             return (offset + k.to(torch.float64) * step).to(dtype)
         return (int(offset) + k).to(dtype)
+    i = torch.arange(numel)
     if dtype == torch.uint8:
-        # rank 0 above int8's 127, the others below: max/min through int8 pick the wrong
-        # rank; 4-rank sums stay ≤ 255.
-        return (130 + k if rank == 0 else 8 * rank + k).to(dtype)
+        # one rank per position above int8's 127 (which one rotates with the position), the
+        # others below: max/min through int8 pick the wrong rank; 4-rank sums stay ≤ 255.
+        big = i % world == rank
+        return torch.where(big, 130 + k, 8 * rank + k).to(dtype)
     if dtype == torch.int8:
-        # odd ranks negative: max/min through uint8 pick the wrong rank; sums stay in range.
-        sign = -1 if rank % 2 else 1
+        # negative where rank + position is odd: max/min through uint8 pick the wrong rank,
+        # and the maximum comes from a different rank at neighbouring positions.
+        sign = 1 - 2 * ((i + rank) % 2)
         return (sign * (128 // world - 8 + k)).to(dtype)
     return k.to(dtype)
 
