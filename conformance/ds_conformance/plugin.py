@@ -138,6 +138,9 @@ class Suite:
         self.results = rep.Results()
         self.ids: dict[str, tuple[str, str]] = {}  # nodeid -> (test id, category)
         self.stale: list[str] = []
+        # The environment before this process selected (and so probed) the backend: children
+        # that judge a probe's side effects start from it, not from what the probe left.
+        self.env_at_start: dict[str, str] = dict(os.environ, DS_ACCELERATOR=name)
         os.environ["DS_ACCELERATOR"] = name  # ranks and subprocesses test the same backend
         reset_accelerator()
         set_accelerator(name)

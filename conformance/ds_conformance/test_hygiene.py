@@ -53,8 +53,12 @@ print(json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def probe_effects(acc: Any) -> dict[str, Any]:
-    return run_python(_probe_script(acc))  # type: ignore[no-any-return]
+def probe_effects(acc: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
+    from ds_conformance.plugin import suite_of
+
+    # From the environment before this run's own selection probed the backend.
+    base = suite_of(request.config).env_at_start
+    return run_python(_probe_script(acc), base_env=base)  # type: ignore[no-any-return]
 
 
 @hooks("ds_backend_probe")

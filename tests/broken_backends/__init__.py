@@ -137,10 +137,10 @@ BROKEN: dict[str, tuple[str, str, str]] = {
         "test_apply_changes_only_what_it_records_and_restore_returns_every_setting[from-on]",
         "restore switches determinism off instead of back",
     ),
-    "probe_sets_threads": (
+    "probe_sets_env": (
         "hygiene",
         "test_probe_leaves_environment_and_torch_settings_unchanged",
-        "the probe sets OMP_NUM_THREADS",
+        "the probe sets an environment variable (CUDA_DEVICE_ORDER)",
     ),
 }
 
