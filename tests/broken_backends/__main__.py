@@ -1,8 +1,9 @@
 """Which conformance checks catch each broken backend: ``python -m tests.broken_backends``.
 
-Runs the whole suite (every category) once per broken backend and prints a Markdown table:
-the planted bug, whether its own category caught it, the checks that failed there, and any
-other category that failed too. Slow (one full conformance run per backend); not part of CI.
+Runs the suite once per broken backend on its own category (``--also CAT`` adds categories,
+``--all`` runs every one) and prints a Markdown table: the planted bug, whether its own
+category caught it, the checks that failed there, and any other category that failed too.
+Slow (one conformance run per backend); not part of CI.
 
 ``--suite DIR`` puts another copy of the ``ds_conformance`` package first on the path (e.g.
 an older release, extracted with ``git archive``), to measure the kill rate of that suite on
@@ -23,7 +24,9 @@ from pathlib import Path
 from tests.broken_backends import BROKEN, install
 
 
-def run(stem: str, suite: str | None) -> tuple[dict[str, list[str]], float, str]:
+def run(
+    stem: str, suite: str | None, categories: list[str]
+) -> tuple[dict[str, list[str]], float, str]:
     """(category -> failing test ids, seconds, problem) of one full run on ``stem``."""
     with tempfile.TemporaryDirectory(prefix=f"ds-mutant-{stem}-") as tmp:
         root = Path(tmp)
@@ -34,6 +37,7 @@ def run(stem: str, suite: str | None) -> tuple[dict[str, list[str]], float, str]
         start = time.monotonic()
         cmd = [sys.executable, "-m", "ds_core.cli", "conformance", "--backend", name]
         cmd += ["--report", str(root / "report")]
+        cmd += [a for c in categories for a in ("--category", c)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         seconds = time.monotonic() - start
         path = root / "report" / "conformance.json"
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stems", nargs="*", help="broken backends to run (default: all)")
     parser.add_argument("--suite", help="a folder holding another ds_conformance package")
+    parser.add_argument("--also", action="append", default=[], help="another category to run")
+    parser.add_argument("--all", action="store_true", help="run every category")
     args = parser.parse_args(argv)
     stems = args.stems or sorted(BROKEN)
     print(
@@ -62,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     caught = 0
     for stem in stems:
         category, _, what = BROKEN[stem]
-        failing, seconds, problem = run(stem, args.suite)
+        categories = [] if args.all else sorted({category, *args.also})
+        failing, seconds, problem = run(stem, args.suite, categories)
         own = failing.get(category, [])
         caught += bool(own)
         checks = ", ".join(f"`{t}`" for t in own[:6]) + (
