@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -46,6 +47,22 @@ def test_hot_hooks_are_bound_to_the_implementation_itself(acc: ds_core.Accelerat
     assert acc.stream is cpu.ds_stream_use
     assert set(DIRECT) <= set(dir(acc))
     assert acc.binding()["ds_memory_allocated"] == "direct"
+
+
+def test_no_facade_method_is_shadowed_by_a_bound_hook(acc: ds_core.Accelerator) -> None:
+    # A hook bound as an instance attribute must not hide a class attribute of the same name:
+    # that method's body would never run. Bound hooks are declared by annotation only.
+    shadowed = [n for n in vars(acc) if inspect.getattr_static(ds_core.Accelerator, n, None)]
+    assert not shadowed, f"instance attributes hide facade methods: {shadowed}"
+    annotations = inspect.get_annotations(ds_core.Accelerator)
+    for name in DIRECT:
+        assert name in annotations and name in vars(acc)
+        assert name not in vars(ds_core.Accelerator)
+    ds_core.register_plugin(counter := CallCounter())
+    try:
+        assert not [n for n in vars(acc) if inspect.getattr_static(ds_core.Accelerator, n, None)]
+    finally:
+        ds_core.unregister_plugin(counter)
 
 
 def test_collectives_bind_to_the_backend_override_before_the_core_default(
