@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any
 
-from ds_core.default_plugin import DefaultCollectives
+from ds_core.default_plugin import DefaultCollectives, DefaultProfiler
 from ds_core.errors import DSCoreError
 from ds_core.facade import DIRECT, Accelerator
 from ds_core.plugins import (
@@ -69,6 +69,7 @@ def build_accelerator(entry: BackendEntry) -> Accelerator:
     info, declared = validate_backend(entry.name, entry.plugin)
     pm = new_plugin_manager()
     pm.register(DefaultCollectives(), name="ds_core.default")
+    pm.register(DefaultProfiler(), name="ds_core.default.profiler")
     pm.register(entry.plugin, name=f"backend:{entry.name}")
     for plugin in load_addon_plugins() + _pending_plugins:
         pm.register(plugin)

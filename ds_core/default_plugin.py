@@ -1,6 +1,6 @@
-"""The core's default plugin: collective hooks over ``torch.distributed``.
+"""The core's default plugins: collectives over ``torch.distributed``, profiler ranges.
 
-:class:`DefaultCollectives` is registered ``trylast`` next to the selected backend (see
+:class:`DefaultCollectives` and :class:`DefaultProfiler` are registered ``trylast`` next to the selected backend (see
 :func:`ds_core.accelerator.build_accelerator`), so a backend overrides a collective only where its
 process-group library lacks it or does better another way. It uses ``torch.distributed`` and
 nothing else from ds_core but the hook markers and types: the selection layer imports it, and
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_core.errors import DSCoreError
 from ds_core.hookspecs._markers import hookimpl
 from ds_core.types import COMPLETED, REDUCE_OPS, Work
 
@@ -138,4 +139,29 @@ class DefaultCollectives:
     @hookimpl(trylast=True)
     def ds_comm_barrier(self, group: Any) -> bool:
         dist.barrier(group=group)
+        return True
+
+
+class DefaultProfiler:
+    """Profiler ranges as ``torch.profiler.record_function`` ranges (registered ``trylast``).
+
+    ``torch.profiler`` records them on every device type; a backend whose vendor profiler has
+    its own range API implements the profiler hooks to reach it.
+    """
+
+    def __init__(self) -> None:
+        self._open: list[Any] = []
+
+    @hookimpl(trylast=True)
+    def ds_profiler_range_push(self, msg: str) -> bool:
+        ctx = torch.autograd.profiler.record_function(msg)
+        ctx.__enter__()  # type: ignore[no-untyped-call]
+        self._open.append(ctx)
+        return True
+
+    @hookimpl(trylast=True)
+    def ds_profiler_range_pop(self) -> bool:
+        if not self._open:
+            raise DSCoreError("range_pop() without a matching range_push()")
+        self._open.pop().__exit__(None, None, None)
         return True

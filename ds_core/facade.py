@@ -53,6 +53,29 @@ DIRECT: dict[str, str] = {
     "pin_memory": "ds_memory_pin",
     "empty_cache": "ds_memory_empty_cache",
     "communication_backend_name": "ds_comm_backend_name",
+    "range_push": "ds_profiler_range_push",
+    "range_pop": "ds_profiler_range_pop",
+}
+
+#: facade attribute -> (hook, defaults of its trailing arguments), for hooks whose facade
+#: signature is the spec's with DeepSpeed's defaults: bound as a one-line closure that fills in
+#: the defaults and calls the implementation (one frame more than DIRECT, nothing else).
+DEFAULTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "synchronize": ("ds_device_synchronize", (None,)),
+    "device_properties": ("ds_device_properties", (None,)),
+    "get_rng_state": ("ds_rng_get_state", (None,)),
+    "set_rng_state": ("ds_rng_set_state", (None,)),
+    "default_generator": ("ds_rng_default_generator", (None,)),
+    "Stream": ("ds_stream_create", (None, 0)),
+    "Event": ("ds_stream_event_create", (False,)),
+    "current_stream": ("ds_stream_current", (None,)),
+    "default_stream": ("ds_stream_default", (None,)),
+    "memory_allocated": ("ds_memory_allocated", (None,)),
+    "max_memory_allocated": ("ds_memory_max_allocated", (None,)),
+    "reset_peak_memory_stats": ("ds_memory_reset_peak", (None,)),
+    "memory_reserved": ("ds_memory_reserved", (None,)),
+    "memory_stats": ("ds_memory_stats", (None,)),
+    "memory_info": ("ds_memory_info", (None,)),
 }
 
 _DTYPE_CAPS: dict[str, tuple[torch.dtype, ...]] = {
@@ -89,6 +112,45 @@ class Accelerator:
     is_pinned: Callable[[torch.Tensor], bool]
     #: The ``torch.distributed`` backend name (``"gloo"`` on cpu).
     communication_backend_name: Callable[[], str]
+    #: Open a named profiler range (the backend's profiler, else ``torch.profiler``).
+    range_push: Callable[[str], bool]
+    #: Close the innermost range. :raises DSCoreError: when none is open.
+    range_pop: Callable[[], bool]
+
+    # -- hooks bound with DeepSpeed's defaults (see DEFAULTED); ``index=None`` = current device
+
+    #: ``synchronize(index=None)``: block until the device's queued work has finished.
+    synchronize: Callable[..., bool]
+    #: ``device_properties(index=None)``: name, index and total memory (bytes) of a device.
+    device_properties: Callable[..., DeviceProperties]
+    #: ``get_rng_state(index=None)``: a copy of a device generator's state (CPU uint8 tensor).
+    get_rng_state: Callable[..., torch.Tensor]
+    #: ``set_rng_state(state, index=None)``: restore a state from ``get_rng_state``.
+    set_rng_state: Callable[..., bool]
+    #: ``default_generator(index=None)``: the device's default generator.
+    default_generator: Callable[..., torch.Generator]
+    #: ``Stream(index=None, priority=0)``: a new stream (synchronous without ``async_streams``).
+    Stream: Callable[..., DeviceStream]
+    #: ``Event(enable_timing=False)``: a new event; ``elapsed_time`` is in milliseconds.
+    Event: Callable[..., DeviceEvent]
+    #: ``current_stream(index=None)``: the stream work is queued on now.
+    current_stream: Callable[..., DeviceStream]
+    #: ``default_stream(index=None)``: the device's default stream.
+    default_stream: Callable[..., DeviceStream]
+    #: ``memory_allocated(index=None)``: bytes held by live tensors (cpu: resident set size).
+    memory_allocated: Callable[..., int]
+    #: ``max_memory_allocated(index=None)``: peak of ``memory_allocated`` since the last reset.
+    max_memory_allocated: Callable[..., int]
+    #: ``reset_peak_memory_stats(index=None)``: reset the peak; ``False`` where forbidden.
+    reset_peak_memory_stats: Callable[..., bool]
+    #: ``memory_reserved(index=None)``: bytes reserved by the allocator.
+    memory_reserved: Callable[..., int]
+    #: ``memory_stats(index=None)``: allocator statistics (at least
+    #: ``allocated_bytes.all.current`` and ``.peak``).
+    memory_stats: Callable[..., dict[str, int]]
+    #: ``memory_info(index=None)``: total and available bytes for this process, and the limit
+    #: that capped them.
+    memory_info: Callable[..., MemoryInfo]
 
     def __init__(
         self,
@@ -107,7 +169,6 @@ class Accelerator:
         self._graph_capture_enabled = False
         self._h: Any = SimpleNamespace()
         self._lock = threading.Lock()
-        self._ranges: list[Any] = []
         self.rebind()
 
     # -- binding ---------------------------------------------------------------------------
@@ -119,6 +180,8 @@ class Accelerator:
                 setattr(self._h, hook, self._resolve(hook))
             for attr, hook in DIRECT.items():
                 setattr(self, attr, getattr(self._h, hook))
+            for attr, (hook, defaults) in DEFAULTED.items():
+                setattr(self, attr, _with_defaults(getattr(self._h, hook), hook, defaults))
 
     def _resolve(self, hook: str) -> Callable[..., Any]:
         gate = caps.GATED_HOOKS.get(hook)
@@ -169,13 +232,23 @@ class Accelerator:
         if not self.has(capability):
             raise NotSupportedError(capability, self.name, what)
 
+    # DeepSpeed's execution-model flags. DeepSpeed derives all four from "synchronised device"
+    # on every backend but Gaudi (F/F/T/T); here the asynchronous ones come from capabilities.
+
     def is_synchronized_device(self) -> bool:
         """True when device work completes before the queuing call returns (no ``async_streams``)."""
         return "async_streams" not in self._declared
 
     def resolves_data_dependency(self) -> bool:
-        """True when the runtime orders work itself, so explicit stream waits can be skipped."""
-        return self.is_synchronized_device()
+        """True when the runtime orders work across streams itself, so explicit stream waits
+        can be skipped: a synchronised device, or one declaring ``resolves_data_dependency``."""
+        return self.is_synchronized_device() or "resolves_data_dependency" in self._declared
+
+    def handles_memory_backpressure(self) -> bool:
+        """True when the runtime throttles allocation itself, so callers need not synchronise
+        to let memory free: a synchronised device, or one declaring
+        ``handles_memory_backpressure``."""
+        return self.is_synchronized_device() or "handles_memory_backpressure" in self._declared
 
     def use_host_timers(self) -> bool:
         """True when events time with a host clock (no ``device_timing``)."""
@@ -214,15 +287,6 @@ class Accelerator:
 
     # -- device ----------------------------------------------------------------------------
 
-    def synchronize(self, index: int | None = None) -> bool:
-        """Block until the device's queued work has finished."""
-        return bool(self._h.ds_device_synchronize(index))
-
-    def device_properties(self, index: int | None = None) -> DeviceProperties:
-        """Name, index and total memory (bytes) of a device."""
-        props: DeviceProperties = self._h.ds_device_properties(index)
-        return props
-
     def device_name(self, index: int | None = None) -> str:
         """The device string: ``"<type>"`` without an index, ``"<type>:<index>"`` with one.
 
@@ -258,88 +322,13 @@ class Accelerator:
         """Seed every visible device's generator."""
         return bool(self._h.ds_rng_manual_seed(seed, True))
 
-    def get_rng_state(self, index: int | None = None) -> torch.Tensor:
-        """A copy of a device generator's state (a CPU uint8 tensor)."""
-        state: torch.Tensor = self._h.ds_rng_get_state(index)
-        return state
-
-    def set_rng_state(self, state: torch.Tensor, index: int | None = None) -> bool:
-        """Restore a state from :meth:`get_rng_state`."""
-        return bool(self._h.ds_rng_set_state(state, index))
-
-    def default_generator(self, index: int | None = None) -> torch.Generator:
-        """The device's default generator."""
-        gen: torch.Generator = self._h.ds_rng_default_generator(index)
-        return gen
-
     def initial_seed(self, index: int | None = None) -> int:
         """The seed the device's default generator started from."""
         return int(self.default_generator(index).initial_seed())
 
     # -- streams and events ----------------------------------------------------------------
 
-    def Stream(self, index: int | None = None, priority: int = 0) -> DeviceStream:  # noqa: N802
-        """Create a stream (synchronous unless ``async_streams`` is declared)."""
-        s: DeviceStream = self._h.ds_stream_create(index, priority)
-        return s
-
-    def Event(self, enable_timing: bool = False) -> DeviceEvent:  # noqa: N802
-        """Create an event; ``elapsed_time`` is in milliseconds."""
-        e: DeviceEvent = self._h.ds_stream_event_create(enable_timing)
-        return e
-
-    def current_stream(self, index: int | None = None) -> DeviceStream:
-        """The stream work is queued on now."""
-        s: DeviceStream = self._h.ds_stream_current(index)
-        return s
-
-    def default_stream(self, index: int | None = None) -> DeviceStream:
-        """The device's default stream."""
-        s: DeviceStream = self._h.ds_stream_default(index)
-        return s
-
-    def range_push(self, msg: str) -> None:
-        """Open a named profiler range (seen by ``torch.profiler`` on every device type)."""
-        ctx = torch.autograd.profiler.record_function(msg)
-        ctx.__enter__()  # type: ignore[no-untyped-call]
-        self._ranges.append(ctx)
-
-    def range_pop(self) -> None:
-        """Close the innermost range opened by :meth:`range_push`.
-
-        :raises DSCoreError: when no range is open.
-        """
-        if not self._ranges:
-            raise DSCoreError("range_pop() without a matching range_push()")
-        self._ranges.pop().__exit__(None, None, None)
-
     # -- memory (bytes) --------------------------------------------------------------------
-
-    def memory_allocated(self, index: int | None = None) -> int:
-        """Bytes held by live tensors (cpu: resident set size)."""
-        return int(self._h.ds_memory_allocated(index))
-
-    def max_memory_allocated(self, index: int | None = None) -> int:
-        """Peak of :meth:`memory_allocated` since start or the last reset."""
-        return int(self._h.ds_memory_max_allocated(index))
-
-    def reset_peak_memory_stats(self, index: int | None = None) -> bool:
-        """Reset the peak; ``False`` when the platform forbids it."""
-        return bool(self._h.ds_memory_reset_peak(index))
-
-    def memory_reserved(self, index: int | None = None) -> int:
-        """Bytes reserved by the allocator."""
-        return int(self._h.ds_memory_reserved(index))
-
-    def memory_stats(self, index: int | None = None) -> dict[str, int]:
-        """Allocator statistics (at least ``allocated_bytes.all.current`` / ``.peak``)."""
-        stats: dict[str, int] = self._h.ds_memory_stats(index)
-        return stats
-
-    def memory_info(self, index: int | None = None) -> MemoryInfo:
-        """Total and available bytes for this process, and the limit that capped them."""
-        info: MemoryInfo = self._h.ds_memory_info(index)
-        return info
 
     def total_memory(self, index: int | None = None) -> int:
         """Bytes of device memory usable by this process (capped by its limits)."""
@@ -494,6 +483,39 @@ class Accelerator:
     def export_envs(self) -> list[str]:
         """Environment variable prefixes a multi-node launcher forwards."""
         return [p for group in self._h.ds_launcher_env_prefixes() for p in group]
+
+
+def _with_defaults(
+    fn: Callable[..., Any], hook: str, defaults: tuple[Any, ...]
+) -> Callable[..., Any]:
+    """``fn`` (whose arguments are the spec's, without defaults) with trailing ``defaults``.
+
+    Written out per shape rather than with ``*args``: a closure with fixed arguments is the
+    cheapest Python call that can fill in a default.
+    """
+    shape = (len(spec_argnames(hook)), len(defaults))
+    if shape == (1, 1):
+        (d,) = defaults
+
+        def call1(a: Any = d) -> Any:
+            return fn(a)
+
+        return call1
+    if shape == (2, 1):
+        (d,) = defaults
+
+        def call2(a: Any, b: Any = d) -> Any:
+            return fn(a, b)
+
+        return call2
+    if shape == (2, 2):
+        d0, d1 = defaults
+
+        def call22(a: Any = d0, b: Any = d1) -> Any:
+            return fn(a, b)
+
+        return call22
+    raise TypeError(f"no defaults binding for {hook} with shape {shape}")  # pragma: no cover
 
 
 def _router(caller: Any, argnames: tuple[str, ...]) -> Callable[..., Any]:
