@@ -2,13 +2,15 @@
 
 The engine calls these functions and the facade's collectives, never ``torch.distributed``
 collectives directly, so every byte it moves passes through the comm hooks (and any wrapper
-plugin counting them). Process groups and their caches live in :mod:`ds_core.comm.groups`;
+plugin counting them). The collectives as functions are in :mod:`ds_core.comm.collectives`; process groups and
+their caches in :mod:`ds_core.comm.groups`;
 the core's default collectives in :mod:`ds_core.default_plugin` (re-exported here, where
 backends have always imported them from); byte counting in :mod:`ds_core.comm.counting`.
 """
 
 from __future__ import annotations
 
+from ds_core.comm.collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
 from ds_core.comm.groups import (
     ExpertGroups,
     destroy_distributed,
@@ -23,6 +25,11 @@ from ds_core.comm.groups import (
 from ds_core.default_plugin import DefaultCollectives, torch_reduce_op
 
 __all__ = [
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "reduce_scatter",
     "DefaultCollectives",
     "ExpertGroups",
     "destroy_distributed",
