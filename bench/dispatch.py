@@ -15,7 +15,9 @@ Backend styles:
 - ``torch-style, torch_attr``: a :class:`ds_core.backend_kit.TorchStyleHooks` backend whose
   vendor module is looked up as an attribute (how cuda, rocm and xpu look up ``torch.<type>``);
 - ``torch-style, VendorModule``: the same over an imported module (how hpu and npu look up
-  theirs).
+  theirs);
+- ``torch-style, fixed_module``: the same over a module object built once (the scaffold's host
+  backend over :class:`ds_core.backend_kit.HostDevice`).
 
 The torch-style backends run on the host over a minimal torch-style module
 (:class:`ds_core.backend_kit.HostDevice` with its /proc reads replaced by constants, so the
@@ -46,6 +48,7 @@ from ds_core.backend_kit import (
     TorchStyleHooks,
     VendorModule,
     dtype_set,
+    fixed_module,
     torch_deterministic_algorithms,
 )
 from ds_core.facade import Accelerator
@@ -108,6 +111,8 @@ def torch_style(lookup: str) -> tuple[Accelerator, Any]:
     if lookup == "torch_attr":
         # torch_attr(name) is partial(getattr, torch, name); the same lookup over a namespace.
         load: Any = partial(getattr, SimpleNamespace(device=vendor), "device")
+    elif lookup == "fixed_module":
+        load = fixed_module(vendor)
     else:
         sys.modules["ds_bench_vendor"] = vendor  # type: ignore[assignment]
         load = VendorModule("ds_bench_vendor")
@@ -186,7 +191,7 @@ def main() -> None:
     worst["cpu (module functions)"] = max(
         run("cpu (module functions)", cpu, None, args.number, args.repeat)
     )
-    for lookup in ("torch_attr", "VendorModule"):
+    for lookup in ("torch_attr", "VendorModule", "fixed_module"):
         acc, vendor = torch_style(lookup)
         label = f"torch-style, {lookup}"
         worst[label] = max(run(label, acc, vendor, args.number, args.repeat))

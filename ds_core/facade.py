@@ -490,32 +490,40 @@ def _with_defaults(
 ) -> Callable[..., Any]:
     """``fn`` (whose arguments are the spec's, without defaults) with trailing ``defaults``.
 
-    Written out per shape rather than with ``*args``: a closure with fixed arguments is the
-    cheapest Python call that can fill in a default.
+    Written out per argument list rather than with ``*args``: a closure with fixed arguments,
+    named as the spec names them (callers pass them by keyword too), is the cheapest Python
+    call that can fill in a default.
     """
-    shape = (len(spec_argnames(hook)), len(defaults))
-    if shape == (1, 1):
+    shape = (spec_argnames(hook), len(defaults))
+    if shape == (("index",), 1):
         (d,) = defaults
 
-        def call1(a: Any = d) -> Any:
-            return fn(a)
+        def by_index(index: Any = d) -> Any:
+            return fn(index)
 
-        return call1
-    if shape == (2, 1):
+        return by_index
+    if shape == (("enable_timing",), 1):
         (d,) = defaults
 
-        def call2(a: Any, b: Any = d) -> Any:
-            return fn(a, b)
+        def by_timing(enable_timing: Any = d) -> Any:
+            return fn(enable_timing)
 
-        return call2
-    if shape == (2, 2):
+        return by_timing
+    if shape == (("state", "index"), 1):
+        (d,) = defaults
+
+        def by_state(state: Any, index: Any = d) -> Any:
+            return fn(state, index)
+
+        return by_state
+    if shape == (("index", "priority"), 2):
         d0, d1 = defaults
 
-        def call22(a: Any = d0, b: Any = d1) -> Any:
-            return fn(a, b)
+        def by_priority(index: Any = d0, priority: Any = d1) -> Any:
+            return fn(index, priority)
 
-        return call22
-    raise TypeError(f"no defaults binding for {hook} with shape {shape}")  # pragma: no cover
+        return by_priority
+    raise TypeError(f"no defaults binding for {hook} with arguments {shape}")  # pragma: no cover
 
 
 def _router(caller: Any, argnames: tuple[str, ...]) -> Callable[..., Any]:

@@ -72,6 +72,10 @@ def test_defaulted_bindings_fill_in_deepspeeds_defaults(acc: ds_core.Accelerator
     state = acc.get_rng_state()
     assert acc.set_rng_state(state) and torch.equal(acc.get_rng_state(0), state)
     assert acc.Event().enable_timing is False and acc.Event(True).enable_timing is True
+    # callers pass the spec's names by keyword too
+    assert acc.Event(enable_timing=True).enable_timing is True
+    assert acc.Stream(index=0, priority=-1).priority == -1
+    assert acc.set_rng_state(state=state, index=0) and acc.memory_allocated(index=0) > 0
     ds_core.register_plugin(counter := CallCounter())
     try:
         acc.memory_allocated()

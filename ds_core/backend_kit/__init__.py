@@ -2,8 +2,8 @@
 
 - :mod:`~ds_core.backend_kit.torch_style`: :class:`TorchStyleHooks`, the device, RNG,
   stream/event, memory, pinned-memory and determinism hooks over a vendor's torch-style device
-  module (``torch.<type>``-shaped), which a backend subclasses; :func:`torch_attr` and
-  :class:`VendorModule` look the module up on each call.
+  module (``torch.<type>``-shaped), which a backend subclasses; :func:`torch_attr`,
+  :class:`VendorModule` and :func:`fixed_module` look the module up on each call.
 - :mod:`~ds_core.backend_kit.host_streams`: streams and events of a device whose work is
   synchronous with the host (:class:`HostStreams`, :class:`HostStream`, :class:`HostEvent`),
   and :class:`HostTimedEvent` for vendors whose device timing is a stub.
@@ -46,7 +46,12 @@ from ds_core.backend_kit.probes import (
     package_file_present,
     visible_device_count,
 )
-from ds_core.backend_kit.torch_style import TorchStyleHooks, VendorModule, torch_attr
+from ds_core.backend_kit.torch_style import (
+    TorchStyleHooks,
+    VendorModule,
+    fixed_module,
+    torch_attr,
+)
 
 __all__ = [
     "LEAVE",
@@ -67,6 +72,7 @@ __all__ = [
     "count_device_nodes",
     "dist_version",
     "dtype_set",
+    "fixed_module",
     "fused_adamw_provider",
     "module_present",
     "package_file_present",

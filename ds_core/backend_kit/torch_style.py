@@ -14,7 +14,8 @@ Each hook's body calls the vendor module itself, so a hot call through the facad
 the hook method directly) runs one Python frame of ds_core: the hook. The module is looked up
 on every call through ``vendor``, a zero-argument callable, so importing a plugin imports
 nothing and contract tests can swap the module. :func:`torch_attr` makes a lookup that is a C
-call (no Python frame); :class:`VendorModule` one for a module that must be imported first.
+call (no Python frame); :class:`VendorModule` one for a module that must be imported first;
+:func:`fixed_module` one for a module object built once.
 
 Device arguments passed to the vendor: the bare type string (``"<type>"``) for the current
 device where torch parses the index as optional, ``"<type>:<i>"`` for an explicit one, and a
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -39,7 +41,7 @@ from ds_core.backend_kit.host_streams import HostTimedEvent
 from ds_core.hookspecs import hookimpl
 from ds_core.types import DeterminismRecord, DeviceProperties, Event, MemoryInfo, Stream
 
-__all__ = ["TorchStyleHooks", "torch_attr", "VendorModule"]
+__all__ = ["TorchStyleHooks", "VendorModule", "fixed_module", "torch_attr"]
 
 
 def torch_attr(name: str) -> Callable[[], Any]:
@@ -48,6 +50,13 @@ def torch_attr(name: str) -> Callable[[], Any]:
     The attribute is read on every call, so a test that replaces ``torch.<name>`` is seen.
     """
     lookup: Callable[[], Any] = partial(getattr, torch, name)
+    return lookup
+
+
+def fixed_module(module: Any) -> Callable[[], Any]:
+    """A lookup that always returns ``module`` (an object built once, e.g. a
+    :class:`~ds_core.backend_kit.HostDevice`), and runs no Python frame."""
+    lookup: Callable[[], Any] = itertools.repeat(module).__next__
     return lookup
 
 
