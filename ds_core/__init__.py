@@ -23,7 +23,7 @@ from ds_core.errors import (
     NotSupportedError,
 )
 from ds_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
-from ds_core.zero import initialize
+from ds_core.zero import add_config_arguments, initialize
 
 __version__ = "0.1.0"
 
@@ -37,6 +37,7 @@ __all__ = [
     "DSCoreError",
     "NotSupportedError",
     "__version__",
+    "add_config_arguments",
     "destroy_distributed",
     "get_accelerator",
     "hookimpl",

@@ -305,8 +305,8 @@ class DSConfig(BaseModel):
     """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: Int = Field(gt=0)
     """Micro-batches per optimizer step. (Default: 1 when not derivable)"""
-    gradient_clipping: Float = Field(default=1.0, ge=0)
-    """Clip the global gradient norm to this value; 0 disables clipping. (Default: 1.0)"""
+    gradient_clipping: Float = Field(default=0.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping. (Default: 0, as in DeepSpeed)"""
     steps_per_print: Int = Field(default=10, gt=0)
     """Log every this many optimizer steps. (Default: 10)"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -328,6 +328,9 @@ class DSConfig(BaseModel):
     ``world / factor`` after, as DeepSpeed does (keeps fp16 sums in range). (Default: 1.0)"""
     accelerator: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-backend options, ``{"cpu": {...}}``, passed to ``get_accelerator().configure()``."""
+    dataloader_drop_last: Bool = False
+    """The loader ``initialize(training_data=...)`` returns drops a last short batch, as in
+    DeepSpeed. (Default: false)"""
 
     @model_validator(mode="after")
     def _one_precision(self) -> DSConfig:
@@ -428,6 +431,28 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
 # loading
 
 
+def _parse(text: str, path: str) -> Any:
+    """JSON, else hjson (DeepSpeed reads config files with hjson: comments, unquoted keys)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        error = (
+            f"config file {path!r} is not valid JSON: {exc.msg} at line {exc.lineno} "
+            f"column {exc.colno}"
+        )
+    try:
+        import hjson  # type: ignore[import-untyped]
+    except ImportError:
+        raise ConfigError(
+            f"{error}; if it is an hjson file (as DeepSpeed accepts), install the optional "
+            "dependency: pip install 'ds-core[hjson]'"
+        ) from None
+    try:
+        return json.loads(json.dumps(hjson.loads(text)))
+    except Exception as exc:  # hjson raises its own HjsonDecodeError
+        raise ConfigError(f"{error}; nor valid hjson: {exc}") from None
+
+
 def _read(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
     if config is None:
         return {}
@@ -437,16 +462,12 @@ def _read(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str
         path = os.fspath(config)
         try:
             with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+                text = f.read()
+            data = _parse(text, path)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
         except OSError as exc:
             raise ConfigError(f"config file {path!r} cannot be read: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"config file {path!r} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                f"column {exc.colno}"
-            ) from None
         if not isinstance(data, dict):
             raise ConfigError(
                 f"config file {path!r} must hold a JSON object, got {type(data).__name__}"
@@ -512,6 +533,10 @@ def load_config(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     raw = _read(config)
+    legacy_zero = raw.get("zero_optimization")
+    if isinstance(legacy_zero, bool) or isinstance(legacy_zero, int):
+        # DeepSpeed's legacy forms: ``true`` is stage 1, an integer is the stage.
+        raw["zero_optimization"] = {"stage": int(legacy_zero)}
     if "bfloat16" in raw:
         # DeepSpeed's alias for the bf16 section.
         if "bf16" in raw:

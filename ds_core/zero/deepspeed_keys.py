@@ -30,6 +30,7 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "aio",
             "disable_allgather",
             "timers",
+            "cuda_visible_devices",
         }
     ),
     ("zero_optimization",): frozenset(
@@ -50,6 +51,7 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "stage3_use_all_reduce_for_fetch_params",
             "legacy_stage1",
             "log_trace_cache_warnings",
+            "gather_16bit_weights_on_model_save",
         }
     ),
     ("fp16",): frozenset({"fp16_master_weights_and_grads"}),
@@ -85,6 +87,7 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "nebula",
             "gradient_allreduce_op",
             "fp32_allreduce",
+            "compile",
         }
     ),
     ("zero_optimization",): frozenset(
@@ -105,6 +108,7 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
         }
     ),
     ("fp16",): frozenset({"consecutive_hysteresis", "auto_cast"}),
+    ("bf16",): frozenset({"bf16_master_weights_and_grads", "bf16_optimizer_states"}),
 }
 
 #: (section path, key) -> test that the value requests nothing (DeepSpeed's default / "off")
@@ -118,7 +122,24 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
     (("zero_optimization",), "offload_param"): lambda v: _offload_off(v),
     (("zero_optimization",), "cpu_offload"): lambda v: v is False,
     (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
+    ((), "amp"): lambda v: _disabled(v),
+    ((), "torch_autocast"): lambda v: _disabled(v),
+    ((), "hybrid_engine"): lambda v: _disabled(v),
+    ((), "compile"): lambda v: isinstance(v, dict) and not any(x is True for x in v.values()),
+    # ds_core accumulates gradients in fp32 always: only that choice is a no-op.
+    ((), "data_types"): lambda v: (
+        isinstance(v, dict)
+        and set(v) <= {"grad_accum_dtype"}
+        and v.get("grad_accum_dtype") in (None, "fp32", "float32")
+    ),
+    (("bf16",), "bf16_master_weights_and_grads"): lambda v: v is False,
+    (("bf16",), "bf16_optimizer_states"): lambda v: v is False,
 }
+
+
+def _disabled(value: Any) -> bool:
+    """A section whose ``enabled`` is false (or absent: DeepSpeed's default is off)."""
+    return isinstance(value, dict) and value.get("enabled", False) is False
 
 
 def _offload_off(value: Any) -> bool:

@@ -26,20 +26,19 @@ overflow skip (one flag per step, as DeepSpeed's loss scaler does).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 from torch.utils.hooks import RemovableHandle
 
 from ds_core import comm
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
-from ds_core.zero.config import DSConfig, load_config
+from ds_core.zero.api import DeepSpeedEngineAPI
+from ds_core.zero.config import DSConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
 from ds_core.zero.precision import LossScaler
@@ -53,8 +52,12 @@ _COMM_DTYPES["bf16"] = torch.bfloat16
 log = logging.getLogger("ds_core.zero")
 
 
-class ZeroEngine:
+class ZeroEngine(DeepSpeedEngineAPI):
     """Trains a module with ZeRO; build it with :func:`ds_core.initialize`.
+
+    DeepSpeed's engine members (``local_rank``, ``train_batch_size()``, ``state_dict()``,
+    ``no_sync()``, ...) come from :class:`~ds_core.zero.api.DeepSpeedEngineAPI`. Without an
+    optimizer (none passed, no ``optimizer`` section) the engine runs forward only.
 
     Public state: ``module`` (the wrapped model), ``optimizer`` (stepping the fp32 masters),
     ``lr_scheduler``, ``global_steps`` (boundaries seen, skipped ones included),
@@ -154,6 +157,9 @@ class ZeroEngine:
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._last_loss_t: torch.Tensor | None = None
+        #: inside this engine's own backward (gradients outside it are not this step's).
+        self._in_backward = False
+        self._no_sync = False
 
     # ------------------------------------------------------------------ Initialization #
 
@@ -261,6 +267,11 @@ class ZeroEngine:
         reducer = self.reducer
 
         def hook(p: torch.Tensor) -> None:
+            if not self._in_backward:
+                # Another backward (a GAN's generator loss through this discriminator): the
+                # gradient stays on ``p.grad`` as in plain torch; zero_grad() discards it, and
+                # if kept autograd adds it to this engine's next backward.
+                return
             grad = p.grad
             p.grad = None  # the reducer's copy is the only one kept
             if grad is not None:
@@ -269,6 +280,8 @@ class ZeroEngine:
         return hook
 
     def _build_optimizer(self, optimizer: Any, model_parameters: Iterable[Any] | None) -> Any:
+        if optimizer is None and self.config.optimizer is None:
+            return None  # forward only: step() and backward() say so
         return bind_optimizer(
             optimizer,
             model_parameters,
@@ -279,6 +292,10 @@ class ZeroEngine:
         )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:
+        if self.optimizer is None:
+            if lr_scheduler is not None or self.config.scheduler is not None:
+                raise ConfigError("a learning-rate scheduler needs an optimizer; pass one")
+            return None
         return bind_scheduler(lr_scheduler, self.config.scheduler, self.optimizer)
 
     # ------------------------------------------------------------------------- Runtime #
@@ -302,18 +319,21 @@ class ZeroEngine:
         Gradients are reduced while backward runs (see [Note: streaming reduction]); with
         ``overlap_comm`` the last collectives may still be in flight when this returns.
         """
+        self._require_optimizer("backward")
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
         scaled = loss / self.gas
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        self.reducer.begin_backward(self.is_gradient_accumulation_boundary())
+        self.reducer.begin_backward(self.is_gradient_accumulation_boundary() and not self._no_sync)
         if self.coordinator is not None:
             self.coordinator.begin_backward()
+        self._in_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
         finally:
+            self._in_backward = False
             if self.coordinator is not None:
                 self.coordinator.release_all()
         self.reducer.end_backward()
@@ -331,7 +351,13 @@ class ZeroEngine:
         self._boundary_override = bool(is_boundary)
 
     def step(self) -> None:
-        """Call after every micro-batch's backward; updates the parameters at the boundary."""
+        """Call after every micro-batch's backward; updates the parameters at the boundary.
+
+        :raises RuntimeError: no optimizer (a forward-only engine), or inside ``no_sync()``.
+        """
+        self._require_optimizer("step")
+        if self._no_sync:
+            raise RuntimeError("step() inside no_sync() is not allowed (DeepSpeed forbids it)")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if boundary:
@@ -345,17 +371,15 @@ class ZeroEngine:
                 zp.master.grad = None
             zp.param.grad = None
 
-    def train(self, mode: bool = True) -> ZeroEngine:
-        self.module.train(mode)
-        return self
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"{what}() needs an optimizer: this engine was built without one (no "
+                "optimizer= and no 'optimizer' config section), for forward-only use"
+            )
 
-    def eval(self) -> ZeroEngine:
-        self.module.eval()
-        return self
-
-    def get_lr(self) -> list[float]:
-        """Learning rate of each optimizer group."""
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
+    def _local_accumulation(self) -> bool:
+        return self.reducer.policy.local_accumulation
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -484,7 +508,7 @@ class ZeroEngine:
         master = sum(size(zp.master.data) for zp in self._trainable if zp.master is not None)
         grads = self.reducer.nbytes()
         opt = 0
-        for state in self.optimizer.state.values():
+        for state in self.optimizer.state.values() if self.optimizer is not None else ():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:
                     opt += size(v)
@@ -527,9 +551,10 @@ class ZeroEngine:
             self.coordinator.remove()
             self.coordinator = None
         self.reducer.release()
-        self.optimizer.state.clear()
-        for g in self.optimizer.param_groups:
-            g["params"] = []
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+            for g in self.optimizer.param_groups:
+                g["params"] = []
         for unit in self.units:
             unit.release()
             unit.flat = unit.shard = None
@@ -545,42 +570,3 @@ class ZeroEngine:
         self.zparams.clear()
         self._by_param.clear()
         self._trainable.clear()
-
-
-def initialize(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
-    model_parameters: Iterable[Any] | None = None,
-    config: Mapping[str, Any] | str | Any = None,
-    training_data: Any = None,
-    lr_scheduler: Any = None,
-) -> tuple[ZeroEngine, torch.optim.Optimizer, Any, Any]:
-    """Wrap ``model`` for ZeRO training; DeepSpeed's ``deepspeed.initialize`` shape.
-
-    :param model: the module; moved to the current device (and cast to fp16/bf16 when the
-        config enables them). Every rank must build the same model; rank 0's values win.
-    :param optimizer: a fresh ``torch.optim`` optimizer over the model's parameters (it is
-        re-pointed at the fp32 master shards), a callable ``param_groups -> optimizer``, or
-        ``None`` to build the config's ``optimizer`` section.
-    :param model_parameters: parameters or parameter groups for a built optimizer.
-    :param config: a dict, a JSON file path, or a loaded ``DSConfig``.
-    :param training_data: a ``torch.utils.data.Dataset``; when given, a loader over this rank's
-        share with ``train_micro_batch_size_per_gpu`` samples per batch is returned.
-    :param lr_scheduler: an ``LRScheduler`` on ``optimizer``, or a callable
-        ``optimizer -> scheduler``; else the config's ``scheduler`` section, if any.
-    :returns: ``(engine, optimizer, dataloader or None, lr_scheduler or None)``.
-    :raises ds_core.ConfigError: invalid config, no optimizer, or an optimizer that needs
-        whole gradients with stages 1-3.
-    """
-    comm.init_distributed()
-    cfg = config if isinstance(config, DSConfig) else load_config(config, comm.get_world_size())
-    engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
-    loader = None
-    if training_data is not None:
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            training_data, num_replicas=engine.world, rank=engine.rank, shuffle=False
-        )
-        loader = DataLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler
-        )
-    return engine, engine.optimizer, loader, engine.lr_scheduler
