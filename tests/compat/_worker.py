@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from tests.compat import _loops
+from tests.compat import _api, _loops
 
 
 def _rank(rank: int, world: int, port: int, outdir: str) -> None:
@@ -26,8 +27,9 @@ def _rank(rank: int, world: int, port: int, outdir: str) -> None:
     import ds_core as deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=300)
-    out = {"nosync_s0": _loops.nosync_loop(world, rank)}
+    out: dict[str, Any] = {"nosync_s0": _loops.nosync_loop(world, rank), "errors": _api.errors()}
     for stage in range(4):
+        out[f"members_s{stage}"] = _api.members(stage)
         out[f"simple_s{stage}"] = _loops.simple_loop(stage, world, rank)
         out[f"simple_load_s{stage}"] = _loops.simple_loop(stage, world, rank, load=True)
         out[f"cifar_s{stage}"] = _loops.cifar_loop(stage, world, rank, outdir)
