@@ -6,6 +6,7 @@ backend is selected at the first :func:`get_accelerator` (see DESIGN.md §4).
 
 from __future__ import annotations
 
+from ds_core import checkpointing  # deepspeed.checkpointing's place
 from ds_core.accelerator import (
     Accelerator,
     get_accelerator,
@@ -38,6 +39,7 @@ __all__ = [
     "NotSupportedError",
     "__version__",
     "add_config_arguments",
+    "checkpointing",
     "destroy_distributed",
     "get_accelerator",
     "hookimpl",

@@ -37,14 +37,16 @@ from pydantic import (
 )
 
 from ds_core.errors import ConfigError
-from ds_core.zero.config_errors import fail, messages, unknown_key_message
+from ds_core.zero.config_errors import ConfigProblemsError, fail, messages, unknown_key_message
 from ds_core.zero.deepspeed_keys import NOT_YET, strip_known_extras
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "AdamParams",
     "BF16Config",
     "DSConfig",
     "FP16Config",
+    "LRRangeTestParams",
     "OptimizerConfig",
     "SchedulerConfig",
     "WarmupCosineLRParams",
@@ -159,6 +161,20 @@ class ZeroConfig(BaseModel):
         return data
 
 
+class ActivationCheckpointingConfig(BaseModel):
+    """``activation_checkpointing``: read by :func:`ds_core.checkpointing.configure`, as
+    DeepSpeed's; see that module for what each key does here."""
+
+    model_config = _FROZEN
+
+    partition_activations: Bool = False
+    contiguous_memory_optimization: Bool = False
+    number_checkpoints: Int | None = None
+    cpu_checkpointing: Bool = False
+    synchronize_checkpoint_boundary: Bool = False
+    profile: Bool = False
+
+
 class OptimizerConfig(BaseModel):
     """``optimizer``: ``{"type": ..., "params": {...}}`` as in DeepSpeed."""
 
@@ -197,6 +213,8 @@ class AdamParams(BaseModel):
     adam_w_mode: Bool = True
     """Decoupled weight decay (AdamW). DeepSpeed's ``Adam`` is AdamW unless this is false."""
     bias_correction: Bool = True
+    """Correct the moments' initial bias (torch's Adam); false uses
+    :class:`~ds_core.zero.adam.AdamNoBiasCorrection`, as DeepSpeed's FusedAdam. (Default: true)"""
     amsgrad: Bool = False
     torch_adam: Bool = False
     """Accepted for compatibility: this engine always uses torch's Adam/AdamW."""
@@ -206,8 +224,6 @@ class AdamParams(BaseModel):
         for i, beta in enumerate(self.betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
-        if not self.bias_correction:
-            raise ValueError("bias_correction: false is not supported yet")
         if self.amsgrad:
             raise ValueError("amsgrad: true is not supported yet")
         return self
@@ -273,6 +289,19 @@ class WarmupCosineLRParams(BaseModel):
         return self
 
 
+class LRRangeTestParams(BaseModel):
+    """``LRRangeTest``: grow the lr from ``lr_range_test_min_lr`` by ``step_rate`` per
+    ``step_size`` steps (continuously or as a staircase), to find a good lr range."""
+
+    model_config = _FROZEN
+
+    lr_range_test_min_lr: LearningRates = 0.001
+    lr_range_test_step_size: Int = Field(default=2000, gt=0)
+    lr_range_test_step_rate: Float = Field(default=1.0, ge=0)
+    lr_range_test_staircase: Bool = False
+    last_batch_iteration: Int = Field(default=-1, ge=-1)
+
+
 def _check_total_steps(total: int, warmup: int) -> None:
     effective = max(2, warmup)
     if total <= effective:
@@ -289,9 +318,10 @@ SCHEDULER_TYPES: dict[str, type[BaseModel]] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 _NOT_YET_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "SGD", "Lion")
-_NOT_YET_SCHEDULERS = ("OneCycle", "LRRangeTest", "WarmupCosineDecayLR")
+_NOT_YET_SCHEDULERS = ("OneCycle", "WarmupCosineDecayLR")
 
 
 class DSConfig(BaseModel):
@@ -328,6 +358,9 @@ class DSConfig(BaseModel):
     ``world / factor`` after, as DeepSpeed does (keeps fp16 sums in range). (Default: 1.0)"""
     accelerator: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-backend options, ``{"cpu": {...}}``, passed to ``get_accelerator().configure()``."""
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
     dataloader_drop_last: Bool = False
     """The loader ``initialize(training_data=...)`` returns drops a last short batch, as in
     DeepSpeed. (Default: false)"""
@@ -563,8 +596,8 @@ def load_config(
 
     try:
         tb, mb, gas = _batch_sizes(raw, world_size)
-    except ConfigError as exc:
-        errors.append(str(exc).removeprefix("invalid ds_core config: "))
+    except ConfigProblemsError as exc:
+        errors += exc.problems
         tb, mb, gas = 1, 1, 1
     raw.update(
         train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas

@@ -64,7 +64,6 @@ NOT_YET = "not supported yet"
 _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
     (): frozenset(
         {
-            "activation_checkpointing",
             "amp",
             "torch_autocast",
             "data_types",

@@ -304,7 +304,7 @@ def test_no_warning_without_ignored_keys() -> None:
     [
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
         ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param"),
-        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+        ({"compression_training": {"weight_quantization": {}}}, "compression_training"),
         ({"amp": {"enabled": True}}, "amp"),
         ({"fp16": {"consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis"),
     ],
