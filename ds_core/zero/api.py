@@ -8,6 +8,7 @@ each docstring and in ``docs/from-deepspeed.md``.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -192,6 +193,35 @@ class DeepSpeedEngineAPI:
             if self.world > 1:
                 comm.broadcast(b.data, 0)
         return missing, unexpected
+
+    # -- precision of the forward ----------------------------------------------------------
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``fp16.auto_cast``: floating-point tensor inputs (also inside lists, tuples and
+        dicts) become float16, as DeepSpeed's engine casts them."""
+        if not (self.fp16 and self.config.fp16.auto_cast):
+            return args, kwargs
+
+        def cast(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                return obj.half() if obj.is_floating_point() else obj
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(cast(o) for o in obj)
+            if isinstance(obj, dict):
+                return {k: cast(v) for k, v in obj.items()}
+            return obj
+
+        return cast(args), cast(kwargs)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch_autocast``: the forward runs under ``torch.autocast`` on the engine's
+        device type with the section's dtype; parameters, gradients and masters stay fp32."""
+        section = self.config.torch_autocast
+        if not section.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=section.torch_dtype)
 
     # -- gradient synchronisation ------------------------------------------------------------
 

@@ -19,8 +19,6 @@ DeepSpeed: a config that sets neither batch size means micro-batch 1 (DeepSpeed 
 from __future__ import annotations
 
 import difflib
-import json
-import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -29,18 +27,24 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
-    Strict,
     ValidationError,
     model_validator,
 )
 
 from ds_core.errors import ConfigError
 from ds_core.zero.config_errors import ConfigProblemsError, fail, messages, unknown_key_message
+from ds_core.zero.config_sections import (
+    ActivationCheckpointingConfig,
+    TorchAutocastConfig,
+    parse_config_text,
+)
+from ds_core.zero.config_types import FROZEN as _FROZEN
+from ds_core.zero.config_types import Bool, Float, Int, as_float, as_int
 from ds_core.zero.deepspeed_keys import NOT_YET, strip_known_extras
 
 __all__ = [
+    "TorchAutocastConfig",
     "ActivationCheckpointingConfig",
     "AdamParams",
     "BF16Config",
@@ -57,39 +61,6 @@ __all__ = [
     "OPTIMIZER_TYPES",
     "SCHEDULER_TYPES",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# value types: JSON numbers as DeepSpeed writes them (5e8 is an int), bools never count as numbers
-
-
-def _as_int(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError(f"must be an integer, not a bool ({value!r})")
-    if isinstance(value, float):
-        if not math.isfinite(value) or not value.is_integer():
-            raise ValueError(f"must be an integer, got {value!r}")
-        return int(value)
-    if not isinstance(value, int):
-        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _as_float(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError(f"must be a number, not a bool ({value!r})")
-    if not isinstance(value, (int, float)):
-        raise ValueError(f"must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"must be finite, got {value!r}")
-    return float(value)
-
-
-Int = Annotated[int, BeforeValidator(_as_int)]
-Float = Annotated[float, BeforeValidator(_as_float)]
-Bool = Annotated[bool, Strict()]
-
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +84,8 @@ class FP16Config(BaseModel):
     """Overflows tolerated before the scale halves. (Default: 2)"""
     min_loss_scale: Float = Field(default=1.0, gt=0)
     """Floor of the dynamic scale. (Default: 1)"""
+    auto_cast: Bool = False
+    """Cast floating-point inputs of ``engine(...)`` to float16. (Default: false)"""
 
 
 class BF16Config(BaseModel):
@@ -159,20 +132,6 @@ class ZeroConfig(BaseModel):
             stage = data.get("stage", 0)
             data = {**data, "overlap_comm": stage == 3}
         return data
-
-
-class ActivationCheckpointingConfig(BaseModel):
-    """``activation_checkpointing``: read by :func:`ds_core.checkpointing.configure`, as
-    DeepSpeed's; see that module for what each key does here."""
-
-    model_config = _FROZEN
-
-    partition_activations: Bool = False
-    contiguous_memory_optimization: Bool = False
-    number_checkpoints: Int | None = None
-    cpu_checkpointing: Bool = False
-    synchronize_checkpoint_boundary: Bool = False
-    profile: Bool = False
 
 
 class OptimizerConfig(BaseModel):
@@ -232,8 +191,8 @@ class AdamParams(BaseModel):
 def _as_lrs(value: Any) -> Any:
     # DeepSpeed takes one learning rate or one per parameter group.
     if isinstance(value, (list, tuple)):
-        return [_nonneg(_as_float(v)) for v in value]
-    return _nonneg(_as_float(value))
+        return [_nonneg(as_float(v)) for v in value]
+    return _nonneg(as_float(value))
 
 
 def _nonneg(value: float) -> float:
@@ -361,6 +320,7 @@ class DSConfig(BaseModel):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     dataloader_drop_last: Bool = False
     """The loader ``initialize(training_data=...)`` returns drops a last short batch, as in
     DeepSpeed. (Default: false)"""
@@ -371,6 +331,13 @@ class DSConfig(BaseModel):
             raise ValueError(
                 "fp16.enabled and bf16.enabled are both true; enable at most one precision"
             )
+        if self.torch_autocast.enabled and (self.fp16.enabled or self.bf16.enabled):
+            raise ValueError(
+                "torch_autocast.enabled with fp16/bf16 enabled: autocast keeps fp32 "
+                "parameters; enable one of them (DeepSpeed refuses both too)"
+            )
+        if self.fp16.auto_cast and not self.fp16.enabled:
+            raise ValueError("fp16.auto_cast needs fp16.enabled: true")
         return self
 
     @property
@@ -410,7 +377,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
             values[key] = None
             continue
         try:
-            number = _as_int(value)
+            number = as_int(value)
         except ValueError as exc:
             problems.append(f"{key}: {exc}")
             continue
@@ -464,28 +431,6 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
 # loading
 
 
-def _parse(text: str, path: str) -> Any:
-    """JSON, else hjson (DeepSpeed reads config files with hjson: comments, unquoted keys)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        error = (
-            f"config file {path!r} is not valid JSON: {exc.msg} at line {exc.lineno} "
-            f"column {exc.colno}"
-        )
-    try:
-        import hjson  # type: ignore[import-untyped]
-    except ImportError:
-        raise ConfigError(
-            f"{error}; if it is an hjson file (as DeepSpeed accepts), install the optional "
-            "dependency: pip install 'ds-core[hjson]'"
-        ) from None
-    try:
-        return json.loads(json.dumps(hjson.loads(text)))
-    except Exception as exc:  # hjson raises its own HjsonDecodeError
-        raise ConfigError(f"{error}; nor valid hjson: {exc}") from None
-
-
 def _read(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
     if config is None:
         return {}
@@ -496,7 +441,7 @@ def _read(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
-            data = _parse(text, path)
+            data = parse_config_text(text, path)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
         except OSError as exc:

@@ -65,7 +65,6 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
     (): frozenset(
         {
             "amp",
-            "torch_autocast",
             "data_types",
             "sparse_attention",
             "sparse_gradients",
@@ -106,7 +105,7 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "pipeline_loading_checkpoint",
         }
     ),
-    ("fp16",): frozenset({"consecutive_hysteresis", "auto_cast"}),
+    ("fp16",): frozenset({"consecutive_hysteresis"}),
     ("bf16",): frozenset({"bf16_master_weights_and_grads", "bf16_optimizer_states"}),
 }
 
@@ -116,13 +115,11 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
     ((), "sparse_gradients"): lambda v: v is False,
     ((), "gradient_allreduce_op"): lambda v: v == "mean",
     (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
-    (("fp16",), "auto_cast"): lambda v: v is False,
     (("zero_optimization",), "offload_optimizer"): lambda v: _offload_off(v),
     (("zero_optimization",), "offload_param"): lambda v: _offload_off(v),
     (("zero_optimization",), "cpu_offload"): lambda v: v is False,
     (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
     ((), "amp"): lambda v: _disabled(v),
-    ((), "torch_autocast"): lambda v: _disabled(v),
     ((), "hybrid_engine"): lambda v: _disabled(v),
     ((), "compile"): lambda v: isinstance(v, dict) and not any(x is True for x in v.values()),
     # ds_core accumulates gradients in fp32 always: only that choice is a no-op.

@@ -304,14 +304,17 @@ class ZeroEngine(DeepSpeedEngineAPI):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module (stage 3 gathers and releases each module's parameters)."""
-        if self.coordinator is None:
-            return self.module(*args, **kwargs)
-        self.coordinator.begin_forward()
-        try:
-            return self.module(*args, **kwargs)
-        finally:
-            self.coordinator.end_forward()
+        """Run the module (stage 3 gathers and releases each module's parameters), with
+        ``fp16.auto_cast`` / ``torch_autocast`` applied (see :class:`DeepSpeedEngineAPI`)."""
+        args, kwargs = self._cast_inputs(args, kwargs)
+        with self._autocast():
+            if self.coordinator is None:
+                return self.module(*args, **kwargs)
+            self.coordinator.begin_forward()
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                self.coordinator.end_forward()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Back-propagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from tests.compat._loops import HIDDEN, MICRO, SimpleModel, stage_config
 
@@ -94,6 +95,16 @@ def errors() -> dict[str, Any]:
             s0.step()
 
     out["step_inside_no_sync"] = _error(step_inside)
+    # fp16.auto_cast: float inputs reach the fp16 model as float16
+    half_cfg = stage_config(0, fp16={"enabled": True, "auto_cast": True, "loss_scale": 1.0})
+    torch.manual_seed(0)
+    cast, _, _, _ = deepspeed.initialize(model=nn.Linear(HIDDEN, 3), config=half_cfg)
+    with torch.no_grad():
+        out["auto_cast_equal"] = bool(torch.equal(cast.module(x.half()), cast(x)))
+    plain_cfg = stage_config(0, fp16={"enabled": True})
+    plain, _, _, _ = deepspeed.initialize(model=nn.Linear(HIDDEN, 3), config=plain_cfg)
+    with torch.no_grad():
+        out["no_auto_cast"] = _error(lambda: plain(x))
     args = argparse.Namespace(deepspeed=True, deepspeed_config="x.json")
     out["two_configs"] = _error(
         lambda: deepspeed.initialize(args=args, model=SimpleModel(HIDDEN), config=stage_config(0))

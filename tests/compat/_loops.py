@@ -109,6 +109,43 @@ def simple_reference(world: int) -> dict[str, Any]:
     return {"state": model.state_dict()}
 
 
+def autocast_loop(stage: int, world: int, rank: int) -> dict[str, Any]:
+    """``torch_autocast`` (bfloat16): the engine's forward under ``torch.autocast``."""
+    import ds_core as deepspeed
+
+    cfg = stage_config(stage, torch_autocast={"enabled": True, "dtype": "bfloat16"})
+    torch.manual_seed(0)
+    model = SimpleModel(hidden_dim=HIDDEN, nlayers=2)
+    engine, _, _, _ = deepspeed.initialize(config=cfg, model=model)
+    xs, ys = simple_data(world)
+    width = world * MICRO
+    for s in range(SIMPLE_STEPS):
+        mine = slice(s * width + rank * MICRO, s * width + (rank + 1) * MICRO)
+        engine.backward(engine(xs[mine], ys[mine]))
+        engine.step()
+    return {"state": engine.module_state_dict()}
+
+
+def autocast_reference(world: int) -> dict[str, Any]:
+    """Each rank's micro-batch forward under autocast on its own (bf16 matmuls see the same
+    rows as on that rank), the losses averaged as the ranks' gradients are."""
+    torch.manual_seed(0)
+    model = SimpleModel(hidden_dim=HIDDEN, nlayers=2)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    xs, ys = simple_data(world)
+    width = world * MICRO
+    for s in range(SIMPLE_STEPS):
+        total = torch.zeros(())
+        for r in range(world):
+            mine = slice(s * width + r * MICRO, s * width + (r + 1) * MICRO)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                total = total + model(xs[mine], ys[mine]).float()
+        (total / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"state": model.state_dict()}
+
+
 def nosync_loop(world: int, rank: int) -> dict[str, Any]:
     """Stage 0: the first micro-batch's backward inside ``no_sync()``, the second outside,
     then one step: the update sums both micro-batches' gradients."""

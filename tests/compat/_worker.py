@@ -30,6 +30,7 @@ def _rank(rank: int, world: int, port: int, outdir: str) -> None:
     out: dict[str, Any] = {"nosync_s0": _loops.nosync_loop(world, rank), "errors": _api.errors()}
     for stage in range(4):
         out[f"members_s{stage}"] = _api.members(stage)
+        out[f"autocast_s{stage}"] = _loops.autocast_loop(stage, world, rank)
         out[f"simple_s{stage}"] = _loops.simple_loop(stage, world, rank)
         out[f"simple_load_s{stage}"] = _loops.simple_loop(stage, world, rank, load=True)
         out[f"cifar_s{stage}"] = _loops.cifar_loop(stage, world, rank, outdir)

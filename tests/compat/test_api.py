@@ -71,3 +71,10 @@ def test_initialize_config_sources(loops: list[dict[str, Any]]) -> None:
     assert "both in args.deepspeed_config and as config=" in e["two_configs"]
     assert e["no_config"].startswith("ConfigError: initialize() needs a config")
     assert "mpu" in e["mpu"] and "not supported" in e["mpu"]
+
+
+def test_fp16_auto_cast_casts_inputs(loops: list[dict[str, Any]]) -> None:
+    e = loops[0]["errors"]
+    assert e["auto_cast_equal"]
+    # without auto_cast a float32 input meets float16 weights: torch refuses it
+    assert e["no_auto_cast"].startswith("RuntimeError"), e["no_auto_cast"]

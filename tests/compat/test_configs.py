@@ -48,6 +48,17 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("fp16 auto_cast off", {"fp16": {"enabled": True, "auto_cast": False}}),
+    ("fp16 auto_cast on", {"fp16": {"enabled": True, "auto_cast": True}}),
+    (
+        "torch_autocast on",
+        {
+            "torch_autocast": {
+                "enabled": True,
+                "dtype": "bfloat16",
+                "lower_precision_safe_modules": ["torch.nn.Linear"],
+            }
+        },
+    ),
     (
         "bias_correction false",
         {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False}}},
@@ -81,16 +92,22 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("amp on", {"amp": {"enabled": True}}, "amp", "not supported yet"),
     (
-        "torch_autocast on",
-        {"torch_autocast": {"enabled": True}},
-        "torch_autocast",
-        "not supported yet",
+        "autocast with bf16",
+        {"bf16": {"enabled": True}, "torch_autocast": {"enabled": True}},
+        "torch_autocast.enabled with fp16/bf16",
+        "enable one",
     ),
     (
-        "fp16 auto_cast on",
-        {"fp16": {"enabled": True, "auto_cast": True}},
-        "fp16.auto_cast",
-        "not supported yet",
+        "auto_cast without fp16",
+        {"fp16": {"auto_cast": True}},
+        "fp16.auto_cast needs fp16.enabled",
+        "true",
+    ),
+    (
+        "autocast dtype",
+        {"torch_autocast": {"enabled": True, "dtype": "int8"}},
+        "torch_autocast.dtype",
+        "must be one of",
     ),
     (
         "hybrid_engine on",
@@ -198,9 +215,10 @@ def test_corpus_files() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(CONFIGS / "megatron_style_refused.json", 2)
     msg = str(info.value)
-    for key in ("offload_optimizer", "fp16.auto_cast", "compression_training"):
+    for key in ("offload_optimizer", "compression_training"):
         assert f"{key}: not supported yet" in msg, msg
-    assert "activation_checkpointing" not in msg  # implemented: ds_core.checkpointing
+    # implemented: ds_core.checkpointing, the engine's input cast
+    assert "activation_checkpointing" not in msg and "auto_cast" not in msg
 
 
 @pytest.mark.skipif(importlib.util.find_spec("hjson") is None, reason="hjson not installed")

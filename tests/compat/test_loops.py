@@ -65,3 +65,10 @@ def test_no_sync_accumulates_without_reducing(loops: list[dict[str, Any]]) -> No
     want = _loops.nosync_reference(WORLD)["state"]
     for rank in range(WORLD):
         assert_state_close(loops[rank]["nosync_s0"]["state"], want)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_torch_autocast_forward(loops: list[dict[str, Any]], stage: int) -> None:
+    want = _loops.autocast_reference(WORLD)["state"]
+    for rank in range(WORLD):
+        assert_state_close(loops[rank][f"autocast_s{stage}"]["state"], want)
