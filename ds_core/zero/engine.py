@@ -45,6 +45,7 @@ from ds_core.zero.precision import LossScaler
 from ds_core.zero.reducer import GradReducer
 from ds_core.zero.schedules import bind_optimizer, bind_scheduler
 from ds_core.zero.stage3 import ParamCoordinator
+from ds_core.zero.throughput import ThroughputTimer
 
 _COMM_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp16": torch.float16}
 _COMM_DTYPES["bf16"] = torch.bfloat16
@@ -160,6 +161,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         #: inside this engine's own backward (gradients outside it are not this step's).
         self._in_backward = False
         self._no_sync = False
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
 
     # ------------------------------------------------------------------ Initialization #
 
@@ -307,6 +309,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """Run the module (stage 3 gathers and releases each module's parameters), with
         ``fp16.auto_cast`` / ``torch_autocast`` applied (see :class:`DeepSpeedEngineAPI`)."""
         args, kwargs = self._cast_inputs(args, kwargs)
+        self.tput_timer.start()
         with self._autocast():
             if self.coordinator is None:
                 return self.module(*args, **kwargs)
@@ -365,6 +368,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.micro_steps += 1
         if boundary:
             self._boundary_step()
+        self.tput_timer.stop(global_step=boundary, report_speed=False)
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (the engine also does this after each update)."""
@@ -478,6 +482,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         norm = self.last_grad_norm
         parts.append(f"grad_norm={norm:.6g}" if norm is not None else "grad_norm=n/a")
         parts.append(f"skipped={self.skipped_steps}")
+        parts.append(f"samples_per_sec={self.tput_timer.avg_samples_per_sec():.6g}")
         parts.append(f"mem_allocated={self.acc.memory_allocated() / 2**20:.1f}MiB")
         parts.append(f"mem_peak={self.acc.max_memory_allocated() / 2**20:.1f}MiB")
         log.info(" ".join(parts))

@@ -58,6 +58,7 @@ def members(stage: int) -> dict[str, Any]:
     engine.backward(engine(x, y))
     engine.step()
     out["global_samples"] = engine.global_samples
+    out["tput_steps"] = (engine.tput_timer.micro_step_count, engine.tput_timer.global_step_count)
     out["no_sync"] = _error(lambda: engine.no_sync().__enter__())
     out["strict_load"] = _error(lambda: engine.load_state_dict({"nope": torch.zeros(1)}))
     return out

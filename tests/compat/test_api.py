@@ -31,6 +31,7 @@ def test_engine_members_have_deepspeeds_meaning(loops: list[dict[str, Any]], sta
         assert m["state_shapes"]["module.linears.0.weight"] == (HIDDEN, HIDDEN)
         assert m["global_samples_mid_window"] == 0
         assert m["global_samples"] == MICRO * 2 * WORLD
+        assert m["tput_steps"] == (2, 1)  # two micro-batches, one optimizer step
         assert "missing keys" in m["strict_load"] and "unexpected keys ['nope']" in m["strict_load"]
 
 
