@@ -359,12 +359,23 @@ class ZeroEngine(DeepSpeedEngineAPI):
     def step(self) -> None:
         """Call after every micro-batch's backward; updates the parameters at the boundary.
 
-        :raises RuntimeError: no optimizer (a forward-only engine), or inside ``no_sync()``.
+        :raises RuntimeError: no optimizer (a forward-only engine), inside ``no_sync()``, or
+            gradients on the parameters from a backward the engine did not run and none
+            from its own (they would be silently ignored).
         """
         self._require_optimizer("step")
         if self._no_sync:
             raise RuntimeError("step() inside no_sync() is not allowed (DeepSpeed forbids it)")
         boundary = self.is_gradient_accumulation_boundary()
+        if (
+            boundary
+            and self._loss_count == 0
+            and any(zp.param.grad is not None for zp in self._trainable)
+        ):
+            raise RuntimeError(
+                "step(): the parameters hold gradients no engine.backward() produced (a "
+                "plain loss.backward()?); call engine.backward(loss), or zero_grad() first"
+            )
         self.micro_steps += 1
         if boundary:
             self._boundary_step()

@@ -96,6 +96,14 @@ def errors() -> dict[str, Any]:
             s0.step()
 
     out["step_inside_no_sync"] = _error(step_inside)
+
+    def plain_backward_then_step() -> None:
+        s0(x, y).backward()  # not engine.backward: its gradients stay on p.grad
+        s0.step()
+
+    out["plain_backward"] = _error(plain_backward_then_step)
+    s0.zero_grad()
+    out["zero_grad_clears"] = all(p.grad is None for p in s0.parameters())
     # fp16.auto_cast: float inputs reach the fp16 model as float16
     half_cfg = stage_config(0, fp16={"enabled": True, "auto_cast": True, "loss_scale": 1.0})
     torch.manual_seed(0)

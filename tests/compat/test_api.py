@@ -47,6 +47,14 @@ def test_no_sync_is_refused_where_gradients_are_partitioned(loops: list[dict[str
     assert m["errors"]["step_inside_no_sync"].startswith("RuntimeError: step() inside no_sync()")
 
 
+def test_gradients_from_a_plain_backward_are_not_silently_ignored(
+    loops: list[dict[str, Any]],
+) -> None:
+    e = loops[0]["errors"]
+    assert "gradients no engine.backward() produced" in e["plain_backward"], e["plain_backward"]
+    assert e["zero_grad_clears"]
+
+
 def test_forward_only_engine(loops: list[dict[str, Any]]) -> None:
     e = loops[0]["errors"]
     assert e["forward_only_loss"] > 0
