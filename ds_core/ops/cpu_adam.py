@@ -227,7 +227,12 @@ class PythonAdamKernel:
 
 
 class CompiledAdamKernel:
-    """The compiled SIMD + OpenMP kernel. Threads: ``torch.get_num_threads()`` at each call."""
+    """The compiled SIMD + OpenMP kernel. Threads: ``torch.get_num_threads()`` at each call.
+
+    The library links ``libgomp.so.1``; torch's wheel has already loaded its own copy under
+    that name, so the loader binds ours to it and the process keeps one OpenMP thread pool
+    (two pools would oversubscribe the cores).
+    """
 
     path = "compiled"
 
