@@ -249,10 +249,20 @@ class CompiledAdamKernel:
             ctypes.c_int,
         ]
         self._step = f
+        self._touch = lib.ds_cpu_adam_touch
+        self._touch.restype = None
+        self._touch.argtypes = [*(ctypes.c_void_p,) * 4, ctypes.c_int64, ctypes.c_int]
         lib.ds_cpu_adam_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ds_cpu_adam_isa().decode()
         self.openmp = bool(lib.ds_cpu_adam_openmp())
         self.has_fp16 = bool(lib.ds_cpu_adam_has_fp16())
+
+    def touch(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Move an Adam step's bytes with no Adam arithmetic (``p, m, v += g``), for measuring
+        the update's memory-bandwidth bound. Contiguous fp32 host tensors of one size."""
+        _check(p, g, m, v, None, contiguous=True)
+        self._touch(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(),
+                    torch.get_num_threads())  # fmt: skip
 
     def describe(self) -> str:
         threads = "OpenMP" if self.openmp else "single-threaded (no OpenMP)"

@@ -266,3 +266,13 @@ def test_report_says_which_path_is_active() -> None:
     load_kernel()
     status = cpu_adam.cpu_adam_provider().status()
     assert status.startswith("active: compiled kernel"), status
+
+
+@needs_cc
+def test_bandwidth_probe_moves_the_bytes_it_claims() -> None:
+    kernel = load_kernel("compiled")
+    assert isinstance(kernel, cpu_adam.CompiledAdamKernel)
+    p, g, m, v = (torch.full((N,), float(i)) for i in range(4))
+    kernel.touch(p, g, m, v)
+    assert torch.equal(p, torch.full((N,), 1.0)) and torch.equal(v, torch.full((N,), 4.0))
+    assert torch.equal(m, torch.full((N,), 3.0)) and torch.equal(g, torch.full((N,), 1.0))

@@ -134,6 +134,31 @@ int ds_cpu_adam_step(float *p, const float *grad, float *m, float *v, int64_t n,
     return 0;
 }
 
+/* The same memory traffic as one Adam step (read p, g, m, v; write p, m, v) with almost no
+ * arithmetic: bench/cpu_adam.py measures the update's memory-bandwidth bound with it. */
+DS_CLONES
+static void touch_chunk(float *restrict p, const float *restrict g, float *restrict m,
+                        float *restrict v, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        const float gi = g[i];
+        p[i] = p[i] + gi;
+        m[i] = m[i] + gi;
+        v[i] = v[i] + gi;
+    }
+}
+
+void ds_cpu_adam_touch(float *p, const float *g, float *m, float *v, int64_t n, int nthreads) {
+    const int64_t chunks = (n + DS_CHUNK - 1) / DS_CHUNK;
+    (void)nthreads;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n >= DS_PARALLEL_MIN && nthreads > 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t lo = c * DS_CHUNK;
+        const int64_t len = (n - lo) < DS_CHUNK ? (n - lo) : DS_CHUNK;
+        touch_chunk(p + lo, g + lo, m + lo, v + lo, len);
+    }
+}
+
 /* Which code this build runs on this CPU: the clone the loader picks, and OpenMP or not. */
 const char *ds_cpu_adam_isa(void) {
 #if DS_HAVE_CLONES
