@@ -141,7 +141,11 @@ class ZeroConfig(BaseModel):
     stage3_param_persistence_threshold: Int = Field(default=100_000, ge=0)
     """Parameters with fewer elements stay whole on every rank at stage 3. (Default: 1e5)"""
     stage3_max_live_parameters: Int = Field(default=1_000_000_000, gt=0)
-    """Most elements gathered at once at stage 3. (Default: 1e9)"""
+    """Most elements gathered at once at stage 3: prefetches that would exceed it wait until
+    their module runs. (Default: 1e9)"""
+    stage3_max_reuse_distance: Int = Field(default=1_000_000_000, ge=0)
+    """A stage-3 unit the forward uses again within this many elements is kept gathered
+    instead of released and gathered again; 0 always releases. (Default: 1e9)"""
 
     @model_validator(mode="before")
     @classmethod
@@ -310,6 +314,16 @@ class DSConfig(BaseModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """dtype gradients are reduced in; they always accumulate in fp32. ``None`` reduces in
+    fp32 whatever the model's precision (DESIGN §3; DeepSpeed reduces in the model's dtype).
+    (Default: None)"""
+    prescale_gradients: Bool = False
+    """Divide gradients by the data-parallel size before reducing them instead of after.
+    (Default: false)"""
+    gradient_predivide_factor: Float = Field(default=1.0, gt=0)
+    """Without ``prescale_gradients``: divide by this before reducing and by
+    ``world / factor`` after, as DeepSpeed does (keeps fp16 sums in range). (Default: 1.0)"""
     accelerator: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-backend options, ``{"cpu": {...}}``, passed to ``get_accelerator().configure()``."""
 
@@ -362,7 +376,6 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "load_from_fp32_weights",
             "elastic_checkpoint",
             "ignore_unused_parameters",
-            "stage3_max_reuse_distance",
             "stage3_gather_16bit_weights_on_model_save",
             "stage3_gather_fp16_weights_on_model_save",
             "use_multi_rank_bucket_allreduce",
@@ -387,7 +400,6 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "amp",
             "torch_autocast",
             "data_types",
-            "communication_data_type",
             "sparse_attention",
             "sparse_gradients",
             "pipeline",
@@ -407,8 +419,6 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "nebula",
             "gradient_allreduce_op",
             "fp32_allreduce",
-            "prescale_gradients",
-            "gradient_predivide_factor",
         }
     ),
     ("zero_optimization",): frozenset(
@@ -433,8 +443,6 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
 
 #: (section path, key) -> test that the value requests nothing (DeepSpeed's default / "off")
 _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
-    ((), "prescale_gradients"): lambda v: v is False,
-    ((), "gradient_predivide_factor"): lambda v: v == 1.0 and not isinstance(v, bool),
     ((), "fp32_allreduce"): lambda v: v is False,
     ((), "sparse_gradients"): lambda v: v is False,
     ((), "gradient_allreduce_op"): lambda v: v == "mean",

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ds_core import comm
+from ds_core.accelerator import get_accelerator
 
 #: attribute holding ``(shard, shape, numel)`` of a parameter partitioned at construction.
 INIT_ATTR = "ds_init_partition"
@@ -42,8 +43,6 @@ def _all_subclasses(cls: type) -> list[type]:
 
 
 def _partition(module: nn.Module) -> None:
-    from ds_core.accelerator import get_accelerator
-
     acc = get_accelerator()
     world, rank = comm.get_world_size(), comm.get_rank()
     with torch.no_grad():
@@ -63,8 +62,6 @@ def _partition(module: nn.Module) -> None:
 
 def restore_full(p: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> None:
     """Rebuild a parameter partitioned by :class:`Init` (collective over the world)."""
-    from ds_core.accelerator import get_accelerator
-
     state = getattr(p, INIT_ATTR, None)
     if state is None:
         return
