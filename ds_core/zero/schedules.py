@@ -63,7 +63,9 @@ def _cpu_floating(groups: list[dict[str, Any]]) -> bool:
 
 
 def build_optimizer(
-    cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter] | list[dict[str, Any]]
+    cfg: OptimizerConfig,
+    params: Iterable[torch.nn.Parameter] | list[dict[str, Any]],
+    host_adam: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the torch optimizer a config's ``optimizer`` section describes.
 
@@ -75,6 +77,8 @@ def build_optimizer(
 
     :param cfg: the ``optimizer`` section (type and params, DeepSpeed names).
     :param params: parameters, or parameter groups as dicts (each may override ``lr`` etc.).
+    :param host_adam: build :class:`~ds_core.ops.cpu_adam.DeepSpeedCPUAdam` (optimizer offload:
+        DeepSpeed's ``zero_force_ds_cpu_optimizer``), same hyper-parameters and mode.
     :returns: the optimizer; learning rate in the units of the loss's gradient, as torch's.
     :raises ConfigError: unknown type or invalid params, naming the field.
     """
@@ -94,6 +98,17 @@ def build_optimizer(
     if not groups:
         raise ConfigError("build_optimizer: got no parameters to optimize")
     decoupled = name == "AdamW" or parsed.adam_w_mode
+    if host_adam:
+        from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(
+            groups,
+            lr=parsed.lr,
+            betas=parsed.betas,
+            eps=parsed.eps,
+            weight_decay=parsed.weight_decay,
+            adamw_mode=decoupled,
+        )
     cls: type[torch.optim.AdamW] | type[torch.optim.Adam]
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     kwargs: dict[str, Any] = {
