@@ -7,6 +7,7 @@
  * oversubscribed host is not burned by waiting ranks; it returns after `slice_s` seconds
  * so the caller can check peers' liveness and its own deadline between slices.
  */
+#define _POSIX_C_SOURCE 200809L
 #include <sched.h>
 #include <stdint.h>
 #include <time.h>
