@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_backend_cpu import comm, memory
+from ds_backend_cpu import comm, memory, shm_groups, shm_sync
 from ds_core import hookimpl
 from ds_core.errors import ConfigError
 from ds_core.types import (
@@ -47,14 +47,19 @@ def ds_backend_info() -> BackendInfo:
         priority=0,
         hookspec_version=1,
         vendor_version=md.version("torch"),
-        description="host CPU; collectives over gloo",
+        description="host CPU; collectives over shared memory within a host, gloo across hosts",
     )
 
 
 @hookimpl
 def ds_backend_probe() -> ProbeResult:
     cores = len(os.sched_getaffinity(0))
-    return ProbeResult(True, f"host CPU with {cores} usable cores", ds_device_count())
+    return ProbeResult(
+        True,
+        f"host CPU with {cores} usable cores; collectives over shared memory within a host "
+        f"({shm_groups.ENV_ENABLE}=0 disables), gloo across hosts",
+        ds_device_count(),
+    )
 
 
 @hookimpl
@@ -382,12 +387,22 @@ def _fused_adamw_check() -> tuple[bool, str]:
     return True, "torch.optim.AdamW(fused=True) runs on cpu in this torch"
 
 
+def _shm_sync_load() -> Any:
+    lib, why = shm_sync.c_helper()
+    if lib is None:
+        raise RuntimeError(f"op shm_sync: {why}")
+    return lib
+
+
 @hookimpl
 def ds_op_providers() -> list[SimpleOpProvider]:
     return [
         SimpleOpProvider(
             "fused_adam", _fused_adamw_check, lambda: partial(torch.optim.AdamW, fused=True)
-        )
+        ),
+        # Listed so `ds-core report` says which synchronisation path the shared-memory
+        # collectives take here; the collectives load it themselves.
+        SimpleOpProvider("shm_sync", shm_sync.compatibility, _shm_sync_load),
     ]
 
 

@@ -201,6 +201,19 @@ def describe_path(build: bool) -> str:
     return f"C helper when ds_core.ops can build it ({_compiler_note()}), else {fallback}"
 
 
+def compatibility() -> tuple[bool, str]:
+    """The ``shm_sync`` op's answer: whether new groups will synchronise through the C helper.
+
+    Runs no compiler and starts no thread (an op compatibility check must not).
+    """
+    from ds_backend_cpu import shm_groups
+
+    if not shm_groups.enabled():
+        return False, f"{shm_groups.ENV_ENABLE}=0: every collective uses gloo"
+    path = describe_path(build=False)
+    return path.startswith("C helper"), f"shared-memory collectives synchronise through {path}"
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` is a running process (a zombie, killed but not yet reaped, is not)."""
     try:
