@@ -149,9 +149,7 @@ def main() -> None:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         queue = ctx.SimpleQueue()
-        mp.start_processes(
-            _rank, args=(world, port, sizes, queue), nprocs=world, start_method="spawn"
-        )
+        mp.spawn(_rank, args=(world, port, sizes, queue), nprocs=world)
         path, rows = queue.get()
         _report(world, path, rows)
 

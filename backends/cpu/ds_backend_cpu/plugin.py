@@ -388,7 +388,7 @@ def _fused_adamw_check() -> tuple[bool, str]:
 
 
 def _shm_sync_load() -> Any:
-    lib, why = shm_sync.c_helper()
+    lib, why = shm_sync.build_helper()  # ds_core.ops keeps one loaded copy per process
     if lib is None:
         raise RuntimeError(f"op shm_sync: {why}")
     return lib

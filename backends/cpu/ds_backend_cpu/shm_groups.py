@@ -80,7 +80,17 @@ class ShmGroup:
         self._cond = threading.Condition()
         self._queue: deque[ShmWork] = deque()
         self._busy = False
+        self._closed = False
         self._thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        """Stop the worker once the queue is empty (the group object is gone: no more calls).
+
+        The mapping goes with the last reference to this object.
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def submit(self, fn: Callable[[], None], async_op: bool) -> ShmWork:
         """Run ``fn`` after every earlier call on this group; wait for it unless ``async_op``."""
@@ -121,6 +131,8 @@ class ShmGroup:
         while True:
             with self._cond:
                 while not self._queue or self._busy:
+                    if self._closed and not self._queue:
+                        return
                     self._cond.wait()
                 work = self._queue.popleft()
                 self._busy = True
@@ -153,6 +165,8 @@ def lookup(group: Any) -> ShmGroup | str:
         found = _setup(pg)
         with _registry_lock:
             _groups[pg] = found
+        if isinstance(found, ShmGroup):
+            weakref.finalize(pg, found.close)
     return found
 
 

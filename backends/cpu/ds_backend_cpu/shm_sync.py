@@ -121,7 +121,7 @@ def _ops() -> Any:
     return importlib.import_module("ds_core.ops")  # the one home of compiled code
 
 
-def _build() -> tuple[Any, str]:
+def build_helper() -> tuple[Any, str]:
     """Build (or reuse from the cache) and load the helper; ``(None, why)`` when impossible."""
     try:
         ops = _ops()
@@ -152,7 +152,7 @@ def c_helper() -> tuple[Any, str]:
     global _loaded
     with _lock:
         if _loaded is None:
-            _loaded = _build()
+            _loaded = build_helper()
         return _loaded
 
 
