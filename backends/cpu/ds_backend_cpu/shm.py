@@ -78,9 +78,13 @@ def group_hash(ranks: Sequence[int]) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def timeout_s() -> float:
+def timeout_s(group_timeout: float | None) -> float:
+    """Seconds a call waits for a live peer: ``DS_CPU_SHM_TIMEOUT``, else the process group's
+    own timeout (what ``init_distributed(timeout=...)`` set), else 300."""
     value = os.environ.get(ENV_TIMEOUT)
-    return float(value) if value else DEFAULT_TIMEOUT_S
+    if value:
+        return float(value)
+    return group_timeout if group_timeout else DEFAULT_TIMEOUT_S
 
 
 _REDUCE_OUT: dict[str, Callable[..., torch.Tensor]] = {
@@ -110,10 +114,16 @@ class Protocol:
     :param flags: the synchronisation path.
     :param rank: this rank's index in the group.
     :param ranks: the group's global ranks, in group order (for messages).
+    :param group_timeout: the process group's timeout in seconds, if known.
     """
 
     def __init__(
-        self, segment: seg_mod.Segment, flags: Flags, rank: int, ranks: Sequence[int]
+        self,
+        segment: seg_mod.Segment,
+        flags: Flags,
+        rank: int,
+        ranks: Sequence[int],
+        group_timeout: float | None = None,
     ) -> None:
         self.seg, self.flags, self.rank, self.ranks = segment, flags, rank, list(ranks)
         self.world = len(ranks)
@@ -121,7 +131,7 @@ class Protocol:
         self.step = 0  # value of this rank's counter: steps published so far
         self.calls = 0
         self.pieces = 0  # data pieces moved so far; its parity picks the slots
-        self.timeout = timeout_s()
+        self.timeout = timeout_s(group_timeout)
         self.broken: ShmPeerError | None = None
         lay = segment.layout
         self._counter = [segment.word_index(r, seg_mod.COUNTER_WORD) for r in range(self.world)]
@@ -165,15 +175,17 @@ class Protocol:
         def who(r: int) -> str:
             return f"rank {self.ranks[r]} (pid {self._pids[r]})"
 
+        me = f"rank {self.ranks[self.rank]}"
         if dead:
             return ShmPeerError(
-                f"shared-memory {what}: {', '.join(who(r) for r in dead)} exited before reaching "
-                f"call #{self.calls} (this is rank {self.ranks[self.rank]})"
+                f"shared-memory {what}: {', '.join(who(r) for r in dead)} exited while {me} "
+                f"waited for it in call #{self.calls} on this group"
             )
         return ShmPeerError(
             f"shared-memory {what}: {', '.join(who(r) for r in late)} did not reach call "
-            f"#{self.calls} within {self.timeout:g} s ({ENV_TIMEOUT}); it is alive but "
-            f"elsewhere, e.g. in a different collective (this is rank {self.ranks[self.rank]})"
+            f"#{self.calls} on this group within {self.timeout:g} s (the group's timeout, or "
+            f"{ENV_TIMEOUT}); it is alive, so it is elsewhere, e.g. in another collective "
+            f"(this is {me})"
         )
 
     def begin(self, kind: str, fields: dict[int, int], shape: Sequence[int], error: str,

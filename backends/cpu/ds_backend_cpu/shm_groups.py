@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ds_backend_cpu import shm_segment as seg_mod
@@ -176,6 +177,14 @@ def existing(group: Any) -> ShmGroup | None:
     return found if isinstance(found, ShmGroup) else None
 
 
+def _group_timeout(pg: Any) -> float | None:
+    """The gloo backend's timeout for ``pg`` in seconds (a private attribute: best effort)."""
+    try:
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:
+        return None
+
+
 def _setup(pg: Any) -> ShmGroup | str:
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     if rank < 0:
@@ -227,7 +236,7 @@ def _setup(pg: Any) -> ShmGroup | str:
     flags = shm_sync.choose_flags(segment.words, segment.address())
     if flags is None:  # pragma: no cover - checked before the all-gather
         return shm_sync.unavailable_reason()
-    protocol = Protocol(segment, flags, rank, ranks)
+    protocol = Protocol(segment, flags, rank, ranks, _group_timeout(pg))
     protocol.publish_pid()
     dist.barrier(group=pg)  # every pid is published before anyone reads them
     protocol.read_pids()
