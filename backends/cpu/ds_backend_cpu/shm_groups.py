@@ -233,7 +233,9 @@ def _setup(pg: Any) -> ShmGroup | str:
             return f"rank {ranks[r]}: {outcome}"
     if segment is None:  # pragma: no cover - every rank reported success above
         return "segment missing after setup"
-    flags = shm_sync.choose_flags(segment.words, segment.address())
+    flags = shm_sync.choose_flags(
+        segment.words, segment.address(), seg_mod.SLEEPERS_WORD - seg_mod.COUNTER_WORD
+    )
     if flags is None:  # pragma: no cover - checked before the all-gather
         return shm_sync.unavailable_reason()
     protocol = Protocol(segment, flags, rank, ranks, _group_timeout(pg))

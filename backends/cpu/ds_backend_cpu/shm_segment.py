@@ -34,11 +34,12 @@ PREFIX = "ds_core-shm-"
 SHM_DIR = "/dev/shm"
 ALIGN = 64
 
-# Control block, in 8-byte words: the counter alone on the first cache line, the pid on the
-# second, then two metadata records (by call parity) of META_WORDS fixed words followed by the
+# Control block, in 8-byte words: the counter alone on the first cache line, the pid and the
+# sleeper count on the second, then two metadata records (by call parity) of META_WORDS fixed words followed by the
 # rank's all-to-all send and receive row counts (2 x world words).
 COUNTER_WORD = 0
 PID_WORD = 8
+SLEEPERS_WORD = 9  # peers asleep on this rank's counter (C helper only)
 RECORD_WORD = 16
 META_WORDS = 24
 

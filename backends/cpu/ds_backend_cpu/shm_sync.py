@@ -82,12 +82,12 @@ class CFlags:
 
     kind = "c"
 
-    def __init__(self, lib: Any, base: int) -> None:
-        self._lib, self._base = lib, ctypes.c_void_p(base)
+    def __init__(self, lib: Any, base: int, sleepers: int) -> None:
+        self._lib, self._base, self._sleepers = lib, ctypes.c_void_p(base), sleepers
         self._prepared: dict[tuple[int, ...], Any] = {}
 
     def store(self, index: int, value: int) -> None:
-        self._lib.ds_shm_store(self._base, index, value)
+        self._lib.ds_shm_store(self._base, index, value, self._sleepers)
 
     def load(self, index: int) -> int:
         value: int = self._lib.ds_shm_load(self._base, index)
@@ -98,7 +98,9 @@ class CFlags:
         arr = self._prepared.get(key)
         if arr is None:
             arr = self._prepared[key] = (ctypes.c_int64 * len(key))(*key)
-        result: int = self._lib.ds_shm_wait_all(self._base, arr, len(key), target, slice_s)
+        result: int = self._lib.ds_shm_wait_all(
+            self._base, arr, len(key), target, slice_s, self._sleepers
+        )
         return result
 
 
@@ -110,9 +112,9 @@ _loaded: tuple[Any, str] | None = None
 
 def _declare(lib: Any) -> Any:
     u64, i64, ptr = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
-    lib.ds_shm_store.argtypes, lib.ds_shm_store.restype = [ptr, i64, u64], None
+    lib.ds_shm_store.argtypes, lib.ds_shm_store.restype = [ptr, i64, u64, i64], None
     lib.ds_shm_load.argtypes, lib.ds_shm_load.restype = [ptr, i64], u64
-    lib.ds_shm_wait_all.argtypes = [ptr, ctypes.POINTER(i64), i64, u64, ctypes.c_double]
+    lib.ds_shm_wait_all.argtypes = [ptr, ctypes.POINTER(i64), i64, u64, ctypes.c_double, i64]
     lib.ds_shm_wait_all.restype = i64
     return lib
 
@@ -174,12 +176,15 @@ def unavailable_reason() -> str:
     return "" if ok else f"{why}; {why_c}"
 
 
-def choose_flags(words: memoryview, base: int) -> Flags | None:
-    """The flags implementation for a new segment, or ``None`` when neither path is usable."""
+def choose_flags(words: memoryview, base: int, sleepers: int) -> Flags | None:
+    """The flags implementation for a new segment, or ``None`` when neither path is usable.
+
+    :param sleepers: distance in words from a counter to the word counting its sleepers.
+    """
     if os.environ.get(ENV_SYNC, "").lower() != "python":
         lib, _why = c_helper()
         if lib is not None:
-            return CFlags(lib, base)
+            return CFlags(lib, base, sleepers)
     ok, _why = python_allowed()
     return PythonFlags(words) if ok else None
 

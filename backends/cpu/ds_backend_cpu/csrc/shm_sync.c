@@ -35,11 +35,19 @@ static inline uint32_t *low_word(uint64_t *p) {
 #endif
 }
 
-void ds_shm_store(uint64_t *base, int64_t index, uint64_t value) {
-    __atomic_store_n(base + index, value, __ATOMIC_RELEASE);
+/* Publish `value` into base[index]. base[index + sleepers] counts peers asleep on it: the
+ * wake-up syscall (which on a busy host may hand our core to the woken peer) is made only
+ * when one is. Store-fence-load here against increment-fence-load in the waiter: at least
+ * one side sees the other's write, so a wake-up is never lost. */
+void ds_shm_store(uint64_t *base, int64_t index, uint64_t value, int64_t sleepers) {
+    __atomic_store_n(base + index, value, __ATOMIC_SEQ_CST);
 #ifdef DS_HAVE_FUTEX
-    /* Shared (not FUTEX_PRIVATE) futex: the waiters are other processes. */
-    syscall(SYS_futex, low_word(base + index), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    if (__atomic_load_n(base + index + sleepers, __ATOMIC_SEQ_CST) != 0) {
+        /* Shared (not FUTEX_PRIVATE) futex: the waiters are other processes. */
+        syscall(SYS_futex, low_word(base + index), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
+#else
+    (void)sleepers;
 #endif
 }
 
@@ -64,11 +72,11 @@ static double now_s(void) {
 /* Wait until base[indices[i]] >= target for every i < n, for at most slice_s seconds.
  * Returns -1 when all have arrived, else the position i of the first one that has not. */
 int64_t ds_shm_wait_all(uint64_t *base, const int64_t *indices, int64_t n, uint64_t target,
-                        double slice_s) {
+                        double slice_s, int64_t sleepers) {
     double deadline = now_s() + slice_s;
     for (int64_t i = 0; i < n; i++) {
         uint64_t *word = base + indices[i];
-        for (int spin = 0; spin < 256; spin++) {
+        for (int spin = 0; spin < 2048; spin++) {
             if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= target) break;
             cpu_relax();
         }
@@ -81,8 +89,12 @@ int64_t ds_shm_wait_all(uint64_t *base, const int64_t *indices, int64_t n, uint6
             struct timespec ts;
             ts.tv_sec = (time_t)left;
             ts.tv_nsec = (long)((left - (double)ts.tv_sec) * 1e9);
-            /* Sleeps only while the low word still equals what we saw: no lost wake-up. */
-            syscall(SYS_futex, low_word(word), FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0);
+            __atomic_add_fetch(word + sleepers, 1, __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(word, __ATOMIC_SEQ_CST) == seen) {
+                /* Sleeps only while the low word still equals what we saw. */
+                syscall(SYS_futex, low_word(word), FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0);
+            }
+            __atomic_sub_fetch(word + sleepers, 1, __ATOMIC_SEQ_CST);
 #else
             struct timespec ts = {0, 20000};
             nanosleep(&ts, 0);
