@@ -9,7 +9,8 @@ the peers' slots (an all-reduce takes one more step between "each rank reduces i
 in place" and "everyone copies every region out"). Why alternating slots need no step after
 the reads: a rank writes parity ``p`` again only at piece ``t+2``, and before that it waited, in
 piece ``t+1``'s first step, for every peer to publish, which a peer does only after it finished
-reading piece ``t``.
+reading piece ``t``. An all-reduce of at most ``SMALL_BYTES`` takes a single step: every rank
+reduces the whole buffer from all slots, in rank order, so every rank gets the same bits.
 
 Every call's first step also publishes a metadata record (collective, dtype, element counts,
 op, root, shape, group, all-to-all rows, and whether this rank's arguments failed a local
@@ -54,6 +55,8 @@ DTYPES = (
 )
 OPS = ("", "sum", "avg", "max", "min", "product")
 MAX_DIMS = 8
+# All-reduces up to this size take one step, each rank reducing the whole buffer.
+SMALL_BYTES = 64 << 10
 
 # Record words (after the record's base). Unused fields stay 0 on every rank.
 _SEQ, _KIND, _DTYPE, _NUMEL, _NUMEL2, _OP, _ROOT, _ROW, _GROUP, _ERROR, _NDIM, _SHAPE = range(12)
@@ -234,6 +237,8 @@ class Protocol:
                     f"shared-memory {kind}: {who} rejected its arguments (its own error says "
                     "why); this rank stops too"
                 )
+            if theirs[: seg_mod.META_WORDS] == mine[: seg_mod.META_WORDS]:
+                continue
             for i in range(seg_mod.META_WORDS):
                 if theirs[i] != mine[i]:
                     raise ShmMismatchError(
@@ -284,6 +289,16 @@ class Protocol:
         w, me, n = self.world, self.rank, flat.numel()
         cap = self._cap(flat.dtype)
         fields = {_DTYPE: DTYPES.index(flat.dtype) + 1, _NUMEL: n, _OP: OPS.index(op)}
+        if n * flat.element_size() <= SMALL_BYTES and n <= cap:
+            # One step instead of two: every rank reduces the whole (small) buffer itself, in
+            # rank order, so all get the same bits; the second step would cost more than this.
+            slots = self._next_slots(flat.dtype)
+            slots[me, :n].copy_(flat)
+            self.begin("all_reduce", fields, shape, "")
+            _reduce_into(flat, [slots[r, :n] for r in range(w)], op)
+            if op == "avg":
+                flat.div_(w)
+            return
         for i, start in enumerate(range(0, max(n, 1), cap)):
             m = min(cap, n - start)
             slots = self._next_slots(flat.dtype)
