@@ -262,6 +262,16 @@ def scenario_fallback(runner: Runner) -> dict[str, Any]:
     return {"counts": [[*k, v] for k, v in sorted(counts.items())]}
 
 
+def scenario_require(runner: Runner) -> dict[str, Any]:
+    """With DS_CPU_SHM_REQUIRE=1 a call that would fall back to gloo raises instead."""
+    x = torch.arange(12.0).view(3, 4).t()
+    try:
+        runner.acc.all_reduce(x)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    raise AssertionError("a non-contiguous all_reduce fell back silently")
+
+
 def main() -> None:
     scenario = sys.argv[1]
     torch.set_num_threads(1)

@@ -178,6 +178,11 @@ def test_disabled_groups_use_gloo_and_say_why() -> None:
         assert r["gloo_reasons"] == ["rank 0: DS_CPU_SHM=0"], r
 
 
+def test_require_turns_a_fallback_into_an_error() -> None:
+    for r in _run("require", 2, DS_CPU_SHM_REQUIRE="1"):
+        assert "non-contiguous tensor" in r["error"] and "DS_CPU_SHM_REQUIRE=1" in r["error"]
+
+
 # --------------------------------------------------------------------------- segments
 
 

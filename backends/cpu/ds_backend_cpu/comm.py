@@ -16,6 +16,7 @@ Two measured facts about gloo shape its path (``bench/cpu_collectives.py``):
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -57,18 +58,34 @@ def _tensor_reason(tensors: Sequence[torch.Tensor]) -> str:
     return ""
 
 
+#: Set to 1 to make any fallback to gloo an error (single-rank groups excepted): CI uses it to
+#: prove that a suite ran on shared memory.
+ENV_REQUIRE = "DS_CPU_SHM_REQUIRE"
+
+
+def _gloo(collective: str, reason: str) -> None:
+    if reason != shm_groups.SINGLE_RANK and os.environ.get(ENV_REQUIRE, "") == "1":
+        raise RuntimeError(
+            f"{collective} would fall back to gloo ({reason}), and {ENV_REQUIRE}=1 forbids it"
+        )
+    _count(collective, "gloo", reason)
+
+
 def route(
     collective: str, group: Any, tensors: Sequence[torch.Tensor]
 ) -> shm_groups.ShmGroup | None:
-    """The shared-memory transport for this call, or ``None`` for gloo (counted either way)."""
+    """The shared-memory transport for this call, or ``None`` for gloo (counted either way).
+
+    :raises RuntimeError: when the call would use gloo and ``DS_CPU_SHM_REQUIRE=1``.
+    """
     found = shm_groups.lookup(group)
     if isinstance(found, str):
-        _count(collective, "gloo", found)
+        _gloo(collective, found)
         return None
     reason = _tensor_reason(tensors)
     if reason:
         found.drain()
-        _count(collective, "gloo", reason)
+        _gloo(collective, reason)
         return None
     _count(collective, "shm", "")
     return found
@@ -195,7 +212,7 @@ def ds_comm_all_to_all(
 def ds_comm_barrier(group: Any) -> bool:
     found = shm_groups.lookup(group)
     if isinstance(found, str):
-        _count("barrier", "gloo", found)
+        _gloo("barrier", found)
         return _DEFAULT.ds_comm_barrier(group)
     _count("barrier", "shm", "")
     found.submit(found.protocol.barrier, async_op=False)

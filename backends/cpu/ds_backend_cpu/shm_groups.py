@@ -32,6 +32,7 @@ from ds_backend_cpu.shm import Protocol
 ENV_ENABLE = "DS_CPU_SHM"
 ENV_SLOT = "DS_CPU_SHM_SLOT_BYTES"
 DEFAULT_SLOT_BYTES = 4 << 20
+SINGLE_RANK = "single-rank group"
 
 
 def enabled() -> bool:
@@ -190,7 +191,7 @@ def _setup(pg: Any) -> ShmGroup | str:
     if rank < 0:
         return "this process is not a member of the group"
     if world < 2:
-        return "single-rank group"
+        return SINGLE_RANK
     ranks = dist.get_process_group_ranks(pg)
     local_reason = ""
     if not enabled():
