@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,7 +21,8 @@ from ds_core import comm
 from ds_core.errors import ConfigError
 from ds_core.zero.config import DSConfig
 from ds_core.zero.gathered import GatheredParameters
-from ds_core.zero.partition import ZeroParam
+from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
+from ds_core.zero.reducer import GradReducer
 
 __all__ = ["DeepSpeedEngineAPI", "strip_module_prefix"]
 
@@ -51,8 +52,9 @@ class DeepSpeedEngineAPI:
     zparams: dict[str, ZeroParam]
     _by_param: dict[int, ZeroParam]
     _no_sync: bool
-    gathered_state_dict: Callable[[], dict[str, torch.Tensor]]
-    _local_accumulation: Callable[[], bool]
+    units: list[FlatUnit]
+    reducer: GradReducer
+    _trainable: list[ZeroParam]
 
     # -- ranks and sizes -----------------------------------------------------------------
 
@@ -193,6 +195,45 @@ class DeepSpeedEngineAPI:
             if self.world > 1:
                 comm.broadcast(b.data, 0)
         return missing, unexpected
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full copies of every parameter by name (collective: every rank must call it).
+
+        Stage-3 partitioned parameters are all-gathered one unit at a time; the others are
+        copied. Expert parameters are this rank's local experts.
+        """
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for unit in self.units:
+                if unit.mode is not Mode.PARTITIONED:
+                    continue
+                held = unit.gathered
+                unit.gather()
+                for zp in unit.zparams:
+                    out[zp.name] = zp.param.detach().clone()
+                if not held:
+                    unit.release()
+            for name, zp in self.zparams.items():
+                if name not in out:
+                    out[name] = zp.param.detach().clone()
+        return {name: out[name] for name in self.zparams}
+
+    def _check_no_stray_gradients(self) -> None:
+        if any(zp.param.grad is not None for zp in self._trainable):
+            raise RuntimeError(
+                "step(): the parameters hold gradients no engine.backward() produced (a "
+                "plain loss.backward()?); call engine.backward(loss), or zero_grad() first"
+            )
+
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"{what}() needs an optimizer: this engine was built without one (no "
+                "optimizer= and no 'optimizer' config section), for forward-only use"
+            )
+
+    def _local_accumulation(self) -> bool:
+        return self.reducer.policy.local_accumulation
 
     # -- precision of the forward ----------------------------------------------------------
 

@@ -85,7 +85,11 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
             }
         },
     ),
-    ("offload none", {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}),
+    ("offload none", {"zero_optimization": {"stage": 2, "offload_param": {"device": "none"}}}),
+    (
+        "optimizer offload (issue 12)",
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    ),
 ]
 
 #: (name, config, the key named, the reason) DeepSpeed accepts and ds_core refuses.
@@ -123,9 +127,9 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "not supported yet",
     ),
     (
-        "optimizer offload",
-        {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-        "zero_optimization.offload_optimizer",
+        "parameter offload",
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+        "zero_optimization.offload_param",
         "not supported yet",
     ),
     ("pipeline", {"pipeline": {"stages": 2}}, "pipeline", "not supported yet"),
@@ -215,7 +219,7 @@ def test_corpus_files() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(CONFIGS / "megatron_style_refused.json", 2)
     msg = str(info.value)
-    for key in ("offload_optimizer", "compression_training"):
+    for key in ("offload_param", "compression_training"):
         assert f"{key}: not supported yet" in msg, msg
     # implemented: ds_core.checkpointing, the engine's input cast
     assert "activation_checkpointing" not in msg and "auto_cast" not in msg
