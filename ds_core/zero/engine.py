@@ -37,6 +37,7 @@ from ds_core import comm
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
+from ds_core.zero.accounting import model_state_bytes
 from ds_core.zero.api import DeepSpeedEngineAPI
 from ds_core.zero.config import DSConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
@@ -511,59 +512,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
     # ----------------------------------------------------------------------- Utilities #
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of this rank's model states, summed over the engine's own buffers.
-
-        Keys: ``params`` (full or partitioned parameters, padding included), ``master`` (fp32
-        masters that are separate copies; 0 when parameters are fp32 and serve as their own),
-        ``grads`` (persistent gradient accumulators; the reusable staging buffers of
-        ``reduce_bucket_size`` elements are apart, in ``reducer.staging_bytes()``), ``optimizer`` (optimizer state tensors),
-        ``total``. Gathered stage-3 parameters are transient and not counted.
-
-        With optimizer offload the masters and the optimizer state are on the host: ``master``
-        and ``optimizer`` count only what stays on the device (nothing), and ``host_master``,
-        ``host_grads`` (the fp32 ranges the host optimizer reads), ``host_staging`` (the
-        16-bit staging buffer), ``host_optimizer`` and ``host_total`` count the host side.
-        """
-        seen: set[int] = set()
-
-        def size(t: torch.Tensor | None) -> int:
-            if t is None or t.numel() == 0:
-                return 0
-            key = t.untyped_storage().data_ptr()
-            if key in seen:
-                return 0
-            seen.add(key)
-            return t.untyped_storage().nbytes()
-
-        params = sum(size(u.shard if u.mode is Mode.PARTITIONED else u.flat) for u in self.units)
-        for zp in self.zparams.values():
-            if zp.unit is None:
-                params += size(zp.param.data)
-        offload = self.offload
-        master = sum(
-            size(zp.master.data)
-            for zp in self._trainable
-            if zp.master is not None and (offload is None or not offload.holds(zp.unit))
-        )
-        grads = self.reducer.nbytes()
-        opt = 0
-        for state in self.optimizer.state.values() if self.optimizer is not None else ():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.numel() > 1:
-                    opt += size(v)
-        out = {"params": params, "master": master, "grads": grads, "optimizer": opt}
-        if offload is not None:
-            host = offload.host_bytes()
-            out["optimizer"] = 0
-            out.update(
-                host_master=host["master"],
-                host_grads=host["grads"],
-                host_staging=host["staging"],
-                host_optimizer=opt,
-                host_total=host["master"] + host["grads"] + host["staging"] + opt,
-            )
-        out["total"] = params + master + grads + out["optimizer"]
-        return out
+        """Bytes of this rank's model states from the engine's own buffers (see
+        :func:`ds_core.zero.accounting.model_state_bytes` for the keys)."""
+        return model_state_bytes(self)
 
     def destroy(self) -> None:
         """Release every buffer and hook the engine owns; the engine is unusable after."""
