@@ -178,6 +178,11 @@ def test_disabled_groups_use_gloo_and_say_why() -> None:
         assert r["gloo_reasons"] == ["rank 0: DS_CPU_SHM=0"], r
 
 
+def test_async_first_call_on_a_group_does_not_wait_for_peers(tmp_path: Path) -> None:
+    results = _run("async_first", 2, DS_SHM_MARKER=str(tmp_path / "returned"))
+    assert all(r["shm_calls"] >= 1 and not r["gloo_reasons"] for r in results), results
+
+
 def test_require_turns_a_fallback_into_an_error() -> None:
     for r in _run("require", 2, DS_CPU_SHM_REQUIRE="1"):
         assert "non-contiguous tensor" in r["error"] and "DS_CPU_SHM_REQUIRE=1" in r["error"]
