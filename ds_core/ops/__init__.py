@@ -34,7 +34,7 @@ Example::
 
 from __future__ import annotations
 
-from ds_core.ops._build import build_extension, build_shared_library
+from ds_core.ops._build import build_extension, build_shared_library, cached_shared_library
 from ds_core.ops._cache import ENV_CACHE, OpBuildError, cache_root
 from ds_core.ops._toolchain import Toolchain, compiler_path, toolchain
 
@@ -44,6 +44,7 @@ __all__ = [
     "Toolchain",
     "build_extension",
     "build_shared_library",
+    "cached_shared_library",
     "cache_root",
     "compiler_path",
     "toolchain",

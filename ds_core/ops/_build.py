@@ -30,7 +30,7 @@ from ds_core.ops._cache import (
 )
 from ds_core.ops._toolchain import toolchain
 
-__all__ = ["build_extension", "build_shared_library"]
+__all__ = ["build_extension", "build_shared_library", "cached_shared_library"]
 
 _CXX_SUFFIXES = {".cc", ".cpp", ".cxx", ".C"}
 _OUTPUT_TAIL_LINES = 40
@@ -108,6 +108,59 @@ def _run(cmd: list[str], name: str, cwd: Path) -> None:
         )
 
 
+def _shared_library_plan(
+    name: str,
+    sources: Sequence[str | os.PathLike[str]],
+    cflags: Sequence[str],
+    ldflags: Sequence[str],
+    include_dirs: Sequence[str | os.PathLike[str]],
+    depends: Sequence[str | os.PathLike[str]],
+    openmp: bool,
+) -> tuple[BuildKey, str, list[str], list[Path]]:
+    paths = _sources(name, sources)
+    cxx = any(p.suffix in _CXX_SUFFIXES for p in paths)
+    tc = toolchain()
+    compiler, version = (tc.cxx, tc.cxx_version) if cxx else (tc.cc, tc.cc_version)
+    if compiler is None:
+        raise OpBuildError(
+            f"op '{name}' needs a {'C++' if cxx else 'C'} compiler and none was found; "
+            f"install gcc or clang, or set {'CXX' if cxx else 'CC'}"
+        )
+    if openmp and not tc.openmp:
+        raise OpBuildError(f"op '{name}' asks for OpenMP, which {compiler} cannot link")
+    flags = ["-O3", "-fPIC", "-shared", *(["-fopenmp"] if openmp else []), *cflags]
+    flags += [f"-I{Path(d).resolve()}" for d in include_dirs]
+    key = make_key(
+        name,
+        "shared_library",
+        [*paths, *(Path(d).resolve() for d in depends)],
+        [*flags, "--ld", *ldflags],
+        compiler,
+        version,
+    )
+    return key, compiler, flags, paths
+
+
+def cached_shared_library(
+    name: str,
+    sources: Sequence[str | os.PathLike[str]],
+    *,
+    cflags: Sequence[str] = (),
+    ldflags: Sequence[str] = (),
+    include_dirs: Sequence[str | os.PathLike[str]] = (),
+    depends: Sequence[str | os.PathLike[str]] = (),
+    openmp: bool = False,
+) -> Path | None:
+    """Return the verified cached artefact :func:`build_shared_library` would load, or ``None``.
+
+    Builds nothing and loads nothing (it runs the toolchain probe), for reports.
+
+    :raises OpBuildError: as :func:`build_shared_library` does before building.
+    """
+    key, *_ = _shared_library_plan(name, sources, cflags, ldflags, include_dirs, depends, openmp)
+    return Manifest(cache_root() / key.folder_name).valid_artefact(key)
+
+
 def build_shared_library(
     name: str,
     sources: Sequence[str | os.PathLike[str]],
@@ -138,26 +191,8 @@ def build_shared_library(
     :raises OpBuildError: no compiler, no OpenMP when asked, unreadable sources, a failed
         compile (with the command and the compiler's last lines), or a failed load.
     """
-    paths = _sources(name, sources)
-    cxx = any(p.suffix in _CXX_SUFFIXES for p in paths)
-    tc = toolchain()
-    compiler, version = (tc.cxx, tc.cxx_version) if cxx else (tc.cc, tc.cc_version)
-    if compiler is None:
-        raise OpBuildError(
-            f"op '{name}' needs a {'C++' if cxx else 'C'} compiler and none was found; "
-            f"install gcc or clang, or set {'CXX' if cxx else 'CC'}"
-        )
-    if openmp and not tc.openmp:
-        raise OpBuildError(f"op '{name}' asks for OpenMP, which {compiler} cannot link")
-    flags = ["-O3", "-fPIC", "-shared", *(["-fopenmp"] if openmp else []), *cflags]
-    flags += [f"-I{Path(d).resolve()}" for d in include_dirs]
-    key = make_key(
-        name,
-        "shared_library",
-        [*paths, *(Path(d).resolve() for d in depends)],
-        [*flags, "--ld", *ldflags],
-        compiler,
-        version,
+    key, compiler, flags, paths = _shared_library_plan(
+        name, sources, cflags, ldflags, include_dirs, depends, openmp
     )
     artefact_name = f"lib{name}.so"
 

@@ -243,3 +243,34 @@ def test_torch_extension_builds_and_runs(cache: Path, tmp_path: Path) -> None:
     mod = ops.build_extension("t_twice", [src], quiet=True)
     assert torch.equal(mod.twice(torch.arange(4.0)), torch.arange(4.0) * 2)
     assert ops.build_extension("t_twice", [src], quiet=True) is mod
+
+
+def test_a_plugin_ships_a_compiled_op_through_its_provider_hook(
+    cache: Path, tmp_path: Path
+) -> None:
+    import ds_core
+    from ds_core.types import SimpleOpProvider
+
+    src = _source(tmp_path, "int ds_triple(int x) { return 3 * x; }\n", "triple.c")
+
+    def load() -> ctypes.CDLL:
+        return ops.build_shared_library("t_triple", [src], quiet=True)
+
+    def check() -> tuple[bool, str]:
+        cc = ops.compiler_path("c")
+        return (cc is not None, f"built with {cc}" if cc else "no C compiler")
+
+    class AddOn:
+        @ds_core.hookimpl
+        def ds_op_providers(self) -> list[SimpleOpProvider]:
+            return [SimpleOpProvider("triple", check, load)]
+
+    addon = AddOn()
+    ds_core.register_plugin(addon)
+    try:
+        provider = ds_core.get_accelerator().get_op("triple")
+        assert provider.is_compatible()[0]
+        assert not cache.exists()  # listing and checking the op built nothing
+        assert provider.load().ds_triple(14) == 42
+    finally:
+        ds_core.unregister_plugin(addon)

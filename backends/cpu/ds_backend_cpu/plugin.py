@@ -325,11 +325,14 @@ def _shm_sync_load() -> Any:
 
 
 @hookimpl
-def ds_op_providers() -> list[SimpleOpProvider]:
+def ds_op_providers() -> list[Any]:
+    from ds_core.ops.cpu_adam import cpu_adam_provider
+
     return [
         SimpleOpProvider(
             "fused_adam", _fused_adamw_check, lambda: partial(torch.optim.AdamW, fused=True)
         ),
+        cpu_adam_provider(),
         # Listed so `ds-core report` says which synchronisation path the shared-memory
         # collectives take here; the collectives load it themselves.
         SimpleOpProvider("shm_sync", shm_sync.compatibility, _shm_sync_load),
