@@ -186,7 +186,7 @@ def scenario_stress(runner: Runner) -> dict[str, Any]:
             runner.wait_all()
     runner.wait_all()
     dist.barrier()
-    return {"groups": len(groups)}
+    return {"groups": len(groups), "count": count, "checked": runner.calls}
 
 
 def scenario_mismatch(runner: Runner) -> dict[str, Any]:

@@ -112,7 +112,8 @@ def test_large_slots_match_gloo() -> None:
 def test_stress_random_collectives_match_gloo(world: int) -> None:
     results = _run("stress", world, DS_CPU_SHM_SLOT_BYTES="16384")
     assert all(not r["gloo_reasons"] for r in results), results
-    assert sum(r["shm_calls"] for r in results) > 0
+    # every draw runs on at least one rank; barriers are not counted as checked calls
+    assert sum(r["checked"] for r in results) > results[0]["count"] * 2 // 3, results
 
 
 def test_mismatched_calls_raise_naming_the_field_on_every_rank() -> None:
