@@ -434,11 +434,14 @@ def _fused_adamw_check() -> tuple[bool, str]:
 
 
 @hookimpl
-def ds_op_providers() -> list[SimpleOpProvider]:
+def ds_op_providers() -> list[Any]:
+    from ds_core.ops.cpu_adam import cpu_adam_provider
+
     return [
         SimpleOpProvider(
             "fused_adam", _fused_adamw_check, lambda: partial(torch.optim.AdamW, fused=True)
-        )
+        ),
+        cpu_adam_provider(),
     ]
 
 
