@@ -13,9 +13,10 @@ masters. At each window's boundary:
 3. the optimizer steps on the host; ``DeepSpeedCPUAdam`` (the default with offload) takes the
    unscale/average/clip multiplier in the same pass (``grad_scale``), any other optimizer
    gets gradients already scaled on the device;
-4. each updated range goes host -> device through one reusable staging buffer in the
-   parameters' dtype, sized to the largest range (cast on the host, so the copy moves 16-bit
-   values for 16-bit models); an event per copy orders the buffer's reuse after it.
+4. each updated range goes host -> device: for 16-bit models through one reusable staging
+   buffer in the parameters' dtype, sized to the largest range (cast on the host, so the copy
+   moves 16-bit values), an event per copy ordering the buffer's reuse after it; for fp32
+   models straight from the master (no cast needed, so no staging copy).
 
 Then the engine's usual all-gather (stages 1/2) rebuilds full parameters; stage 3 keeps the
 range. On the CPU backend every copy is host to host and nothing is pinned (the backend
@@ -89,6 +90,8 @@ class OptimizerOffload:
                 for zp in unit.trainable:
                     piece = slice(zp.shard_offset, zp.shard_offset + zp.shard_numel)
                     zp.master = nn.Parameter(master[piece])
+                if unit.dtype == torch.float32:
+                    continue  # the master itself is the copy's source: no cast, no staging
                 staging = self._staging.get(unit.dtype)
                 if staging is None or staging.numel() < unit.part:
                     self._staging[unit.dtype] = self._host(unit.part, unit.dtype)
@@ -135,6 +138,11 @@ class OptimizerOffload:
         with torch.no_grad():
             for hr in self.ranges:
                 unit = hr.unit
+                if unit.dtype == torch.float32:
+                    # The host master stays unchanged until the next step, whose gradient copy
+                    # waits for all queued work: this copy may run asynchronously.
+                    unit.owned().copy_(hr.master, non_blocking=self.pinned)
+                    continue
                 staging = self._staging[unit.dtype][: unit.part]
                 staging.copy_(hr.master)
                 unit.owned().copy_(staging, non_blocking=self.pinned)

@@ -62,6 +62,7 @@ def test_masters_and_state_live_on_the_host_and_are_accounted(
             assert b["master"] == 0 and b["optimizer"] == 0
             assert b["host_master"] == b["host_grads"] > 0
             assert b["host_optimizer"] == 2 * b["host_master"]  # Adam's two fp32 moments
+            assert b["host_staging"] == 0  # fp32 ranges go back from the master directly
             assert b["host_total"] == (
                 b["host_master"] + b["host_grads"] + b["host_staging"] + b["host_optimizer"]
             )
@@ -88,6 +89,7 @@ def test_bf16_host_masters_keep_fp32_precision(
         assert b["master"] == 0 and b["optimizer"] == 0
         assert b["host_master"] + b["host_optimizer"] >= 12 * off["parts"]
         assert plain["bytes"]["master"] > 0 and plain["bytes"]["optimizer"] > 0
+        assert b["host_staging"] > 0  # the bf16 staging buffer of the largest range
 
 
 def _zero(section: dict[str, object]) -> dict[str, object]:
