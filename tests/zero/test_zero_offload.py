@@ -92,6 +92,15 @@ def test_bf16_host_masters_keep_fp32_precision(
         assert b["host_staging"] > 0  # the bf16 staging buffer of the largest range
 
 
+@pytest.mark.slow
+def test_destroy_releases_every_host_buffer_of_20_engines(
+    suite: Callable[[str, int], SuiteResults],
+) -> None:
+    for r in suite("offload", 2).ranks("teardown"):
+        assert r["tracked"] > 0
+        assert r["alive"] == [0] * 20
+
+
 def _zero(section: dict[str, object]) -> dict[str, object]:
     return {"train_batch_size": 2, "zero_optimization": section}
 
