@@ -45,45 +45,13 @@ from ds_core.zero.offload import OptimizerOffload
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
 from ds_core.zero.precision import LossScaler
 from ds_core.zero.reducer import GradReducer
-from ds_core.zero.schedules import build_optimizer, build_scheduler
+from ds_core.zero.schedules import bind_optimizer, bind_scheduler
 from ds_core.zero.stage3 import ParamCoordinator
 
 _COMM_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp16": torch.float16}
 _COMM_DTYPES["bf16"] = torch.bfloat16
 
 log = logging.getLogger("ds_core.zero")
-
-#: names of optimizers known to need whole (unpartitioned) gradients.
-_FULL_GRADIENT_OPTIMIZERS = frozenset({"Muon"})
-
-
-def needs_full_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` must see whole gradients: its class sets
-    ``requires_full_gradients = True`` or is named ``Muon``."""
-    return bool(getattr(optimizer, "requires_full_gradients", False)) or any(
-        cls.__name__ in _FULL_GRADIENT_OPTIMIZERS for cls in type(optimizer).__mro__
-    )
-
-
-#: elements per fp32 partial norm in :func:`_sum_of_squares`.
-_NORM_CHUNK = 1 << 16
-
-
-def _sum_of_squares(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Sum of squares of ``buf``'s elements, accumulated in ``dtype``.
-
-    fp32 norms of 64 Ki-element chunks, their squares summed in ``dtype``: one fp32 norm over
-    a whole-model buffer drifts (4e-3 relative at 57 M elements on one CPU thread), and a
-    ``dtype=float64`` norm copies the buffer to float64 first (8 bytes an element, ~30x the
-    time; bench/README.md). Chunking keeps fp32 speed with ~1e-7 relative error.
-    """
-    flat = buf.reshape(-1)
-    whole = flat.numel() // _NORM_CHUNK * _NORM_CHUNK
-    partial = torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_CHUNK), 2, dim=1)
-    total: torch.Tensor = partial.to(dtype).square().sum()
-    if whole < flat.numel():
-        total = total + torch.linalg.vector_norm(flat[whole:], 2).to(dtype).square()
-    return total
 
 
 class ZeroEngine:
@@ -311,86 +279,19 @@ class ZeroEngine:
 
         return hook
 
-    def _master_groups(self, params: Iterable[Any] | None) -> list[dict[str, Any]]:
-        items = list(params) if params is not None else [zp.param for zp in self._trainable]
-        if items and isinstance(items[0], dict):
-            groups = [dict(g) for g in items]
-        else:
-            groups = [{"params": items}]
-        out: list[dict[str, Any]] = []
-        for g in groups:
-            masters = []
-            for p in g["params"]:
-                zp = self._by_param.get(id(p))
-                if zp is None:
-                    raise ConfigError(
-                        "model_parameters/optimizer holds a tensor that is not a parameter of "
-                        "the model; pass the model's own parameters"
-                    )
-                if zp.master is not None:
-                    masters.append(zp.master)
-            out.append({**g, "params": masters})
-        return out
-
-    def _build_optimizer(
-        self, optimizer: Any, model_parameters: Iterable[Any] | None
-    ) -> torch.optim.Optimizer:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if optimizer.state:
-                raise ConfigError(
-                    "the optimizer passed to initialize() has already stepped; pass a fresh "
-                    "optimizer (the engine moves it onto the fp32 master shards)"
-                )
-            self._reject_full_gradient_optimizer(optimizer)
-            # Re-point the caller's optimizer at the masters so schedulers bound to it still work.
-            for group in optimizer.param_groups:
-                group["params"] = self._master_groups([{"params": group["params"]}])[0]["params"]
-            return optimizer
-        if optimizer is not None and callable(optimizer):
-            built = optimizer(self._master_groups(model_parameters))
-            if not isinstance(built, torch.optim.Optimizer):
-                raise ConfigError("the optimizer callable must return a torch.optim.Optimizer")
-            self._reject_full_gradient_optimizer(built)
-            return built
-        if self.config.optimizer is None:
-            raise ConfigError(
-                "no optimizer: pass optimizer= to initialize() or add an 'optimizer' section "
-                'to the config (e.g. {"type": "AdamW", "params": {"lr": 1e-3}})'
-            )
-        built = build_optimizer(
+    def _build_optimizer(self, optimizer: Any, model_parameters: Iterable[Any] | None) -> Any:
+        return bind_optimizer(
+            optimizer,
+            model_parameters,
             self.config.optimizer,
-            self._master_groups(model_parameters),
+            {k: zp.master for k, zp in self._by_param.items()},
+            [zp.param for zp in self._trainable],
+            self.stage,
             host_adam=self.offload is not None,
         )
-        self._reject_full_gradient_optimizer(built)
-        return built
-
-    def _reject_full_gradient_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.stage >= 1 and needs_full_gradients(optimizer):
-            raise ConfigError(
-                f"optimizer {type(optimizer).__name__} needs whole gradients (Muon-style "
-                "optimizers orthogonalise each full weight matrix), but ZeRO stage "
-                f"{self.stage} partitions every gradient so each rank holds only a flat shard "
-                "of it. Use zero_optimization."
-                "stage 0 with this optimizer, or an element-wise optimizer (AdamW, SGD) with "
-                "stages 1-3."
-            )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:
-        if lr_scheduler is not None:
-            if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-                if lr_scheduler.optimizer is not self.optimizer:
-                    raise ConfigError(
-                        "lr_scheduler is bound to another optimizer; pass a callable "
-                        "(optimizer -> scheduler) or build it on the optimizer you pass"
-                    )
-                return lr_scheduler
-            if callable(lr_scheduler):
-                return lr_scheduler(self.optimizer)
-            raise ConfigError("lr_scheduler must be an LRScheduler or a callable")
-        if self.config.scheduler is not None:
-            return build_scheduler(self.config.scheduler, self.optimizer)
-        return None
+        return bind_scheduler(lr_scheduler, self.config.scheduler, self.optimizer)
 
     # ------------------------------------------------------------------------- Runtime #
 
@@ -487,7 +388,7 @@ class ZeroEngine:
         coef = self.reducer.post_scale / scale
         norm: torch.Tensor | None = None
         if self.clip > 0 or self.check_overflow:
-            norm = self._global_norm() * coef
+            norm = self.reducer.global_norm(self.norm_dtype) * coef
         self._last_norm = norm
         # The one host read of a step, and only where an overflow can skip it.
         overflow = self.check_overflow and norm is not None and not bool(norm.isfinite())
@@ -535,18 +436,6 @@ class ZeroEngine:
         self.offload.gradients_to_host(self.reducer.reduced_ranges())
         # The host reads the multiplier once: it needs the gradients on the host anyway.
         self.offload.step(self.optimizer, float(mult) if fused else None)
-
-    def _global_norm(self) -> torch.Tensor:
-        """Global L2 norm of the reduced gradients before ``coef`` (one all-reduce; a device
-        tensor, never read here)."""
-        total = torch.zeros((), dtype=self.norm_dtype, device=self.device)
-        for buf in self.reducer.reduced_buffers():
-            total += _sum_of_squares(buf, self.norm_dtype)
-        if self.world > 1:
-            # Every range and expert is held by exactly one rank (replicas are counted on the
-            # group's first rank only), so the sum over the world counts each once.
-            self.acc.all_reduce(total, "sum", None)
-        return total.sqrt()
 
     def _publish_params(self) -> None:
         """Move updated masters into the parameters the module computes with: each rank

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ds_core.accelerator import Accelerator
+from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
 from ds_core.zero.partition import FlatUnit
 
 log = logging.getLogger("ds_core.zero")
@@ -122,7 +123,6 @@ class OptimizerOffload:
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | None) -> None:
         """Run the host optimizer; ``grad_scale`` is fused into ``DeepSpeedCPUAdam``'s pass
         (``None``: the gradients were already scaled)."""
-        from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
 
         if isinstance(optimizer, DeepSpeedCPUAdam):
             optimizer.step(grad_scale=1.0 if grad_scale is None else grad_scale)
@@ -164,7 +164,6 @@ class OptimizerOffload:
 
     def uses_fused_scale(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` takes the gradient multiplier in its own pass."""
-        from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
 
         return isinstance(optimizer, DeepSpeedCPUAdam)
 
