@@ -6,10 +6,14 @@ Per unit (the engine's flat reduce/gather group), this rank's range lives on the
 host optimizer reads). Optimizer state is created by the optimizer on the host, next to the
 masters. At each window's boundary:
 
-1. the reducer has left this rank's reduced fp32 range on the device (zeros for parameters
-   that got no gradient: the reducer zero-fills them before the collective);
-2. each range is copied device -> host into ``grad`` (non-blocking into pinned memory where
-   the backend has it), and one event orders the host's reads after the copies;
+1. where the reducer reduces every micro-batch (stages 2/3, stage 1 without accumulation),
+   each micro-batch's reduced range is added into the host ``grad`` as soon as its collective
+   completes (``GradReducer.attach_host``): the host accumulator, zeroed at each window's
+   start, changes after every micro-step and the device keeps no gradient accumulator;
+2. stage 1 with accumulation reduces once per window: that range is copied device -> host
+   into ``grad`` at the step (non-blocking into pinned memory where the backend has it, one
+   event ordering the host's reads after the copies). Parameters that got no gradient read as
+   zeros either way (the reducer zero-fills them before the collective);
 3. the optimizer steps on the host; ``DeepSpeedCPUAdam`` (the default with offload) takes the
    unscale/average/clip multiplier in the same pass (``grad_scale``), any other optimizer
    gets gradients already scaled on the device;
@@ -100,6 +104,27 @@ class OptimizerOffload:
     def holds(self, unit: FlatUnit | None) -> bool:
         """Whether ``unit``'s masters live on the host."""
         return unit is not None and id(unit) in self._of
+
+    # -- host accumulation (the reducer calls these, see GradReducer.attach_host) -------------
+
+    def accumulate(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+        """Add one micro-batch's reduced range (device, any float dtype) into the host range."""
+        hr = self._of[id(unit)]
+        with torch.no_grad():
+            if reduced.device.type == "cpu" and reduced.dtype == torch.float32:
+                hr.grad.add_(reduced)
+            else:
+                hr.grad.add_(reduced.to("cpu", torch.float32))
+
+    def zero(self) -> None:
+        """Start an accumulation window: every host range reads zeros (parameters that get no
+        gradient in the window then contribute exact zeros)."""
+        for hr in self.ranges:
+            hr.grad.zero_()
+
+    def buffer(self, unit: FlatUnit) -> torch.Tensor:
+        """``unit``'s host gradient range (``part`` fp32 elements)."""
+        return self._of[id(unit)].grad
 
     # -- the step ----------------------------------------------------------------------------
 

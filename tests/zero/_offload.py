@@ -91,14 +91,16 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
             extra = torch.ones(MICRO) if sc.sometimes and micro == 0 else None
             loss = F.mse_loss(engine(x[sl], extra), y[sl])
             engine.backward(loss)
+            if engine.offload is not None:  # what the host accumulator holds now
+                host_grad_changes.append(
+                    sum(float(r.grad.abs().sum()) for r in engine.offload.ranges)
+                )
             if not sc.explicit_boundary:
                 engine.step()
             losses.append(loss.item())
         if sc.explicit_boundary:
             engine.step()
         norms.append(engine.last_grad_norm)
-        if engine.offload is not None:
-            host_grad_changes.append(sum(float(r.grad.abs().sum()) for r in engine.offload.ranges))
     engine.eval()
     probe = torch.randn(6, IN, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -119,7 +121,8 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
         ),
         "bytes": engine.model_state_bytes(),
         "pinned": engine.offload.pinned if engine.offload is not None else None,
-        "host_grad_sums": host_grad_changes,
+        "host_grad_sums": host_grad_changes,  # after every backward
+        "host_accumulates": engine.reducer.host is not None,
     }
     engine.destroy()
     return out

@@ -9,6 +9,7 @@ unpinned, but every step of the offload path runs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -66,6 +67,27 @@ def test_masters_and_state_live_on_the_host_and_are_accounted(
             assert b["host_total"] == (
                 b["host_master"] + b["host_grads"] + b["host_staging"] + b["host_optimizer"]
             )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["s1_gas1", "s2_gas4", "s3_gas4", "s2_explicit", "s1_gas4"])
+def test_the_host_accumulator_changes_after_every_micro_step(
+    suite: Callable[[str, int], SuiteResults], name: str
+) -> None:
+    sc = scenarios()[name]
+    for r in suite("offload", 2).ranks(name):
+        sums = r["host_grad_sums"]
+        if sc.stage == 1 and sc.gas > 1:
+            # Stage 1 with accumulation reduces once per window, at the step: the device keeps
+            # the full local accumulator and the host receives the window's range then.
+            assert not r["host_accumulates"] and r["bytes"]["grads"] > 0
+            continue
+        assert r["host_accumulates"]
+        assert r["bytes"]["grads"] == 0  # no gradient accumulator left on the device
+        for window in range(len(sums) // sc.gas):
+            seen = sums[window * sc.gas : (window + 1) * sc.gas]
+            assert all(v > 0 for v in seen), seen  # zeroed at the start, then filled
+            assert all(b != a for a, b in itertools.pairwise(seen)), seen
 
 
 @pytest.mark.slow
