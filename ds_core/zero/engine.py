@@ -135,6 +135,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             float(config.gradient_predivide_factor),
             self.overlap_comm,
         )
+        if self.offload is not None:
+            # Stages 2/3 (and 1 without accumulation) sum each micro-batch on the host.
+            self.reducer.attach_host(self.offload)
         self._hooks: list[RemovableHandle] = [
             zp.param.register_post_accumulate_grad_hook(self._grad_hook(zp))  # type: ignore[no-untyped-call]
             for zp in self._trainable
@@ -457,11 +460,12 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """The optimizer step with masters on the host (see [Note: offload data path])."""
         assert self.offload is not None
         fused = self.offload.uses_fused_scale(self.optimizer)
-        if not fused:
+        on_host = self.reducer.host is not None  # the window was summed on the host already
+        if not fused and not on_host:
             self.reducer.scale_(mult)  # on the device, before the copy
         self.offload.gradients_to_host(self.reducer.reduced_ranges())
         # The host reads the multiplier once: it needs the gradients on the host anyway.
-        self.offload.step(self.optimizer, float(mult) if fused else None)
+        self.offload.step(self.optimizer, float(mult) if fused or on_host else None)
 
     def _publish_params(self) -> None:
         """Move updated masters into the parameters the module computes with: each rank

@@ -6,16 +6,21 @@ Per unit (the engine's flat reduce/gather group), this rank's range lives on the
 host optimizer reads). Optimizer state is created by the optimizer on the host, next to the
 masters. At each window's boundary:
 
-1. the reducer has left this rank's reduced fp32 range on the device (zeros for parameters
-   that got no gradient: the reducer zero-fills them before the collective);
-2. each range is copied device -> host into ``grad`` (non-blocking into pinned memory where
-   the backend has it), and one event orders the host's reads after the copies;
+1. where the reducer reduces every micro-batch (stages 2/3, stage 1 without accumulation),
+   each micro-batch's reduced range is added into the host ``grad`` as soon as its collective
+   completes (``GradReducer.attach_host``): the host accumulator, zeroed at each window's
+   start, changes after every micro-step and the device keeps no gradient accumulator;
+2. stage 1 with accumulation reduces once per window: that range is copied device -> host
+   into ``grad`` at the step (non-blocking into pinned memory where the backend has it, one
+   event ordering the host's reads after the copies). Parameters that got no gradient read as
+   zeros either way (the reducer zero-fills them before the collective);
 3. the optimizer steps on the host; ``DeepSpeedCPUAdam`` (the default with offload) takes the
    unscale/average/clip multiplier in the same pass (``grad_scale``), any other optimizer
    gets gradients already scaled on the device;
-4. each updated range goes host -> device through one reusable staging buffer in the
-   parameters' dtype, sized to the largest range (cast on the host, so the copy moves 16-bit
-   values for 16-bit models); an event per copy orders the buffer's reuse after it.
+4. each updated range goes host -> device: for 16-bit models through one reusable staging
+   buffer in the parameters' dtype, sized to the largest range (cast on the host, so the copy
+   moves 16-bit values), an event per copy ordering the buffer's reuse after it; for fp32
+   models straight from the master (no cast needed, so no staging copy).
 
 Then the engine's usual all-gather (stages 1/2) rebuilds full parameters; stage 3 keeps the
 range. On the CPU backend every copy is host to host and nothing is pinned (the backend
@@ -90,6 +95,8 @@ class OptimizerOffload:
                 for zp in unit.trainable:
                     piece = slice(zp.shard_offset, zp.shard_offset + zp.shard_numel)
                     zp.master = nn.Parameter(master[piece])
+                if unit.dtype == torch.float32:
+                    continue  # the master itself is the copy's source: no cast, no staging
                 staging = self._staging.get(unit.dtype)
                 if staging is None or staging.numel() < unit.part:
                     self._staging[unit.dtype] = self._host(unit.part, unit.dtype)
@@ -97,6 +104,27 @@ class OptimizerOffload:
     def holds(self, unit: FlatUnit | None) -> bool:
         """Whether ``unit``'s masters live on the host."""
         return unit is not None and id(unit) in self._of
+
+    # -- host accumulation (the reducer calls these, see GradReducer.attach_host) -------------
+
+    def accumulate(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+        """Add one micro-batch's reduced range (device, any float dtype) into the host range."""
+        hr = self._of[id(unit)]
+        with torch.no_grad():
+            if reduced.device.type == "cpu" and reduced.dtype == torch.float32:
+                hr.grad.add_(reduced)
+            else:
+                hr.grad.add_(reduced.to("cpu", torch.float32))
+
+    def zero(self) -> None:
+        """Start an accumulation window: every host range reads zeros (parameters that get no
+        gradient in the window then contribute exact zeros)."""
+        for hr in self.ranges:
+            hr.grad.zero_()
+
+    def buffer(self, unit: FlatUnit) -> torch.Tensor:
+        """``unit``'s host gradient range (``part`` fp32 elements)."""
+        return self._of[id(unit)].grad
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -135,6 +163,11 @@ class OptimizerOffload:
         with torch.no_grad():
             for hr in self.ranges:
                 unit = hr.unit
+                if unit.dtype == torch.float32:
+                    # The host master stays unchanged until the next step, whose gradient copy
+                    # waits for all queued work: this copy may run asynchronously.
+                    unit.owned().copy_(hr.master, non_blocking=self.pinned)
+                    continue
                 staging = self._staging[unit.dtype][: unit.part]
                 staging.copy_(hr.master)
                 unit.owned().copy_(staging, non_blocking=self.pinned)

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -162,6 +163,8 @@ class GradReducer:
         self._inflight: deque[tuple[_UnitGrads, Work, torch.Tensor, torch.Tensor | None, bool]]
         self._inflight = deque()
         self._stream = acc.Stream() if overlap else None
+        #: optimizer offload's host accumulators (see :meth:`attach_host`), or ``None``.
+        self.host: Any = None
         #: reduce this backward (else accumulate locally).
         self.reducing = True
         #: the next unit index to issue in this backward.
@@ -260,7 +263,12 @@ class GradReducer:
         ug.opened = True
         if self.policy.all_reduce:
             out = send
-        elif first and self.policy.persistent_shard and self.comm_dtype == torch.float32:
+        elif (
+            first
+            and self.policy.persistent_shard
+            and self.comm_dtype == torch.float32
+            and self.host is None
+        ):
             assert ug.reduced is not None
             out = ug.reduced  # the window's first contribution lands in place
         else:
@@ -298,6 +306,9 @@ class GradReducer:
                 ug.local.add_(ug.reduced)
                 ug.reduced = ug.local
             return
+        if self.host is not None:
+            self.host.accumulate(ug.unit, out)  # optimizer offload: the window sums on the host
+            return
         if ug.reduced is None:  # stage 1 with accumulation: the range lives during the step
             ug.reduced = out if out.dtype == torch.float32 else out.float()
         elif out is not ug.reduced:
@@ -327,6 +338,10 @@ class GradReducer:
     def reduced_buffers(self) -> Iterator[torch.Tensor]:
         """This rank's reduced gradients that count in the global norm: a replicated unit
         counts only on its group's first rank, so each element counts once in the world."""
+        if self.host is not None:
+            for ug in self.units:
+                yield self.host.buffer(ug.unit)
+            return
         for ug in self.units:
             if ug.reduced is not None and (not self.policy.all_reduce or ug.unit.group_rank == 0):
                 yield ug.reduced
@@ -336,12 +351,30 @@ class GradReducer:
         all-reduce over the world; never read on the host here)."""
         total = torch.zeros((), dtype=dtype, device=self.device)
         for buf in self.reduced_buffers():
-            total += _sum_of_squares(buf, dtype)
+            total += _sum_of_squares(buf, dtype).to(self.device)  # host buffers under offload
         if self.world > 1:
             # Every range and expert is held by exactly one rank (replicas are counted on the
             # group's first rank only), so the sum over the world counts each once.
             self.acc.all_reduce(total, "sum", None)
         return total.sqrt()
+
+    def attach_host(self, host: Any) -> bool:
+        """Optimizer offload: sum each micro-batch's reduced range straight into ``host``'s
+        accumulators and keep none on the device (persistent-shard policy only; stage 1 with
+        accumulation reduces once per window and hands its range over at the step).
+
+        ``host`` provides ``accumulate(unit, reduced)`` (after every collective),
+        ``zero()`` (each window's start) and ``buffer(unit)`` (the host range, for the norm),
+        and must hold every unit. Returns whether it was attached.
+        """
+        if not self.policy.persistent_shard or not all(host.holds(ug.unit) for ug in self.units):
+            return False
+        self.finish()
+        self.host = host
+        for ug in self.units:
+            ug.reduced = None  # the device accumulators are not needed any more
+        host.zero()
+        return True
 
     def reduced_ranges(self) -> Iterator[tuple[FlatUnit, torch.Tensor]]:
         """Each partitioned unit with this rank's reduced fp32 range (``part`` elements), for
@@ -360,6 +393,8 @@ class GradReducer:
     def zero(self) -> None:
         """Drop every accumulated gradient (after a step, a skipped step, or ``zero_grad``)."""
         self.finish()
+        if self.host is not None:
+            self.host.zero()  # the next window starts from zeros on the host
         for ug in self.units:
             ug.opened = False
             ug.touched.clear()

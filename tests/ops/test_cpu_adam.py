@@ -276,3 +276,13 @@ def test_bandwidth_probe_moves_the_bytes_it_claims() -> None:
     kernel.touch(p, g, m, v)
     assert torch.equal(p, torch.full((N,), 1.0)) and torch.equal(v, torch.full((N,), 4.0))
     assert torch.equal(m, torch.full((N,), 3.0)) and torch.equal(g, torch.full((N,), 1.0))
+
+
+def test_ds_core_report_lists_cpu_adam_with_its_active_path() -> None:
+    from ds_core.cli import collect_report, format_report
+
+    report, _problems = collect_report()
+    ops_listed = {op["name"]: op for op in report["selected"]["op_providers"]}
+    assert ops_listed["cpu_adam"]["compatible"] is True
+    assert ops_listed["cpu_adam"]["status"] == cpu_adam.kernel_status()
+    assert "status" in format_report(report)

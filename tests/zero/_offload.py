@@ -91,14 +91,16 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
             extra = torch.ones(MICRO) if sc.sometimes and micro == 0 else None
             loss = F.mse_loss(engine(x[sl], extra), y[sl])
             engine.backward(loss)
+            if engine.offload is not None:  # what the host accumulator holds now
+                host_grad_changes.append(
+                    sum(float(r.grad.abs().sum()) for r in engine.offload.ranges)
+                )
             if not sc.explicit_boundary:
                 engine.step()
             losses.append(loss.item())
         if sc.explicit_boundary:
             engine.step()
         norms.append(engine.last_grad_norm)
-        if engine.offload is not None:
-            host_grad_changes.append(sum(float(r.grad.abs().sum()) for r in engine.offload.ranges))
     engine.eval()
     probe = torch.randn(6, IN, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -119,7 +121,8 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
         ),
         "bytes": engine.model_state_bytes(),
         "pinned": engine.offload.pinned if engine.offload is not None else None,
-        "host_grad_sums": host_grad_changes,
+        "host_grad_sums": host_grad_changes,  # after every backward
+        "host_accumulates": engine.reducer.host is not None,
     }
     engine.destroy()
     return out
@@ -158,10 +161,41 @@ def bf16_pair(stage: int) -> Callable[[], dict[str, Any]]:
     return run
 
 
+def teardown() -> dict[str, Any]:
+    """20 offload engines built, stepped and destroyed: how many of their host buffers (masters,
+    gradient ranges, staging, optimizer state) are still alive after each ``destroy()``."""
+    import gc
+    import weakref
+
+    import ds_core
+
+    alive = []
+    for _ in range(20):
+        torch.manual_seed(0)
+        model = MLP(32, 3)
+        cfg = OffloadScenario(stage=2, world=2, gas=1, bf16=True).config()
+        engine, opt, _, _ = ds_core.initialize(model=model, config=cfg)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(MICRO, 32).bfloat16()).float().pow(2).mean())
+            engine.step()
+        assert engine.offload is not None
+        buffers = [t for r in engine.offload.ranges for t in (r.master, r.grad)]
+        buffers += list(engine.offload._staging.values())
+        buffers += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        refs = [weakref.ref(t) for t in buffers]
+        del buffers
+        engine.destroy()
+        del engine, opt, model
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))
+    return {"alive": alive, "tracked": len(refs)}
+
+
 def jobs(world: int) -> dict[str, Callable[[], dict[str, Any]]]:
     out: dict[str, Callable[[], dict[str, Any]]] = {
         name: (lambda sc=sc: train(sc)) for name, sc in scenarios().items()
     }
     for stage in (1, 2, 3):
         out[f"bf16_s{stage}"] = bf16_pair(stage)
+    out["teardown"] = teardown
     return out

@@ -9,6 +9,7 @@ unpinned, but every step of the offload path runs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -62,9 +63,31 @@ def test_masters_and_state_live_on_the_host_and_are_accounted(
             assert b["master"] == 0 and b["optimizer"] == 0
             assert b["host_master"] == b["host_grads"] > 0
             assert b["host_optimizer"] == 2 * b["host_master"]  # Adam's two fp32 moments
+            assert b["host_staging"] == 0  # fp32 ranges go back from the master directly
             assert b["host_total"] == (
                 b["host_master"] + b["host_grads"] + b["host_staging"] + b["host_optimizer"]
             )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["s1_gas1", "s2_gas4", "s3_gas4", "s2_explicit", "s1_gas4"])
+def test_the_host_accumulator_changes_after_every_micro_step(
+    suite: Callable[[str, int], SuiteResults], name: str
+) -> None:
+    sc = scenarios()[name]
+    for r in suite("offload", 2).ranks(name):
+        sums = r["host_grad_sums"]
+        if sc.stage == 1 and sc.gas > 1:
+            # Stage 1 with accumulation reduces once per window, at the step: the device keeps
+            # the full local accumulator and the host receives the window's range then.
+            assert not r["host_accumulates"] and r["bytes"]["grads"] > 0
+            continue
+        assert r["host_accumulates"]
+        assert r["bytes"]["grads"] == 0  # no gradient accumulator left on the device
+        for window in range(len(sums) // sc.gas):
+            seen = sums[window * sc.gas : (window + 1) * sc.gas]
+            assert all(v > 0 for v in seen), seen  # zeroed at the start, then filled
+            assert all(b != a for a, b in itertools.pairwise(seen)), seen
 
 
 @pytest.mark.slow
@@ -88,6 +111,16 @@ def test_bf16_host_masters_keep_fp32_precision(
         assert b["master"] == 0 and b["optimizer"] == 0
         assert b["host_master"] + b["host_optimizer"] >= 12 * off["parts"]
         assert plain["bytes"]["master"] > 0 and plain["bytes"]["optimizer"] > 0
+        assert b["host_staging"] > 0  # the bf16 staging buffer of the largest range
+
+
+@pytest.mark.slow
+def test_destroy_releases_every_host_buffer_of_20_engines(
+    suite: Callable[[str, int], SuiteResults],
+) -> None:
+    for r in suite("offload", 2).ranks("teardown"):
+        assert r["tracked"] > 0
+        assert r["alive"] == [0] * 20
 
 
 def _zero(section: dict[str, object]) -> dict[str, object]:
