@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.hooks import RemovableHandle
 
-from ds_core import comm
+from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
@@ -89,6 +89,8 @@ class ZeroEngine:
         self.world = comm.get_world_size()
         self.rank = comm.get_rank()
         self.norm_dtype = torch.float64 if self.acc.is_fp64_supported() else torch.float32
+        #: the deterministic policy in force for this engine's lifetime, or ``None``.
+        self.determinism = determinism.from_config(config.deterministic, self.acc)
 
         # - precision
         self.fp16 = bool(config.fp16.enabled)
@@ -514,6 +516,8 @@ class ZeroEngine:
 
     def destroy(self) -> None:
         """Release every buffer and hook the engine owns; the engine is unusable after."""
+        if self.determinism is not None and self.determinism.active:
+            self.determinism.disable()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
