@@ -39,6 +39,7 @@ from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
+from ds_core.zero import capture as _capture
 from ds_core.zero.accounting import model_state_bytes
 from ds_core.zero.config import DSConfig, load_config
 from ds_core.zero.init import INIT_ATTR, restore_full
@@ -310,6 +311,10 @@ class ZeroEngine:
             return self.module(*args, **kwargs)
         finally:
             self.coordinator.end_forward()
+
+    def capture(self, fn: Callable[..., Any], *static_inputs: Any, **kw: Any) -> Any:
+        """Capture ``fn(*static_inputs)`` for replay: :func:`ds_core.zero.capture.capture`."""
+        return _capture.capture(self, fn, *static_inputs, **kw)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Back-propagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
