@@ -111,7 +111,7 @@ def test_stage3_is_refused(make_engine: Any) -> None:
         (lambda e, t: F.dropout(e(t), 0.5, training=True), "random"),
         (lambda e, t: e(t)[e(t) > 0.25], "data-dependent"),
         (lambda e, t: e(t) * float(e(t).sum().item()), "_local_scalar_dense"),
-        (lambda e, t: e(t) if torch.equal(t, t) else t, "host value"),
+        (lambda e, t: e(t) if torch.equal(t, t) else t, "aten.equal"),
     ],
     ids=["rng", "data-dependent-shape", "host-sync", "host-branch"],
 )
