@@ -83,6 +83,9 @@ class ZeroEngine:
         log.setLevel(config.log_level.upper())
 
         # - device and groups
+        #: the deterministic policy in force for this engine's lifetime, or ``None``; applied
+        #: before the process group exists, as vendors read some knobs at communicator creation.
+        self.determinism = determinism.from_config(config.deterministic)
         comm.init_distributed()
         self.acc: Accelerator = get_accelerator()
         self.acc.configure(config.accelerator)
@@ -90,8 +93,6 @@ class ZeroEngine:
         self.world = comm.get_world_size()
         self.rank = comm.get_rank()
         self.norm_dtype = torch.float64 if self.acc.is_fp64_supported() else torch.float32
-        #: the deterministic policy in force for this engine's lifetime, or ``None``.
-        self.determinism = determinism.from_config(config.deterministic, self.acc)
 
         # - precision
         self.fp16 = bool(config.fp16.enabled)
