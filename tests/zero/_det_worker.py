@@ -65,8 +65,56 @@ def train(stage: int, ep_size: int, deterministic: bool, scramble: int) -> dict[
     return out
 
 
+def train_gpt(stage: int, deterministic: bool, scramble: int) -> dict[str, Any]:
+    """The GPT example (tiny preset), built after the policy is enabled so its
+    initialisation is seeded too; tokens are drawn from torch's generator during training."""
+    import ds_core
+    from ds_core import comm, determinism
+    from examples.gpt import GPT, PRESETS
+
+    torch.manual_seed(scramble)
+    cfg = PRESETS["tiny"]
+    policy = determinism.enable(99) if deterministic else None
+    try:
+        model = GPT(cfg)
+        engine, _, _, _ = ds_core.initialize(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 2,
+                "gradient_clipping": 1.0,
+                "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000},
+            },
+        )
+        rank, world = comm.get_rank(), comm.get_world_size()
+        losses = []
+        for _ in range(STEPS * engine.gas):
+            tokens = torch.randint(0, cfg.vocab_size, (world, 33))[rank : rank + 1]
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().clone())
+        out = {
+            "losses": torch.stack(losses),
+            "params": {k: v.clone() for k, v in engine.gathered_state_dict().items()},
+            "optim": engine.optimizer.state_dict(),
+        }
+        engine.destroy()
+    finally:
+        if policy is not None:
+            policy.disable()
+    return out
+
+
 def jobs() -> dict[str, dict[str, Any]]:
     out = {}
+    for stage in range(4):
+        out[f"gpt_s{stage}"] = {
+            "det_a": train_gpt(stage, True, scramble=11),
+            "det_b": train_gpt(stage, True, scramble=22),
+            "plain": train_gpt(stage, False, scramble=33),
+        }
     for stage, ep in ((0, 1), (1, 1), (2, 1), (3, 1), (3, 2)):
         name = f"s{stage}" + ("_ep2" if ep > 1 else "")
         out[name] = {
