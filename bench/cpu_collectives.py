@@ -74,8 +74,8 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], out: Any) -> None:
     ds_core.init_distributed()
     acc = ds_core.get_accelerator()
     acc.barrier()
-    transport = shm_groups.existing(None)
-    path = type(transport.protocol.flags).__name__ if transport else "none (gloo fallback)"
+    protocol = shm_groups.existing(None)
+    path = type(protocol.flags).__name__ if protocol else "none (gloo fallback)"
     rows: dict[tuple[str, str, int], float] = {}
     for nbytes in sizes:
         n = nbytes // 4

@@ -1,7 +1,8 @@
 """Cost of one hook call, for every hot hook of every backend style.
 
 Run: ``python bench/dispatch.py [--number N] [--repeat R]``. Prints ns per call (best of R
-repeats of up to N calls, fewer for slow calls) four ways, and the ratios:
+rounds of up to N calls, fewer for slow calls; the four ways are timed in turn within a round)
+and the ratios:
 
 - ``vendor``: the vendor module's own function (torch-style backends only), e.g.
   ``torch.<type>.current_device()``: what a backend could not avoid;
@@ -141,13 +142,21 @@ HOT = [
 ]  # fmt: skip
 
 
-def ns_per_call(stmt: str, env: dict[str, Any], number: int, repeat: int) -> float:
-    timer = timeit.Timer(stmt, globals=env)
-    # Slow calls (a /proc read, an allocator trim) get fewer repeats of ~50 ms each.
-    once = timer.timeit(number=20) / 20
-    number = max(20, min(number, int(0.05 / max(once, 1e-9))))
-    times = timer.repeat(repeat=repeat, number=number)
-    return min(times) / number * 1e9
+def ns_per_call(stmts: list[str], env: dict[str, Any], number: int, repeat: int) -> list[float]:
+    """ns per call of each statement, best of ``repeat`` rounds.
+
+    The statements are timed in turn within each round, so a slow spell on a shared machine
+    hits all of them alike instead of skewing one column.
+    """
+    timers = [timeit.Timer(stmt, globals=env) for stmt in stmts]
+    # Slow calls (a /proc read, an allocator trim) get fewer calls per round: about 20 ms.
+    once = max(t.timeit(number=20) / 20 for t in timers)
+    number = max(20, min(number, int(0.02 / max(once, 1e-9))))
+    best = [float("inf")] * len(timers)
+    for _ in range(repeat):
+        for i, timer in enumerate(timers):
+            best[i] = min(best[i], timer.timeit(number=number) / number * 1e9)
+    return best
 
 
 def run(label: str, acc: Accelerator, vendor: Any, number: int, repeat: int) -> list[float]:
@@ -163,15 +172,16 @@ def run(label: str, acc: Accelerator, vendor: Any, number: int, repeat: int) -> 
         "s": acc.current_stream(),
         "t": torch.ones(4),
     }
-    print(f"\n{label}   ns per call, best of {repeat} x {number}")
+    print(f"\n{label}   ns per call, best of {repeat} rounds")
     print(
         f"{'hook':<22} {'vendor':>7} {'direct':>7} {'facade':>7} {'pluggy':>7}"
         f" {'facade/direct':>14} {'facade/vendor':>14} {'pluggy/direct':>14}"
     )
     ratios = []
     for name, facade, direct, pluggy, call in HOT:
-        d, f, p = (ns_per_call(s, env, number, repeat) for s in (direct, facade, pluggy))
-        v = ns_per_call(call, env, number, repeat) if (vendor is not None and call) else None
+        stmts = [direct, facade, pluggy] + ([call] if vendor is not None and call else [])
+        d, f, p, *rest = ns_per_call(stmts, env, number, repeat)
+        v = rest[0] if rest else None
         vs = f"{v:7.0f}" if v is not None else f"{'-':>7}"
         fv = f"{f / v:14.2f}" if v is not None else f"{'-':>14}"
         print(f"{name:<22} {vs} {d:7.0f} {f:7.0f} {p:7.0f} {f / d:14.2f} {fv} {p / d:14.2f}")
@@ -182,8 +192,8 @@ def run(label: str, acc: Accelerator, vendor: Any, number: int, repeat: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--number", type=int, default=100_000, help="calls per repeat")
-    parser.add_argument("--repeat", type=int, default=5, help="repeats (the best is kept)")
+    parser.add_argument("--number", type=int, default=50_000, help="calls per round, at most")
+    parser.add_argument("--repeat", type=int, default=15, help="rounds (the best is kept)")
     args = parser.parse_args()
     print(f"Python {sys.version.split()[0]}, torch {torch.__version__}")
     worst = {}

@@ -36,7 +36,9 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
+from ds_core.zero.config import DSConfig, load_config
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "settings"]
 
@@ -63,8 +65,6 @@ def settings() -> _Settings:
 
 
 def _section(deepspeed_config: Any) -> Mapping[str, Any]:
-    from ds_core.zero.config import DSConfig, load_config
-
     if isinstance(deepspeed_config, DSConfig):
         cfg = deepspeed_config
     elif isinstance(deepspeed_config, (str, os.PathLike, Mapping)):
@@ -178,6 +178,4 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
 
 
 def _synchronize() -> None:
-    from ds_core.accelerator import get_accelerator
-
     get_accelerator().synchronize()

@@ -164,6 +164,11 @@ def scenario_stress(runner: Runner) -> dict[str, Any]:
     elif world == 3:
         layouts += [[0, 1], [1, 2]]
     groups = [(ranks, comm.new_group(ranks)) for ranks in layouts]
+    for ranks, group in groups:
+        # Set every group up now: the gloo reference calls below go around the backend's
+        # queue, and must not race a first call's setup on the worker thread.
+        if me in ranks:
+            runner.acc.barrier(group)
     kinds = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier")
     for i in range(count):
         ranks, group = draw.choice(groups)
@@ -181,7 +186,7 @@ def scenario_stress(runner: Runner) -> dict[str, Any]:
             runner.wait_all()
     runner.wait_all()
     dist.barrier()
-    return {"groups": len(groups)}
+    return {"groups": len(groups), "count": count, "checked": runner.calls}
 
 
 def scenario_mismatch(runner: Runner) -> dict[str, Any]:
@@ -217,10 +222,10 @@ def scenario_kill(runner: Runner) -> dict[str, Any]:
     acc, me = runner.acc, runner.dist.get_rank()
     x = torch.ones(1000)
     acc.all_reduce(x)
-    transport = shm_groups.existing(None)
-    if transport is None:
+    protocol = shm_groups.existing(None)
+    if protocol is None:
         raise AssertionError("the world group did not get a shared-memory transport")
-    print("SEGMENT", transport.protocol.seg.path, flush=True)
+    print("SEGMENT", protocol.seg.path, flush=True)
     acc.barrier()
     if me == int(os.environ["DS_SHM_VICTIM"]):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -260,6 +265,31 @@ def scenario_fallback(runner: Runner) -> dict[str, Any]:
     acc.broadcast(z, 0)
     counts = runner.comm.transport_counts()
     return {"counts": [[*k, v] for k, v in sorted(counts.items())]}
+
+
+def scenario_async_first(runner: Runner) -> dict[str, Any]:
+    """An asynchronous first call on a new group returns before the peer joins (the group's
+    setup runs on the worker thread): rank 1 joins only after rank 0's call has returned."""
+    from ds_core import comm
+
+    acc, me = runner.acc, runner.dist.get_rank()
+    marker = os.environ["DS_SHM_MARKER"]
+    group = comm.new_group([0, 1])
+    x = torch.full((1000,), float(me + 1))
+    if me == 0:
+        work = acc.all_reduce(x, "sum", group, True)
+        with open(marker, "w") as f:
+            f.write("returned")
+        work.wait()
+    else:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker):
+            if time.monotonic() > deadline:
+                raise AssertionError("rank 0's asynchronous first call never returned")
+            time.sleep(0.05)
+        acc.all_reduce(x, "sum", group, False)
+    _same(x, torch.full((1000,), 3.0), 1, "async first call")
+    return {}
 
 
 def scenario_require(runner: Runner) -> dict[str, Any]:

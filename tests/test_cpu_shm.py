@@ -112,7 +112,8 @@ def test_large_slots_match_gloo() -> None:
 def test_stress_random_collectives_match_gloo(world: int) -> None:
     results = _run("stress", world, DS_CPU_SHM_SLOT_BYTES="16384")
     assert all(not r["gloo_reasons"] for r in results), results
-    assert sum(r["shm_calls"] for r in results) > 0
+    # every draw runs on at least one rank; barriers are not counted as checked calls
+    assert sum(r["checked"] for r in results) > results[0]["count"] * 2 // 3, results
 
 
 def test_mismatched_calls_raise_naming_the_field_on_every_rank() -> None:
@@ -176,6 +177,11 @@ def test_disabled_groups_use_gloo_and_say_why() -> None:
     for r in results:
         assert r["shm_calls"] == 0
         assert r["gloo_reasons"] == ["rank 0: DS_CPU_SHM=0"], r
+
+
+def test_async_first_call_on_a_group_does_not_wait_for_peers(tmp_path: Path) -> None:
+    results = _run("async_first", 2, DS_SHM_MARKER=str(tmp_path / "returned"))
+    assert all(r["shm_calls"] >= 1 and not r["gloo_reasons"] for r in results), results
 
 
 def test_require_turns_a_fallback_into_an_error() -> None:

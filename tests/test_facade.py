@@ -88,9 +88,14 @@ def test_defaulted_bindings_fill_in_deepspeeds_defaults(acc: ds_core.Accelerator
 def test_collectives_bind_to_the_backend_override_before_the_core_default(
     acc: ds_core.Accelerator,
 ) -> None:
-    # the cpu backend overrides reduce-scatter; barrier comes from the core default plugin
-    assert acc._h.ds_comm_reduce_scatter is cpu.ds_comm_reduce_scatter
-    assert acc._h.ds_comm_barrier.__qualname__ == "DefaultCollectives.ds_comm_barrier"
+    # the cpu backend overrides every collective (shared memory, gloo fallback); the core's
+    # default plugin still implements them, last in line
+    for hook in ("ds_comm_reduce_scatter", "ds_comm_barrier"):
+        bound = getattr(acc._h, hook)
+        assert bound is getattr(cpu, hook)
+        impls = getattr(acc._pm.hook, hook).get_hookimpls()
+        assert impls[0].function.__qualname__ == f"DefaultCollectives.{hook}"
+        assert bound is not impls[0].function
 
 
 def test_a_wrapper_plugin_sees_calls_and_unregistering_restores_direct_binding(

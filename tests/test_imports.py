@@ -24,10 +24,6 @@ PACKAGE = ROOT / "ds_core"
 #: Files allowed to import ds_core modules inside functions, and why. Shrink it, never grow it:
 #: an import that would close a cycle at the top of a module means the modules are cut wrong.
 LOCAL_IMPORT_EXCEPTIONS: dict[str, str] = {
-    # The integrator's (issue 18, zero/config.py split): moved to the top at merge.
-    "ds_core/zero/buckets.py": "integrator: moves these to the top with the zero/ changes",
-    "ds_core/zero/init.py": "integrator: moves these to the top with the zero/ changes",
-    "ds_core/zero/engine.py": "integrator: moves these to the top with the zero/ changes",
     # Shared with the checkpoint helper (issue 11), who is adding subcommands there.
     "ds_core/cli.py": "shared file: moved to the top once the checkpoint subcommands land",
 }

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ds_core.accelerator import get_accelerator
 from ds_core.comm.groups import init_distributed as _init_groups
 from ds_core.errors import ConfigError
 
@@ -57,8 +58,6 @@ def init_distributed(
     :raises ConfigError: Open MPI launch without ``MASTER_ADDR``.
     """
     del verbose, config
-    from ds_core.accelerator import get_accelerator
-
     if dist_init_required is False:
         return
     if dist_backend is not None:

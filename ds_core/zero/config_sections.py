@@ -77,7 +77,7 @@ def parse_config_text(text: str, path: str) -> Any:
             f"column {exc.colno}"
         )
     try:
-        import hjson  # type: ignore[import-untyped]
+        import hjson
     except ImportError:
         raise ConfigError(
             f"{error}; if it is an hjson file (as DeepSpeed accepts), install the optional "

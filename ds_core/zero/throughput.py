@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import time
 
+from ds_core.accelerator import get_accelerator
+
 __all__ = ["ThroughputTimer"]
 
 log = logging.getLogger("ds_core.zero")
@@ -49,8 +51,6 @@ class ThroughputTimer:
 
     def _now(self) -> float:
         if self.synchronize:
-            from ds_core.accelerator import get_accelerator
-
             get_accelerator().synchronize()
         return time.perf_counter()
 

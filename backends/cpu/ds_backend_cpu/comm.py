@@ -82,16 +82,34 @@ def route(
     if isinstance(found, str):
         _gloo(collective, found)
         return None
-    reason = _tensor_reason(tensors)
+    reason = found.reason or _tensor_reason(tensors)
     if reason:
-        found.drain()
+        found.drain()  # a gloo call must not overtake the group's queued calls
         _gloo(collective, reason)
         return None
-    _count(collective, "shm", "")
     return found
 
 
-def _done(work: Work, async_op: bool) -> Work:
+def _submit(
+    transport: shm_groups.ShmGroup,
+    collective: str,
+    shm_call: Callable[[shm.Protocol], None],
+    gloo_call: Callable[[], object],
+    async_op: bool,
+) -> Work:
+    """Queue a call; it runs over shared memory, or over gloo if the group's setup (which the
+    group's first call performs) found it cannot."""
+
+    def call() -> None:
+        protocol = transport.ready()
+        if protocol is None:
+            _gloo(collective, transport.reason)
+            gloo_call()
+        else:
+            _count(collective, "shm", "")
+            shm_call(protocol)
+
+    work = transport.submit(call, async_op)
     return work if async_op else COMPLETED
 
 
@@ -109,8 +127,14 @@ def ds_comm_all_reduce(tensor: torch.Tensor, op: str, group: Any, async_op: bool
     transport = route("all_reduce", group, [tensor])
     if transport is None:
         return _gloo_all_reduce(tensor, op, group, async_op)
-    flat, shape, proto = tensor.detach().view(-1), tuple(tensor.shape), transport.protocol
-    return _done(transport.submit(lambda: proto.all_reduce(flat, op, shape), async_op), async_op)
+    flat, shape = tensor.detach().view(-1), tuple(tensor.shape)
+    return _submit(
+        transport,
+        "all_reduce",
+        lambda p: p.all_reduce(flat, op, shape),
+        lambda: _gloo_all_reduce(tensor, op, group, False),
+        async_op,
+    )
 
 
 @hookimpl
@@ -121,16 +145,20 @@ def ds_comm_reduce_scatter(
     transport = route("reduce_scatter", group, [output, input])
     if transport is None:
         return _gloo_reduce_scatter(output, input, op, group, async_op)
-    proto = transport.protocol
-    expected = output.numel() * proto.world
+    expected = output.numel() * dist.get_world_size(group)
     error = (
         f"reduce_scatter input has {input.numel()} elements, expected {expected}"
         if input.numel() != expected
         else ""
     )
     out, inp, shape = output.detach().view(-1), input.detach().view(-1), tuple(input.shape)
-    work = transport.submit(lambda: proto.reduce_scatter(out, inp, op, error, shape), async_op)
-    return _done(work, async_op)
+    return _submit(
+        transport,
+        "reduce_scatter",
+        lambda p: p.reduce_scatter(out, inp, op, error, shape),
+        lambda: _gloo_reduce_scatter(output, input, op, group, False),
+        async_op,
+    )
 
 
 @hookimpl
@@ -140,16 +168,20 @@ def ds_comm_all_gather(
     transport = route("all_gather", group, [output, input])
     if transport is None:
         return _gloo_all_gather(output, input, group, async_op)
-    proto = transport.protocol
-    expected = input.numel() * proto.world
+    expected = input.numel() * dist.get_world_size(group)
     error = (
         f"all_gather output has {output.numel()} elements, expected {expected}"
         if output.numel() != expected
         else ""
     )
     out, inp, shape = output.detach().view(-1), input.detach().view(-1), tuple(input.shape)
-    work = transport.submit(lambda: proto.all_gather(out, inp, error, shape), async_op)
-    return _done(work, async_op)
+    return _submit(
+        transport,
+        "all_gather",
+        lambda p: p.all_gather(out, inp, error, shape),
+        lambda: _gloo_all_gather(output, input, group, False),
+        async_op,
+    )
 
 
 @hookimpl
@@ -158,8 +190,14 @@ def ds_comm_broadcast(tensor: torch.Tensor, src: int, group: Any, async_op: bool
     if transport is None:
         return _gloo_broadcast(tensor, src, group, async_op)
     root = dist.get_group_rank(shm_groups.resolve(group), src)
-    flat, shape, proto = tensor.detach().view(-1), tuple(tensor.shape), transport.protocol
-    return _done(transport.submit(lambda: proto.broadcast(flat, root, shape), async_op), async_op)
+    flat, shape = tensor.detach().view(-1), tuple(tensor.shape)
+    return _submit(
+        transport,
+        "broadcast",
+        lambda p: p.broadcast(flat, root, shape),
+        lambda: _gloo_broadcast(tensor, src, group, False),
+        async_op,
+    )
 
 
 def _rows(
@@ -194,9 +232,9 @@ def ds_comm_all_to_all(
         return _gloo_all_to_all(
             output, input, output_split_sizes, input_split_sizes, group, async_op
         )
-    proto = transport.protocol
-    send, send_error = _rows("input", input, input_split_sizes, proto.world)
-    recv, recv_error = _rows("output", output, output_split_sizes, proto.world)
+    world = dist.get_world_size(group)
+    send, send_error = _rows("input", input, input_split_sizes, world)
+    recv, recv_error = _rows("output", output, output_split_sizes, world)
     row, out_row = math.prod(input.shape[1:]), math.prod(output.shape[1:])
     error = send_error or recv_error
     if not error and output.dtype != input.dtype:
@@ -204,18 +242,29 @@ def ds_comm_all_to_all(
     if not error and out_row != row:
         error = f"all_to_all output rows have {out_row} elements, input rows {row}"
     out, inp = output.detach().view(-1), input.detach().view(-1)
-    work = transport.submit(lambda: proto.all_to_all(out, inp, send, recv, row, error), async_op)
-    return _done(work, async_op)
+    return _submit(
+        transport,
+        "all_to_all",
+        lambda p: p.all_to_all(out, inp, send, recv, row, error),
+        lambda: _gloo_all_to_all(
+            output, input, output_split_sizes, input_split_sizes, group, False
+        ),
+        async_op,
+    )
 
 
 @hookimpl
 def ds_comm_barrier(group: Any) -> bool:
-    found = shm_groups.lookup(group)
-    if isinstance(found, str):
-        _gloo("barrier", found)
+    transport = route("barrier", group, [])
+    if transport is None:
         return _DEFAULT.ds_comm_barrier(group)
-    _count("barrier", "shm", "")
-    found.submit(found.protocol.barrier, async_op=False)
+    _submit(
+        transport,
+        "barrier",
+        lambda p: p.barrier(),
+        lambda: _DEFAULT.ds_comm_barrier(group),
+        False,
+    )
     return True
 
 

@@ -317,11 +317,23 @@ def _fused_adamw_check() -> tuple[bool, str]:
     return True, "torch.optim.AdamW(fused=True) runs on cpu in this torch"
 
 
-def _shm_sync_load() -> Any:
-    lib, why = shm_sync.build_helper()  # ds_core.ops keeps one loaded copy per process
-    if lib is None:
-        raise RuntimeError(f"op shm_sync: {why}")
-    return lib
+class _ShmSyncProvider:
+    """Listed so ``ds-core report`` says which synchronisation path the shared-memory
+    collectives take here (they load the helper themselves)."""
+
+    name = "shm_sync"
+
+    def is_compatible(self) -> tuple[bool, str]:
+        return shm_sync.compatibility()
+
+    def load(self) -> Any:
+        lib, why = shm_sync.build_helper()  # ds_core.ops keeps one loaded copy per process
+        if lib is None:
+            raise RuntimeError(f"op shm_sync: {why}")
+        return lib
+
+    def status(self) -> str:
+        return shm_sync.status()
 
 
 @hookimpl
@@ -333,9 +345,7 @@ def ds_op_providers() -> list[Any]:
             "fused_adam", _fused_adamw_check, lambda: partial(torch.optim.AdamW, fused=True)
         ),
         cpu_adam_provider(),
-        # Listed so `ds-core report` says which synchronisation path the shared-memory
-        # collectives take here; the collectives load it themselves.
-        SimpleOpProvider("shm_sync", shm_sync.compatibility, _shm_sync_load),
+        _ShmSyncProvider(),
     ]
 
 

@@ -1,6 +1,7 @@
 """One shared-memory transport per process group: setup, and an ordered queue of calls.
 
-Setup runs at the group's first collective, on every rank of it (they all make that call):
+Setup runs as part of the group's first collective, on every rank of it (they all make that
+call), in call order on whichever thread runs that call:
 one gloo all-gather decides whether the group qualifies (every rank on this host, shared
 memory enabled and a synchronisation path available on each), the first rank creates the
 segment and broadcasts its name, the others attach, one more all-gather confirms every attach
@@ -75,15 +76,43 @@ class ShmWork:
 
 
 class ShmGroup:
-    """The transport of one process group on this rank: its protocol and its call queue."""
+    """The transport of one process group on this rank: its protocol and its call queue.
 
-    def __init__(self, protocol: Protocol) -> None:
-        self.protocol = protocol
+    Created without talking to the peers; the first call run on the group (in call order,
+    on the caller's thread or the worker's) sets it up, so an asynchronous first call does
+    not wait for its peers either. Afterwards ``protocol`` is set, or ``reason`` says why the
+    group uses gloo.
+    """
+
+    def __init__(self, pg: Any) -> None:
+        self._pg = weakref.ref(pg)  # never keep a process group alive
+        self.protocol: Protocol | None = None
+        self.reason = ""
+        self._set_up = False
         self._cond = threading.Condition()
         self._queue: deque[ShmWork] = deque()
         self._busy = False
         self._closed = False
         self._thread: threading.Thread | None = None
+
+    def ready(self) -> Protocol | None:
+        """Set the group up if this is its first call (run only from a call on this group).
+
+        :returns: the protocol, or ``None`` when the group uses gloo (``reason`` says why).
+        """
+        if not self._set_up:
+            self._set_up = True
+            pg = self._pg()
+            try:
+                result = _setup(pg) if pg is not None else "the process group was destroyed"
+            except BaseException as exc:
+                self.reason = f"setup failed ({type(exc).__name__}: {exc})"
+                raise
+            if isinstance(result, str):
+                self.reason = result
+            else:
+                self.protocol = result
+        return self.protocol
 
     def close(self) -> None:
         """Stop the worker once the queue is empty (the group object is gone: no more calls).
@@ -159,23 +188,29 @@ def resolve(group: Any) -> Any:
 
 
 def lookup(group: Any) -> ShmGroup | str:
-    """The group's transport, setting it up on first use; a string is why it uses gloo."""
+    """The group's transport (set up by its first call); a string is why it uses gloo.
+
+    Never talks to the peers.
+    """
     pg = resolve(group)
     with _registry_lock:
         found = _groups.get(pg)
-    if found is None:
-        found = _setup(pg)
-        with _registry_lock:
+        if found is None:
+            if dist.get_rank(pg) < 0:
+                found = "this process is not a member of the group"
+            elif dist.get_world_size(pg) < 2:
+                found = SINGLE_RANK
+            else:
+                found = ShmGroup(pg)
+                weakref.finalize(pg, found.close)
             _groups[pg] = found
-        if isinstance(found, ShmGroup):
-            weakref.finalize(pg, found.close)
     return found
 
 
-def existing(group: Any) -> ShmGroup | None:
-    """The group's transport if it has one already (never sets one up)."""
+def existing(group: Any) -> Protocol | None:
+    """The group's shared-memory protocol if it is set up already (never sets one up)."""
     found = _groups.get(resolve(group))
-    return found if isinstance(found, ShmGroup) else None
+    return found.protocol if isinstance(found, ShmGroup) else None
 
 
 def _group_timeout(pg: Any) -> float | None:
@@ -186,12 +221,8 @@ def _group_timeout(pg: Any) -> float | None:
         return None
 
 
-def _setup(pg: Any) -> ShmGroup | str:
+def _setup(pg: Any) -> Protocol | str:
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    if rank < 0:
-        return "this process is not a member of the group"
-    if world < 2:
-        return SINGLE_RANK
     ranks = dist.get_process_group_ranks(pg)
     local_reason = ""
     if not enabled():
@@ -243,4 +274,4 @@ def _setup(pg: Any) -> ShmGroup | str:
     protocol.publish_pid()
     dist.barrier(group=pg)  # every pid is published before anyone reads them
     protocol.read_pids()
-    return ShmGroup(protocol)
+    return protocol

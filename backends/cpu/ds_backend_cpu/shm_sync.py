@@ -119,6 +119,10 @@ def _declare(lib: Any) -> Any:
     return lib
 
 
+_NAME = "ds_cpu_shm_sync"
+_CFLAGS = ["-std=c11"]
+
+
 def _ops() -> Any:
     return importlib.import_module("ds_core.ops")  # the one home of compiled code
 
@@ -130,7 +134,7 @@ def build_helper() -> tuple[Any, str]:
     except ImportError:
         return None, "C helper unavailable: this ds_core has no ds_core.ops"
     try:
-        lib = ops.build_shared_library("ds_cpu_shm_sync", [SOURCE], cflags=["-std=c11"], quiet=True)
+        lib = ops.build_shared_library(_NAME, [SOURCE], cflags=_CFLAGS, quiet=True)
     except Exception as exc:  # no compiler, a failed build: the Python path stays correct
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return None, f"C helper unavailable ({first})"
@@ -217,6 +221,29 @@ def compatibility() -> tuple[bool, str]:
         return False, f"{shm_groups.ENV_ENABLE}=0: every collective uses gloo"
     path = describe_path(build=False)
     return path.startswith("C helper"), f"shared-memory collectives synchronise through {path}"
+
+
+def status() -> str:
+    """Which path is active in this process, or would be, and whether the helper is built.
+
+    Builds nothing (``ds-core report`` calls it).
+    """
+    from ds_backend_cpu import shm_groups
+
+    if not shm_groups.enabled():
+        return f"inactive: {shm_groups.ENV_ENABLE}=0"
+    if _loaded is not None:
+        lib, where = _loaded
+        return f"active: {where}" if lib is not None else f"active: {describe_path(False)}"
+    if os.environ.get(ENV_SYNC, "").lower() == "python":
+        return describe_path(build=False)
+    try:
+        built = _ops().cached_shared_library(_NAME, [SOURCE], cflags=_CFLAGS)
+    except Exception as exc:
+        return f"C helper cannot build ({str(exc).splitlines()[0]}); {describe_path(False)}"
+    if built is None:
+        return "C helper not built yet: builds at the first collective on a same-host group"
+    return f"C helper built ({built.parent})"
 
 
 def pid_alive(pid: int) -> bool:

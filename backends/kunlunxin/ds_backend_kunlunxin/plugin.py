@@ -19,15 +19,14 @@ The probe imports nothing from the vendor: it checks that torch_xmlir is install
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ds_backend_kunlunxin import fused_adam
+from ds_backend_kunlunxin.stack import VENDOR_MODULE, activate
 from ds_core import hookimpl
 from ds_core.backend_kit import (
     DeterminismPolicy,
@@ -52,7 +51,6 @@ from ds_core.types import (
 )
 
 NAME = "kunlunxin"
-VENDOR_MODULE = "torch_xmlir"
 #: UNCONFIRMED: the distribution name torch_xmlir is installed under (tried in order).
 VENDOR_DISTRIBUTIONS = ("torch_xmlir", "torch-xmlir", "xpytorch")
 
@@ -71,25 +69,6 @@ GRAPH_ENV = "XMLIR_FORCE_USE_XPU_GRAPH"
 #: accelerator, vLLM-Kunlun's env docs); otherwise elapsed_time returns 0.0.
 EVENT_ENV = "XPU_EVENT_KL3_ENABLE"
 DUMMY_EVENT_ENV = "XPU_DUMMY_EVENT"
-
-
-def activate() -> None:
-    """Import torch_xmlir once, which puts torch.cuda in Kunlunxin's CUDA-compatibility mode.
-
-    UNCONFIRMED: whether the import itself creates a device context; it happens only after this
-    backend is selected, never in the probe.
-
-    :raises RuntimeError: when torch_xmlir cannot be imported, with the way to reinstall it.
-    """
-    if VENDOR_MODULE in sys.modules:
-        return
-    try:
-        importlib.import_module(VENDOR_MODULE)
-    except ImportError as exc:
-        raise RuntimeError(
-            f"importing {VENDOR_MODULE} failed ({exc}); reinstall Kunlunxin's xpytorch from the "
-            f"vendor installer (see the ds-core-kunlunxin README)"
-        ) from exc
 
 
 def _cuda() -> Any:

@@ -76,7 +76,7 @@ int64_t ds_shm_wait_all(uint64_t *base, const int64_t *indices, int64_t n, uint6
     double deadline = now_s() + slice_s;
     for (int64_t i = 0; i < n; i++) {
         uint64_t *word = base + indices[i];
-        for (int spin = 0; spin < 2048; spin++) {
+        for (int spin = 0; spin < 256; spin++) {
             if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= target) break;
             cpu_relax();
         }
