@@ -99,6 +99,18 @@ class BF16Config(BaseModel):
     """Skip a step whose gradients hold inf/NaN, keeping Adam state clean. (Default: true)"""
 
 
+class DeterministicConfig(BaseModel):
+    """``deterministic``: the opt-in deterministic policy (:mod:`ds_core.determinism`)."""
+
+    model_config = _FROZEN
+
+    enabled: Bool = False
+    """Seed every generator, use deterministic algorithms and the backend's determinism
+    knobs for the engine's lifetime. (Default: false)"""
+    seed: Int = Field(default=0, ge=0)
+    """Seed of every host and device generator, the same on every rank. (Default: 0)"""
+
+
 class OffloadOptimizerConfig(BaseModel):
     """``zero_optimization.offload_optimizer``: fp32 masters and optimizer state on the host."""
 
@@ -366,6 +378,7 @@ class DSConfig(BaseModel):
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    deterministic: DeterministicConfig = Field(default_factory=DeterministicConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None

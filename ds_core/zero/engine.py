@@ -33,10 +33,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ds_core import comm
+from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
+from ds_core.zero import capture as _capture
 from ds_core.zero.accounting import model_state_bytes
 from ds_core.zero.api import DeepSpeedEngineAPI
 from ds_core.zero.config import DSConfig
@@ -86,6 +87,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         log.setLevel(config.log_level.upper())
 
         # - device and groups
+        #: the deterministic policy in force for this engine's lifetime, or ``None``; applied
+        #: before the process group exists, as vendors read some knobs at communicator creation.
+        self.determinism = determinism.from_config(config.deterministic)
         comm.init_distributed()
         self.acc: Accelerator = get_accelerator()
         self.acc.configure(config.accelerator)
@@ -335,6 +339,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
             finally:
                 self.coordinator.end_forward()
 
+    def capture(self, fn: Callable[..., Any], *static_inputs: Any, **kw: Any) -> Any:
+        """Capture ``fn(*static_inputs)`` for replay: :func:`ds_core.zero.capture.capture`."""
+        return _capture.capture(self, fn, *static_inputs, **kw)
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Back-propagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
 
@@ -522,6 +530,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     def destroy(self) -> None:
         """Release every buffer and hook the engine owns; the engine is unusable after."""
+        if self.determinism is not None and self.determinism.active:
+            self.determinism.disable()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
