@@ -579,6 +579,63 @@ class ZeroEngine:
                     out[name] = zp.param.detach().clone()
         return out
 
+    # -- checkpoints (ds_core.checkpoint does the work) ---------------------------------------
+
+    def sync_params_from_masters(self) -> None:
+        """Rebuild module parameters (stage-3 shards) from the fp32 masters, in the model
+        dtype. Collective: call on every rank after writing into the masters."""
+        self._publish_params()
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+        universal: bool = False,
+    ) -> bool:
+        """DeepSpeed's ``save_checkpoint``; see :func:`ds_core.checkpoint.save_checkpoint`."""
+        from ds_core.checkpoint import save_checkpoint
+
+        save_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, universal
+        )
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """DeepSpeed's ``load_checkpoint``; see :func:`ds_core.checkpoint.load_checkpoint`."""
+        from ds_core.checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's ``save_16bit_model``; see :func:`ds_core.checkpoint.save_16bit_model`."""
+        from ds_core.checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     def destroy(self) -> None:
         """Release every buffer and hook the engine owns; the engine is unusable after."""
         for h in self._hooks:

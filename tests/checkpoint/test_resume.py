@@ -1,0 +1,91 @@
+"""Exact resume: 2N steps equal N steps, save, load in a fresh process group, N steps.
+
+Bitwise: fp32 masters, optimizer state (step counts included), param-group hyperparameters,
+counters, loss scale, LR scheduler, module weights, losses, and every RNG (torch, Python,
+NumPy) drawn after training. Both formats, at stages 0-3, fp16 with a moving loss scale, and
+two fused-style optimizers that keep their step in only one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.checkpoint._common import RESUME
+
+pytestmark = pytest.mark.slow
+
+
+def equal(a: Any, b: Any, where: str = "") -> None:
+    """Bitwise equality of nested tensors/containers, naming the first difference."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        )
+        assert torch.equal(a, b), f"{where}: max diff {(a.double() - b.double()).abs().max()}"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("fmt", ["native", "universal"])
+@pytest.mark.parametrize("name", list(RESUME))
+def test_exact_resume(suite: Any, name: str, fmt: str) -> None:
+    ref = suite("resume_save").ranks(f"save_{name}")
+    got = suite("resume_load").ranks(f"load_{name}_{fmt}")
+    for r, (a, b) in enumerate(zip(ref, got, strict=True)):
+        path, client = b.pop("load")
+        assert path is not None and path.endswith("global_step" + str(RESUME[name].n))
+        assert client == ({"note": name, "n": RESUME[name].n} if fmt == "native" else {})
+        for key in (
+            "counters",
+            "loss_scale",
+            "lr",
+            "sched",
+            "groups",
+            "masters",
+            "opt",
+            "params",
+            "losses",
+            "rng",
+        ):
+            equal(a[key], b[key], f"rank{r}.{key}")
+
+
+def test_resume_moves_the_state_that_matters(suite: Any) -> None:
+    """The scenarios are sensitive: steps were skipped under fp16, the LR moved, each
+    optimizer keeps its step where it says, and training changed the weights."""
+    ref = suite("resume_save")
+    fp16 = ref.ranks("save_s2_fp16")[0]
+    assert fp16["counters"][2] > 0, "no fp16 step was skipped: the loss-scale path is untested"
+    assert fp16["loss_scale"]["scale"] != 2.0**24
+    s0 = ref.ranks("save_s0")[0]
+    assert s0["lr"][0] < 1e-2
+    group = ref.ranks("save_s1_group_step")[0]
+    assert group["groups"][0]["step"] == 2 * RESUME["s1_group_step"].n
+    assert all("step" not in st for st in group["opt"].values())
+    param = ref.ranks("save_s3_param_step")[0]
+    assert "step" not in param["groups"][0]
+    assert {st["step"] for st in param["opt"].values()} == {2 * RESUME["s3_param_step"].n}
+
+
+def test_load_errors_and_refusals(suite: Any) -> None:
+    res = suite("resume_load")
+    for r, out in enumerate(res.ranks("errors")):
+        assert out["empty"] == (None, None)
+        assert out["missing_tag"] == (None, None)
+        # every rank raises, naming the corrupted file, not only the rank that read it
+        assert out["corrupt"] is not None and "rank_00001.pt" in out["corrupt"], (r, out["corrupt"])
+        assert "SHA-256" in out["corrupt"]
+        assert out["mid_window"] is not None and "accumulation window" in out["mid_window"]
+        assert out["mid_window_written"] is False
