@@ -247,6 +247,9 @@ def _commands() -> dict[str, Command]:
         "conformance": (_conformance_args, _conformance),
         "new-backend": (_new_backend_args, _new_backend),
     }
+    from ds_core.checkpoint import cli as checkpoint_cli
+
+    commands["checkpoint"] = (checkpoint_cli.add_args, checkpoint_cli.run)
     return commands
 
 

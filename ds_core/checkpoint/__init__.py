@@ -10,6 +10,8 @@ Public API:
   :func:`inspect_checkpoint` work offline, without a process group;
 - :func:`save_16bit_model` writes the model's 16-bit weights (DeepSpeed's
   ``save_16bit_model``);
+- :class:`ResumableLoader` wraps a data loader so its position is saved (set it as
+  ``engine.training_dataloader``);
 - :class:`CheckpointReader` reads and verifies a checkpoint folder;
 - :class:`CheckpointError` is raised for every bad argument or bad file.
 
@@ -29,10 +31,12 @@ from ds_core.checkpoint.export import (
     inspect_checkpoint,
     save_16bit_model,
 )
+from ds_core.checkpoint.loader import ResumableLoader
 
 __all__ = [
     "CheckpointError",
     "CheckpointReader",
+    "ResumableLoader",
     "consolidated_state_dict",
     "convert_to_universal",
     "export_checkpoint",

@@ -99,10 +99,12 @@ def load_checkpoint(
     if not load_module_only:
         _state.restore_counters(engine, meta, load_lr_scheduler_states)
         if reader.world_size == engine.world:
-            _state.set_rng_state(reader.rank_payload(engine.rank)["rng"])
+            payload = reader.rank_payload(engine.rank)
+            _state.set_rng_state(payload["rng"])
+            _state.set_loader_state(engine, payload.get("loader"))
         else:
             log.warning(
-                "RNG states not restored: saved on %d ranks, loading on %d",
+                "RNG states and data position not restored: saved on %d ranks, loading on %d",
                 reader.world_size,
                 engine.world,
             )

@@ -139,6 +139,7 @@ def save_checkpoint(
             "rank": engine.rank,
             "world_size": engine.world,
             "rng": _state.rng_state(),
+            "loader": _state.loader_state(engine),
             "params": {} if universal else _native_fragments(engine, exclude_frozen_parameters),
         }
         _state.check_plain(rank_payload, _io.rank_file(engine.rank))

@@ -192,6 +192,26 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     get_accelerator().set_rng_state(state["accelerator"])
 
 
+def loader_state(engine: ZeroEngine) -> dict[str, Any] | None:
+    """The position of ``engine.training_dataloader`` when it keeps one (a
+    :class:`~ds_core.checkpoint.loader.ResumableLoader`), else ``None``."""
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is None or not hasattr(loader, "state_dict"):
+        return None
+    state: dict[str, Any] = loader.state_dict()
+    return state
+
+
+def set_loader_state(engine: ZeroEngine, state: dict[str, Any] | None) -> None:
+    loader = getattr(engine, "training_dataloader", None)
+    if state is None or loader is None:
+        return
+    if not hasattr(loader, "load_state_dict"):
+        log.warning("the checkpoint holds a data position, but the engine's loader cannot take it")
+        return
+    loader.load_state_dict(state)
+
+
 # -- meta -----------------------------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.checkpoint._common import OPTIMIZERS, RESUME, Resume, build_model, draw_batch, loss_of
-from tests.zero._common import Scenario, TinyNet, batches, load_reference, reference_state
+from tests.zero._common import IN, OUT, Scenario, TinyNet, batches, load_reference, reference_state
 
 # ------------------------------------------------------------------------------- resume
 
@@ -120,6 +120,46 @@ def resume_load(name: str, fmt: str, root: Path, world: int) -> Callable[[], dic
     return run
 
 
+def loader_job(root: Path, world: int, load: bool) -> dict[str, Any]:
+    """The data position: 5 steps (into the second epoch), save, 3 more steps."""
+    import ds_core
+    from ds_core.checkpoint import ResumableLoader
+
+    sc = RESUME["s2"]
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, IN, generator=g), torch.randn(64, OUT, generator=g)
+    )
+    torch.manual_seed(0)
+    model = TinyNet(1)
+    engine, _, loader, _ = ds_core.initialize(
+        model=model,
+        optimizer=OPTIMIZERS["adamw"](model.parameters()),
+        config=sc.config(world),
+        training_data=data,
+    )
+    engine.training_dataloader = ResumableLoader(loader)
+
+    def run(steps: int) -> list[torch.Tensor]:
+        seen = []
+        batches = (b for _ in range(100) for b in engine.training_dataloader)
+        for _ in range(steps * sc.gas):
+            x, y = next(batches)
+            engine.backward(loss_of(engine(x), y))
+            engine.step()
+            seen.append(x)
+        return seen
+
+    if load:
+        engine.load_checkpoint(str(root / "loader"))
+    else:
+        run(5)
+        engine.save_checkpoint(str(root / "loader"))
+    out = {"seen": run(3), "position": engine.training_dataloader.state_dict()}
+    engine.destroy()
+    return out
+
+
 def load_errors(root: Path) -> dict[str, Any]:
     """What load_checkpoint does with nothing there, a corrupted shard and bad arguments."""
     from ds_core import comm
@@ -128,6 +168,25 @@ def load_errors(root: Path) -> dict[str, Any]:
     sc = RESUME["s1"]
     engine = build(sc, comm.get_world_size(), seed=0)
     out: dict[str, Any] = {"empty": engine.load_checkpoint(str(root / "nothing-here"))}
+    a_file = root / "a_file"
+    if comm.get_rank() == 0:
+        a_file.write_text("not a folder")
+    torch.distributed.barrier()
+    bad_args: dict[str, dict[str, Any]] = {
+        "empty_tag": {"save_dir": str(root / "bad"), "tag": ""},
+        "separator": {"save_dir": str(root / "bad"), "tag": "a/b"},
+        "file": {"save_dir": str(a_file)},
+        "callable": {"save_dir": str(root / "bad"), "client_state": {"f": print}},
+    }
+    refused: dict[str, str | None] = {}
+    for label, kwargs in bad_args.items():
+        try:
+            engine.save_checkpoint(**kwargs)
+            refused[label] = None
+        except CheckpointError as exc:
+            refused[label] = str(exc)
+    out["refused"] = refused
+    out["bad_written"] = (root / "bad").exists()
     out["missing_tag"] = engine.load_checkpoint(str(root / "s1" / "native"), tag="nope")
     bad = root / "corrupt_rank1"
     if comm.get_rank() == 0:
@@ -257,7 +316,9 @@ def reshard_load(stage: int, world: int, fmt: str, root: Path) -> Callable[[], d
 
 def jobs(suite: str, world: int, root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
     if suite == "resume_save":
-        return {f"save_{n}": resume_save(n, root, world) for n in RESUME}
+        out = {f"save_{n}": resume_save(n, root, world) for n in RESUME}
+        out["loader"] = lambda: loader_job(root, world, load=False)
+        return out
     if suite == "resume_load":
         out = {
             f"load_{n}_{fmt}": resume_load(n, fmt, root, world)
@@ -265,6 +326,7 @@ def jobs(suite: str, world: int, root: Path) -> dict[str, Callable[[], dict[str,
             for fmt in ("native", "universal")
         }
         out["errors"] = lambda: load_errors(root)
+        out["loader"] = lambda: loader_job(root, world, load=True)
         return out
     if suite == "reshard_save":
         return {

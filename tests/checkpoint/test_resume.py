@@ -89,3 +89,19 @@ def test_load_errors_and_refusals(suite: Any) -> None:
         assert "SHA-256" in out["corrupt"]
         assert out["mid_window"] is not None and "accumulation window" in out["mid_window"]
         assert out["mid_window_written"] is False
+        refused = out["refused"]
+        assert "is empty" in refused["empty_tag"]
+        assert "no path separators" in refused["separator"]
+        assert "exists and is not a folder" in refused["file"]
+        assert "client_state['f'] is a builtins.builtin_function_or_method" in refused["callable"]
+        assert out["bad_written"] is False
+
+
+def test_data_position_resumes(suite: Any) -> None:
+    """A ResumableLoader as engine.training_dataloader: saved mid-epoch (epoch 1, batch 2 of
+    8 per rank), the resumed run sees the same batches as the uninterrupted one."""
+    ref = suite("resume_save").ranks("loader")
+    got = suite("resume_load").ranks("loader")
+    for r, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert a["position"] == b["position"] == {"epoch": 2, "batches": 0}, r
+        equal(a["seen"], b["seen"], f"rank{r}.seen")
