@@ -169,7 +169,8 @@ def safe_load(path: Path, mmap: bool = False) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        first = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
+        # torch's message opens with generic advice; the line naming the global is the point
+        first = next((ln for ln in lines if "global" in ln.lower()), lines[0] if lines else "")
         raise CheckpointError(
             f"{path}: refused: the file holds objects other than tensors and plain containers "
             f"(loaded with weights_only=True, nothing from it was run): {first}"

@@ -45,7 +45,14 @@ class ResumableLoader:
         self.batches = 0
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "batches"}``: where the next batch comes from."""
+        """``{"epoch", "batches"}``: where the next batch comes from (an epoch consumed to its
+        end counts as the start of the next)."""
+        try:
+            length = len(self.loader)  # type: ignore[arg-type]
+        except TypeError:
+            length = -1
+        if self.batches == length:
+            return {"epoch": self.epoch + 1, "batches": 0}
         return {"epoch": self.epoch, "batches": self.batches}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
