@@ -85,6 +85,7 @@ class Resume:
     optimizer: str = "adamw"
     model: str = "tiny"  # "tiny" (TinyNet) or "mlp" (MLP: fp16-friendly)
     fp16: bool = False
+    bf16: bool = False
     gas: int = 2
     n: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
@@ -105,6 +106,8 @@ class Resume:
         if self.fp16:
             # a high initial scale overflows: the first steps are skipped and the scale moves
             cfg["fp16"] = {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2}
+        if self.bf16:
+            cfg["bf16"] = {"enabled": True}
         cfg.update(self.extra)
         return cfg
 
@@ -115,12 +118,16 @@ RESUME: dict[str, Resume] = {
     "s2": Resume(stage=2),
     "s3": Resume(stage=3),
     "s2_fp16": Resume(stage=2, model="mlp", fp16=True, n=4),
+    "s3_bf16": Resume(stage=3, model="mlp", bf16=True),
+    "s2_ep2": Resume(stage=2, model="tiny_ep2"),
     "s1_group_step": Resume(stage=1, optimizer="group_step"),
     "s3_param_step": Resume(stage=3, optimizer="param_step"),
 }
 
 
 def build_model(kind: str) -> torch.nn.Module:
+    if kind == "tiny_ep2":  # experts split over 2 ranks: stored per expert-parallel rank
+        return TinyNet(2)
     return TinyNet(1) if kind == "tiny" else MLP(IN, 2)
 
 
@@ -129,7 +136,7 @@ def draw_batch(model: str, micro: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     that misses any of them trains on other data."""
     scale = 1.0 + random.random() + float(np.random.rand())
     x = torch.randn(micro, IN) * scale
-    y = torch.randn(micro, OUT if model == "tiny" else IN)
+    y = torch.randn(micro, OUT if model.startswith("tiny") else IN)
     return x, y
 
 

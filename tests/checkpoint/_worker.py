@@ -45,7 +45,7 @@ def train(engine: Any, sc: Resume, steps: int) -> list[float]:
     losses = []
     for _ in range(steps * sc.gas):
         x, y = draw_batch(sc.model)
-        out = engine(x.half() if sc.fp16 else x)
+        out = engine(x.half() if sc.fp16 else x.bfloat16() if sc.bf16 else x)
         loss = loss_of(out, y)
         engine.backward(loss)
         engine.step()
@@ -157,6 +157,34 @@ def loader_job(root: Path, world: int, load: bool) -> dict[str, Any]:
         engine.save_checkpoint(str(root / "loader"))
     out = {"seen": run(3), "position": engine.training_dataloader.state_dict()}
     engine.destroy()
+    return out
+
+
+def save16(root: Path, world: int) -> dict[str, Any]:
+    """save_16bit_model at stages 1 and 3 (bf16): file contents vs the gathered weights."""
+    from safetensors.torch import load_file
+
+    from ds_core import comm
+
+    out: dict[str, Any] = {}
+    for stage in (1, 3):
+        sc = Resume(stage=stage, model="mlp", bf16=True)
+        engine = build(sc, world, seed=0)
+        seed_all(5)
+        train(engine, sc, 1)
+        folder = root / f"save16_s{stage}"
+        written = [engine.save_16bit_model(str(folder), "model.safetensors")]
+        if stage == 3:  # DeepSpeed's key, set the way the config will once it has the field
+            zcfg = engine.config.zero_optimization.model_copy(
+                update={"stage3_gather_16bit_weights_on_model_save": True}
+            )
+            engine.config = engine.config.model_copy(update={"zero_optimization": zcfg})
+            written.append(engine.save_16bit_model(str(folder), "model.safetensors"))
+        gathered = engine.gathered_state_dict()
+        torch.distributed.barrier()
+        saved = load_file(folder / "model.safetensors") if comm.get_rank() == 0 else None
+        out[f"s{stage}"] = {"written": written, "saved": saved, "gathered": gathered}
+        engine.destroy()
     return out
 
 
@@ -327,6 +355,7 @@ def jobs(suite: str, world: int, root: Path) -> dict[str, Callable[[], dict[str,
         }
         out["errors"] = lambda: load_errors(root)
         out["loader"] = lambda: loader_job(root, world, load=True)
+        out["save16"] = lambda: save16(root, world)
         return out
     if suite == "reshard_save":
         return {

@@ -74,6 +74,10 @@ def test_resume_moves_the_state_that_matters(suite: Any) -> None:
     group = ref.ranks("save_s1_group_step")[0]
     assert group["groups"][0]["step"] == 2 * RESUME["s1_group_step"].n
     assert all("step" not in st for st in group["opt"].values())
+    # expert-parallel ranks hold different experts under one local name: stored per EP rank
+    params = ref.ckroot / "s2_ep2" / "universal" / "global_step3" / "params"
+    names = {p.name for p in params.iterdir()}
+    assert {"moe.experts.0.fc1.weight@ep0of2.pt", "moe.experts.0.fc1.weight@ep1of2.pt"} <= names
     param = ref.ranks("save_s3_param_step")[0]
     assert "step" not in param["groups"][0]
     assert {st["step"] for st in param["opt"].values()} == {2 * RESUME["s3_param_step"].n}
@@ -105,3 +109,25 @@ def test_data_position_resumes(suite: Any) -> None:
     for r, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert a["position"] == b["position"] == {"epoch": 2, "batches": 0}, r
         equal(a["seen"], b["seen"], f"rank{r}.seen")
+
+
+def test_precision_kept(suite: Any) -> None:
+    """bf16 training: masters and optimizer state stay fp32 across the load, weights bf16."""
+    for snap in suite("resume_load").ranks("load_s3_bf16_universal"):
+        assert all(m.dtype == torch.float32 for m in snap["masters"].values())
+        for st in snap["opt"].values():
+            assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.float32
+        assert all(p.dtype == torch.bfloat16 for p in snap["params"].values())
+
+
+def test_save_16bit_model(suite: Any) -> None:
+    ranks = suite("resume_load").ranks("save16")
+    for out in ranks:
+        assert out["s1"]["written"] == [True]
+        # stage 3 without stage3_gather_16bit_weights_on_model_save: nothing written (DeepSpeed)
+        assert out["s3"]["written"] == [False, True]
+    for stage in ("s1", "s3"):
+        saved, gathered = ranks[0][stage]["saved"], ranks[0][stage]["gathered"]
+        assert set(saved) == set(gathered)
+        for k, v in gathered.items():
+            assert saved[k].dtype == torch.bfloat16 and torch.equal(saved[k], v), (stage, k)
