@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds_core.checkpoint")
 
+#: engine attribute holding ``(global_steps, global_samples)`` at the last load, used while the
+#: engine keeps no ``global_samples`` counter of its own.
+_SAMPLES_BASE = "_ds_checkpoint_samples_base"
+
 _PLAIN = (str, int, float, bool, type(None), torch.Size)
 
 
@@ -80,7 +84,12 @@ def global_samples(engine: ZeroEngine) -> int:
     value = getattr(engine, "global_samples", None)
     if value is not None:
         return int(value)
-    return int(engine.global_steps) * int(engine.config.train_batch_size)
+    # Without the engine's counter: the samples at the last load, plus steps since then at the
+    # current batch size (the batch size changes when a load changes the world size).
+    base_steps, base_samples = getattr(engine, _SAMPLES_BASE, (0, 0))
+    return base_samples + (int(engine.global_steps) - base_steps) * int(
+        engine.config.train_batch_size
+    )
 
 
 # -- optimizer state ----------------------------------------------------------------------------
@@ -320,6 +329,8 @@ def restore_counters(engine: ZeroEngine, meta: Mapping[str, Any], load_lr: bool)
     engine.skipped_steps = int(c["skipped_steps"])
     if hasattr(engine, "global_samples"):
         engine.global_samples = int(c["global_samples"])
+    else:
+        setattr(engine, _SAMPLES_BASE, (engine.global_steps, int(c["global_samples"])))
     if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     elif engine.loss_scaler is not None:
