@@ -120,6 +120,13 @@ def save_checkpoint(
         be stored, or a failure on any rank (the previous checkpoint and ``latest`` stay).
     """
     root, tag = _validate(engine, save_dir, tag, {} if client_state is None else client_state)
+    args = {"dir": str(root.resolve()), "tag": tag, "universal": universal}
+    every = all_gather_json(engine, args)
+    if any(a != every[0] for a in every):
+        raise CheckpointError(
+            "save_checkpoint is collective: every rank must pass the same save_dir, tag and "
+            f"format; got {every}"
+        )
     checkpoint_id = uuid.uuid4().hex if engine.rank == 0 else ""
     error: BaseException | None = None
     if engine.rank == 0:
