@@ -240,6 +240,42 @@ def load_errors(root: Path) -> dict[str, Any]:
         out["mid_window"] = str(exc)
     out["mid_window_written"] = (root / "mid_window").exists()
     engine.destroy()
+    out.update(load_options(root))
+    return out
+
+
+def load_options(root: Path) -> dict[str, Any]:
+    """load_optimizer_states=False, load_module_only=True, and a model that does not match."""
+    from ds_core import comm
+    from ds_core.checkpoint import CheckpointError
+
+    sc = RESUME["s1"]
+    world = comm.get_world_size()
+    out: dict[str, Any] = {}
+    for label, kwargs in {
+        "no_optimizer": {"load_optimizer_states": False},
+        "module_only": {"load_module_only": True},
+    }.items():
+        engine = build(sc, world, seed=999)
+        engine.load_checkpoint(str(root / "s1" / "native"), **kwargs)
+        out[label] = {
+            "opt_state": len(engine.optimizer.state),
+            "steps": engine.global_steps,
+            "masters": {
+                n: zp.master.detach().clone()
+                for n, zp in engine.zparams.items()
+                if zp.master is not None
+            },
+            "lr": engine.get_lr(),
+        }
+        engine.destroy()
+    other = build(Resume(stage=1, model="mlp"), world, seed=0)
+    try:
+        other.load_checkpoint(str(root / "s1" / "native"))
+        out["mismatch"] = None
+    except CheckpointError as exc:
+        out["mismatch"] = str(exc)
+    other.destroy()
     return out
 
 
