@@ -1,7 +1,10 @@
 """ds_core's ZeRO stages against torch's own data-parallel engines, same GPT, same data, 2 ranks.
 
-Run: ``python bench/zero_vs_peers.py`` (about 10 minutes on a 2-core machine), or e.g.
+Run: ``python bench/zero_vs_peers.py`` (about 15 minutes on a quiet 2-core machine), or e.g.
 ``python bench/zero_vs_peers.py --rounds 2 --steps 4 --preset small`` for a quick look.
+``--preset`` takes a comma-separated list of ``name[:micro_batch]``; the default runs the
+``large`` GPT (model states dominate memory) and ``small:8`` (activations dominate) in one go,
+a table each.
 
 Configurations, each run ``--rounds`` times, interleaved (A B C ... A B C ...) with the order
 rotated every round, because this machine's speed drifts by up to 1.8× between phases:
@@ -15,7 +18,9 @@ All use fp32, gradient clipping at 1.0 (scale-sensitive, so a wrong gradient ave
 in the loss) and AdamW(lr 3e-4, no weight decay). Per configuration it prints: median step
 time and its spread (10th-90th percentile, all measured steps of all rounds, wall time of the
 slowest rank), tokens/s, CPU seconds per step, peak resident memory per rank above the
-baseline taken before the model is built, model-state bytes per rank (parameters + gradients
+baseline taken before the model is built (the kernel's high-water mark, reset before the
+measured steps, so it is the peak *during* them: inside backward, inside the step) and its
+ratio over the ZeRO formula for the stage, model-state bytes per rank (parameters + gradients
 + optimizer state, counted from the tensors; for ds_core from the engine) against the ZeRO
 formula, logical bytes communicated per step per rank (DESIGN.md §3: all-reduce 2×buffer,
 reduce-scatter 1×input, all-gather 1×output, broadcast 1×buffer; ds_core counted at its
@@ -489,7 +494,7 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
     lines = []
     head = (
         f"{'config':<9} {'step ms':>8} {'p10-p90 ms':>13} {'cpu ms':>7} {'tok/s':>7} "
-        f"{'peak MiB/rank':>14} {'state MiB':>9} {'formula':>8} {'st/form':>7} "
+        f"{'peak MiB/rank':>14} {'pk/form':>7} {'state MiB':>9} {'formula':>8} {'st/form':>7} "
         f"{'comm MiB':>8} {'/ideal':>6} {'wire MiB':>8} {'loss':>9} {'Δ vs DDP':>9}"
     )
     lines += [head, "-" * len(head)]
@@ -506,6 +511,7 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
             f"{name:<9} {r['median_s'] * 1e3:>8.1f} "
             f"{r['p10_s'] * 1e3:>6.0f}-{r['p90_s'] * 1e3:<6.0f} {r['cpu_s'] * 1e3:>7.1f} "
             f"{r['tok_s']:>7.0f} {'/'.join(f'{m:.0f}' for m in r['peak_mib']):>14} "
+            f"{max(r['peak_mib']) * MiB / formula:>7.2f} "
             f"{r['state'] / MiB:>9.1f} {formula / MiB:>8.1f} {r['state'] / formula:>7.2f} "
             f"{r['logical'] / MiB:>8.1f} {r['logical'] / ideal:>6.2f} {r['wire'] / MiB:>8.1f} "
             f"{r['loss']:>9.5f} {dloss:>9}"
@@ -513,6 +519,7 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
     lines.append("")
     lines.append(
         "formula: ZeRO fp32 model states per rank (zero_opt as stage 1, fsdp2 as stage 3); "
+        "pk/form: peak during the measured steps over it; "
         "/ideal: logical bytes over 2Ψ (stages 0-2) or 3Ψ (stage 3)"
     )
     best_peer = {0: "ddp", 1: "zero_opt", 2: "zero_opt", 3: "fsdp2"}
@@ -549,6 +556,24 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     ds_core.init_distributed(timeout=600)
     tokens = encode(make_corpus())
     configs = args.configs.split(",")
+    payload: dict[str, Any] = {}
+    for spec in args.preset.split(","):
+        preset, _, mb = spec.partition(":")
+        run_args = argparse.Namespace(**{**vars(args), "preset": preset})
+        if mb:
+            run_args.micro_batch = int(mb)
+        runs = run_preset(run_args, configs, tokens)
+        payload[spec] = {k: [asdict(r) for r in v] for k, v in runs.items()}
+    if rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+    dist.destroy_process_group()
+
+
+def run_preset(
+    args: argparse.Namespace, configs: list[str], tokens: torch.Tensor
+) -> dict[str, list[RunResult]]:
+    """Every configuration on one preset, interleaved over rounds; rank 0 prints the table."""
+    rank = dist.get_rank()
     runs: dict[str, list[RunResult]] = {c: [] for c in configs}
     t_start = time.perf_counter()
     for round_ in range(args.rounds):
@@ -559,8 +584,8 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             if rank == 0:
                 status = result.error or f"median {statistics.median(result.step_s) * 1e3:.0f} ms"
                 print(
-                    f"[{time.perf_counter() - t_start:5.0f}s] round {round_ + 1}/{args.rounds} "
-                    f"{name}: {status}",
+                    f"[{time.perf_counter() - t_start:5.0f}s] {args.preset} round "
+                    f"{round_ + 1}/{args.rounds} {name}: {status}",
                     flush=True,
                 )
     if rank == 0:
@@ -573,10 +598,8 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             f"{args.steps} measured steps (after {args.warmup} warm-up), torch {torch.__version__}"
         )
         print(summarize(runs, args, n_params))
-        if args.json:
-            payload = {k: [asdict(r) for r in v] for k, v in runs.items()}
-            Path(args.json).write_text(json.dumps(payload, indent=1))
-    dist.destroy_process_group()
+        print(flush=True)
+    return runs
 
 
 def free_port() -> int:
@@ -587,7 +610,11 @@ def free_port() -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="large", choices=sorted(PRESETS))
+    p.add_argument(
+        "--preset",
+        default="large,small:8",
+        help=f"comma-separated name[:micro_batch], names from {sorted(PRESETS)}",
+    )
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)

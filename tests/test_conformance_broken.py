@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.broken_backends import BROKEN, install
+from tests.broken_backends import BROKEN, NARROW, install
 from tests.distfactory import make_backend
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,8 @@ def failing_categories(report: dict[str, Any]) -> set[str]:
 def test_broken_backend_fails_in_its_category(tmp_path: Path, stem: str) -> None:
     category, must_fail, what = BROKEN[stem]
     name = install(tmp_path, stem)
-    code, output, report = run_suite(tmp_path, "--backend", name, "--category", category)
+    extra = ("--", *NARROW[stem]) if stem in NARROW else ()
+    code, output, report = run_suite(tmp_path, "--backend", name, "--category", category, *extra)
     assert code == 1, f"{stem} ({what}) was not caught: exit {code}\n{output[-3000:]}"
     assert report, f"no report written:\n{output[-3000:]}"
     assert failing_categories(report) == {category}, report["categories"]
@@ -76,3 +77,23 @@ def test_absent_capability_is_skipped_and_conformant(tmp_path: Path) -> None:
     row = report["categories"]["graph"]
     assert row["skipped"] == row["capability_absent"] > 0 and row["failed"] == 0
     assert "capability absent: graph_capture" in output
+
+
+def test_stream_ordering_cases_run_where_async_streams_is_declared(tmp_path: Path) -> None:
+    """A CPU clone declaring ``async_streams`` (its synchronous streams trivially honour the
+    ordering): the stream-ordering cases run on its ranks and pass, instead of being skipped.
+    What they prove on a real asynchronous device is in ds_conformance.comm_cases."""
+    make_backend(
+        tmp_path,
+        "asyncclone",
+        extra=(
+            "\n@hookimpl\ndef ds_backend_capabilities():\n"
+            "    return _cpu.ds_backend_capabilities() | {'async_streams'}\n"
+        ),
+    )
+    code, output, report = run_suite(
+        tmp_path, "--backend", "asyncclone", "--category", "comm", "--", "-k", "stream-"
+    )
+    assert code == 0, output[-3000:]
+    row = report["categories"]["comm"]
+    assert row["passed"] == 2 and row["skipped"] == 0, row

@@ -1,8 +1,8 @@
-"""One rank of the conformance suite's collective group (``python -m ds_conformance._rank_worker``).
+"""One rank of a conformance group (``python -m ds_conformance._rank_worker``).
 
-Runs every collective case in order on the backend named by ``DS_ACCELERATOR`` and writes one
-JSON object ``{case id: "" | failure}`` to ``--out``. A case that raises is recorded and the
-rank goes on, so one broken collective does not hide the others.
+Runs the requested jobs (``--jobs comm,zero``) on the backend named by ``DS_ACCELERATOR``
+and writes one JSON object ``{result key: "" | failure}`` to ``--out``. A case that raises is
+recorded and the rank goes on, so one broken collective does not hide the others.
 """
 
 from __future__ import annotations
@@ -12,6 +12,36 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _describe(exc: BaseException) -> str:
+    last = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{type(exc).__name__}: {exc} ({os.path.basename(last.filename)}:{last.lineno})"
+
+
+def _comm(
+    acc: Any, rank: int, world: int, scratch: Path, selected: set[str] | None
+) -> dict[str, str]:
+    from ds_conformance.comm_cases import SUBGROUPS, Context, cases, run_case
+    from ds_core import comm
+
+    # Every rank creates every subgroup, in the same order (torch.distributed requires it).
+    groups = {g: comm.new_group(list(g)) for g in SUBGROUPS} if world == 4 else {}
+    ctx = Context(acc=acc, rank=rank, scratch=scratch, groups=groups)
+    results: dict[str, str] = {}
+    for case in cases(acc.supported_dtypes()):
+        if case.world != world or (selected is not None and case.key not in selected):
+            continue
+        if case.capability and case.capability not in acc.capabilities:
+            continue  # the test reports it skipped (capability absent)
+        try:
+            run_case(ctx, case)
+            results[case.key] = ""
+        except Exception as exc:
+            results[case.key] = _describe(exc)
+    return results
 
 
 def main() -> int:
@@ -20,6 +50,8 @@ def main() -> int:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--jobs", default="comm")
+    parser.add_argument("--cases", help="a JSON list of the case keys to run (default: all)")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
     os.environ.update(
@@ -34,28 +66,25 @@ def main() -> int:
 
     torch.set_num_threads(1)  # ranks share the host's cores
     import ds_core
-    from ds_conformance.comm_cases import cases, run_case
 
     ds_core.init_distributed(timeout=args.timeout)
     acc = ds_core.get_accelerator()
+    jobs = {j for j in args.jobs.split(",") if j}
     results: dict[str, str] = {}
-    for case in cases(acc.supported_dtypes()):
-        if case.world != args.world:
-            continue
-        key = f"{case.collective}[{case.id}]"
-        try:
-            run_case(acc, case, args.rank)
-            results[key] = ""
-        except Exception as exc:
-            last = traceback.extract_tb(exc.__traceback__)[-1]
-            results[key] = (
-                f"{type(exc).__name__}: {exc} ({os.path.basename(last.filename)}:{last.lineno})"
-            )
+    if "comm" in jobs:
+        selected = set(json.loads(Path(args.cases).read_text())) if args.cases else None
+        results.update(_comm(acc, args.rank, args.world, Path(args.out).parent, selected))
+    if "zero" in jobs:
+        from ds_conformance.zero_smoke import WORLD, run_all
+
+        if args.world == WORLD:
+            try:
+                results.update(run_all(acc, args.rank))
+            except Exception as exc:  # a crash outside one stage fails every stage
+                results["zero[setup]"] = _describe(exc)
     with open(args.out, "w") as f:
         json.dump(results, f)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    ds_core.destroy_distributed()
     return 0
 
 

@@ -1,18 +1,30 @@
 """Collective cases: shared by the test module (ids) and the rank workers (execution).
 
 Every rank builds every rank's input from ``(rank, case)`` alone, so it checks its result
-against a local computation without trusting any other collective. Sizes are deliberately
-uneven (13 elements, 7 per rank, uneven all-to-all splits) and values are small integers,
-exact in every dtype, including 8-bit ones summed over 4 ranks.
+against a local computation without trusting any other collective. The data comes from
+:mod:`ds_conformance.values`: per-rank distinct, non-symmetric, exact in the dtype and not in
+a narrower one, with sizes that are not powers of two (13 elements, 5 and 7 per rank, uneven
+all-to-all splits). Every reduce op is tested on every dtype it applies to, in the world group
+and (on 4 ranks) in two interleaved subgroups, where group ranks differ from global ranks.
+
+Semantics cases (``late-*`` variants, 2 ranks) make one rank join late and check what the
+contract says about blocking: a barrier and a synchronous collective do not return before the
+late peer joins; an asynchronous call returns before its peers join, and ``wait()`` makes the
+result visible. A marker file written by the late rank just before it joins makes this a
+causal check, not a timing threshold: a correct backend passes however slow the host is.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from ds_conformance.values import REDUCE_OPS, op_applies, product_values, rank_values, reduce
 
 WORLD_SIZES: tuple[int, ...] = (2, 4)
 COLLECTIVES: tuple[str, ...] = (
@@ -23,6 +35,12 @@ COLLECTIVES: tuple[str, ...] = (
     "all_to_all",
     "barrier",
 )
+#: Interleaved subgroups of a 4-rank world (global rank != group rank for 3 of 4 ranks).
+SUBGROUPS: tuple[tuple[int, ...], ...] = ((0, 2), (1, 3))
+#: Seconds a late rank waits before joining; only how convincing a failure is depends on it.
+LATE_S = 0.3
+#: Seconds a late rank waits for the early rank's "my async call returned" marker.
+MARKER_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -32,11 +50,27 @@ class Case:
     dtype: str  # torch dtype name without "torch."
     op: str = ""
     async_op: bool = False
+    variant: str = ""  # "", "group", "equal-splits", "late-sync", "late-async", "stream-*"
 
     @property
     def id(self) -> str:
-        parts = [self.op, self.dtype, "async" if self.async_op else "", f"w{self.world}"]
+        parts = [
+            self.op,
+            self.dtype,
+            "async" if self.async_op else "",
+            self.variant,
+            f"w{self.world}",
+        ]
         return "-".join(p for p in parts if p)
+
+    @property
+    def key(self) -> str:
+        return f"{self.collective}[{self.id}]"
+
+    @property
+    def capability(self) -> str:
+        """The capability a case needs ("" for every backend)."""
+        return "async_streams" if self.variant.startswith("stream-") else ""
 
 
 def _reduces(dtype: torch.dtype) -> bool:
@@ -52,34 +86,165 @@ def cases(dtypes: Iterable[torch.dtype]) -> list[Case]:
     for world in WORLD_SIZES:
         for name in names:
             dtype = getattr(torch, name)
-            ops = ("sum", "max") if _reduces(dtype) else ("max",)
-            out += [Case("all_reduce", world, name, op) for op in ops]
+            out += [
+                Case("all_reduce", world, name, op) for op in REDUCE_OPS if op_applies(op, dtype)
+            ]
             out.append(Case("all_gather", world, name))
             if _reduces(dtype):
-                out.append(Case("reduce_scatter", world, name, "sum"))
+                out += [
+                    Case("reduce_scatter", world, name, op)
+                    for op in REDUCE_OPS
+                    if op_applies(op, dtype)
+                ]
             out.append(Case("broadcast", world, name))
             out.append(Case("all_to_all", world, name))
-        for collective in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
+        out.append(Case("all_to_all", world, "float32", variant="equal-splits"))
+        for collective in COLLECTIVES[:-1]:
             op = "sum" if collective in ("all_reduce", "reduce_scatter") else ""
             out.append(Case(collective, world, "float32", op, async_op=True))
         out.append(Case("barrier", world, ""))
+    for collective in COLLECTIVES[:-1]:
+        op = "avg" if collective in ("all_reduce", "reduce_scatter") else ""
+        out.append(Case(collective, 4, "float32", op, variant="group"))
+    out.append(Case("barrier", 2, "", variant="late-sync"))
+    for collective in ("all_reduce", "broadcast"):
+        op = "sum" if collective == "all_reduce" else ""
+        out.append(Case(collective, 2, "float32", op, variant="late-sync"))
+    for collective in COLLECTIVES[:-1]:
+        op = "sum" if collective in ("all_reduce", "reduce_scatter") else ""
+        out.append(Case(collective, 2, "float32", op, async_op=True, variant="late-async"))
+    for variant in ("stream-after-current", "stream-wait-orders"):
+        out.append(Case("all_reduce", 2, "float32", "sum", async_op=True, variant=variant))
     return out
 
 
-def _data(rank: int, rows: int, dtype: torch.dtype, cols: int = 1, salt: int = 0) -> torch.Tensor:
-    """Rank ``rank``'s input: values in 1..7 (bool: alternating), shape (rows, cols)."""
-    base = (torch.arange(rows * cols, dtype=torch.int64) + 3 * rank + salt) % 7 + 1
-    if dtype == torch.bool:
-        return (base % 2 == 1).reshape(rows, cols)
-    return base.to(dtype).reshape(rows, cols)
+# --------------------------------------------------------------------------- one case
 
 
-def _reduce(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
-    if tensors[0].dtype == torch.bool:
-        return torch.stack(tensors).any(0) if op in ("max", "sum") else torch.stack(tensors).all(0)
-    wide = torch.stack([t.to(torch.float64) for t in tensors])
-    out = wide.sum(0) if op == "sum" else wide.amax(0)
-    return out.to(tensors[0].dtype)
+@dataclass
+class Context:
+    """What a rank needs besides the case: its accelerator, rank, groups and a shared folder."""
+
+    acc: Any
+    rank: int
+    scratch: Path  # a folder every rank of the group sees (marker files)
+    groups: dict[tuple[int, ...], Any]  # subgroup ranks -> process group (world 4 only)
+
+
+def _inputs(
+    case: Case, rank: int, numel: int, dtype: torch.dtype, world: int, salt: int = 0
+) -> torch.Tensor:
+    if case.op == "product":
+        return product_values(rank, numel, dtype)
+    return rank_values(rank, numel, dtype, world, salt)
+
+
+def _fail(ctx: Context, case: Case, what: str, got: Any, expected: Any) -> None:
+    raise AssertionError(
+        f"rank {ctx.rank} {what}={got}, but should be {expected} [{case.collective}({case.id})]"
+    )
+
+
+def _check(ctx: Context, case: Case, got: torch.Tensor, expected: torch.Tensor) -> None:
+    result = got.cpu()
+    if result.dtype != expected.dtype or not torch.equal(result, expected):
+        _fail(ctx, case, "result", result.flatten().tolist(), expected.flatten().tolist())
+
+
+def _wait_for(path: Path, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def run_case(ctx: Context, case: Case) -> None:
+    """Run ``case`` on this rank through the accelerator's comm hooks and check the result.
+
+    :raises AssertionError: with the suite's message shape when the result is wrong.
+    """
+    if case.variant.startswith("late-"):
+        _run_late(ctx, case)
+    elif case.variant.startswith("stream-"):
+        _run_stream(ctx, case)
+    elif case.collective == "barrier":
+        for _ in range(3):
+            if ctx.acc.barrier() is not True:
+                _fail(ctx, case, "barrier()", "not True", "True")
+    else:
+        _run_plain(ctx, case)
+
+
+def _members(ctx: Context, case: Case) -> tuple[tuple[int, ...], Any]:
+    """(global ranks of this rank's group in group-rank order, the process group or None)."""
+    if case.variant == "group":
+        members = next(g for g in SUBGROUPS if ctx.rank in g)
+        return members, ctx.groups[members]
+    return tuple(range(case.world)), None
+
+
+def _run_plain(ctx: Context, case: Case, late: Callable[[], None] | None = None) -> None:
+    acc, device = ctx.acc, ctx.acc.device()
+    dtype = getattr(torch, case.dtype)
+    members, group = _members(ctx, case)
+    world, me = len(members), members.index(ctx.rank)  # group size, group rank
+    if late is not None:
+        late()
+    run = _COLLECTIVES[case.collective]
+    got, expected, work = run(acc, case, device, dtype, members, me, world, group)
+    if case.async_op:
+        work.wait()
+    acc.synchronize()
+    _check(ctx, case, got, expected)
+
+
+Run = Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]
+
+
+def _all_reduce(
+    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
+    world: int, group: Any,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    data = [_inputs(case, r, 13, dtype, world) for r in members]
+    expected = reduce(data, case.op)
+    tensor = data[me].to(device, copy=True)  # reduced in place
+    work = acc.all_reduce(tensor, case.op, group, case.async_op)
+    return tensor, expected, work
+
+
+def _all_gather(
+    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
+    world: int, group: Any,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    data = [rank_values(r, 7, dtype, world) for r in members]
+    got = torch.empty(7 * world, dtype=dtype, device=device)
+    work = acc.all_gather(got, data[me].to(device), group, case.async_op)
+    return got, torch.cat(data), work
+
+
+def _reduce_scatter(
+    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
+    world: int, group: Any,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    full = [_inputs(case, r, 5 * world, dtype, world) for r in members]
+    expected = reduce(full, case.op)[me * 5 : (me + 1) * 5]
+    got = torch.empty(5, dtype=dtype, device=device)
+    work = acc.reduce_scatter(got, full[me].to(device, copy=True), case.op, group, case.async_op)
+    return got, expected, work
+
+
+def _broadcast(
+    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
+    world: int, group: Any,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    src = members[-1]  # a global rank that is not the group's rank 0
+    expected = rank_values(src, 11, dtype, world)
+    own = rank_values(members[me], 11, dtype, world, salt=0 if me == world - 1 else 5)
+    got = own.to(device, copy=True)
+    work = acc.broadcast(got, src, group, case.async_op)
+    return got, expected, work
 
 
 def _split(rank: int, peer: int) -> int:
@@ -87,60 +252,123 @@ def _split(rank: int, peer: int) -> int:
     return (rank + 2 * peer) % 3 + 1
 
 
-def run_case(acc: Any, case: Case, rank: int) -> None:
-    """Run ``case`` on this rank through the accelerator's comm hooks and check the result.
+def _all_to_all(
+    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
+    world: int, group: Any,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    equal = case.variant == "equal-splits"
 
-    :raises AssertionError: with the suite's message shape when the result is wrong.
-    """
-    world, device = case.world, acc.device()
-    if case.collective == "barrier":
-        for _ in range(3):
-            if acc.barrier() is not True:
+    def split(sender: int, receiver: int) -> int:
+        return 2 if equal else _split(sender, receiver)
+
+    def rows(sender: int) -> torch.Tensor:
+        n = sum(split(sender, q) for q in range(world))
+        return rank_values(members[sender], 3 * n, dtype, world).reshape(n, 3)
+
+    pieces = []
+    for peer in range(world):
+        start = sum(split(peer, q) for q in range(me))
+        pieces.append(rows(peer)[start : start + split(peer, me)])
+    sends = None if equal else [split(me, peer) for peer in range(world)]
+    recvs = None if equal else [split(peer, me) for peer in range(world)]
+    got = torch.empty(sum(split(p, me) for p in range(world)), 3, dtype=dtype, device=device)
+    work = acc.all_to_all(got, rows(me).to(device), recvs, sends, group, case.async_op)
+    return got, torch.cat(pieces), work
+
+
+_COLLECTIVES: dict[str, Run] = {
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "broadcast": _broadcast,
+    "all_to_all": _all_to_all,
+}
+
+
+# --------------------------------------------------------------------------- late peers
+
+
+def _run_late(ctx: Context, case: Case) -> None:
+    """One rank joins late; check blocking (sync) or non-blocking + wait (async)."""
+    late_rank = case.world - 1
+    joined = ctx.scratch / f"{case.key}.late-joins"
+    returned = ctx.scratch / f"{case.key}.early-returned"
+    has_streams = "async_streams" in ctx.acc.capabilities
+    if case.async_op:  # rank 0 calls first; the others join only after its call returned
+        if ctx.rank == 0:
+            acc, device, dtype = ctx.acc, ctx.acc.device(), getattr(torch, case.dtype)
+            members = tuple(range(case.world))
+            run = _COLLECTIVES[case.collective]
+            got, expected, work = run(acc, case, device, dtype, members, 0, case.world, None)
+            returned.touch()
+            work.wait()
+            work.wait()  # a second wait is allowed and changes nothing
+            acc.synchronize()
+            _check(ctx, case, got, expected)
+            return
+
+        def after_rank0_returned() -> None:
+            if not _wait_for(returned, MARKER_TIMEOUT_S):
                 raise AssertionError(
-                    "barrier() returned something other than True [ds_comm_barrier]"
+                    f"rank {ctx.rank}: rank 0's {case.collective}(async_op=True) did not return "
+                    f"within {MARKER_TIMEOUT_S:.0f} s while this peer had not joined, but "
+                    f"should return before its peers join [{case.collective}({case.id})]"
                 )
+            time.sleep(LATE_S)  # rank 0's wait() now really has to wait for us
+
+        _run_plain(ctx, case, late=after_rank0_returned)
         return
-    dtype = getattr(torch, case.dtype)
-    finish: Callable[[Any], None] = (lambda w: w.wait()) if case.async_op else (lambda w: None)
-    if case.collective == "all_reduce":
-        mine = _data(rank, 13, dtype).flatten()
-        expected = _reduce([_data(r, 13, dtype).flatten() for r in range(world)], case.op)
-        tensor = mine.to(device)
-        finish(acc.all_reduce(tensor, case.op, None, case.async_op))
+
+    def join_late() -> None:
+        if ctx.rank == late_rank:
+            time.sleep(LATE_S)
+            joined.touch()
+
+    if case.collective == "barrier":
+        join_late()
+        ctx.acc.barrier()
+    else:
+        _run_plain(ctx, case, late=join_late)
+    if ctx.rank != late_rank and not has_streams and not joined.exists():
+        _fail(ctx, case, "returned before the late rank joined", True, "False (it blocks)")
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def _run_stream(ctx: Context, case: Case) -> None:
+    """Stream ordering of an asynchronous all-reduce (backends declaring ``async_streams``).
+
+    ``stream-after-current``: the input is produced by a long chain of kernels on a side
+    stream, and the collective is called with that stream current and no other sync; it must
+    reduce the final values. ``stream-wait-orders``: after ``wait()`` under another stream,
+    work queued on that stream (and nothing else) must see the result.
+    """
+    acc, device = ctx.acc, ctx.acc.device()
+    world = case.world
+    data = [rank_values(r, 1 << 20, torch.float32, world) for r in range(world)]
+    expected = reduce(data, "sum")
+    side = acc.Stream()
+    side.wait_stream(acc.current_stream())
+    if case.variant == "stream-after-current":
+        src = data[ctx.rank].to(device)
+        acc.synchronize()
+        with acc.stream(side):
+            tensor = torch.zeros_like(src)
+            for _ in range(32):  # keeps the side stream busy well past the call
+                tensor.mul_(0.5).add_(src).sub_(src * 0.5)
+            tensor.copy_(src)
+            work = acc.all_reduce(tensor, "sum", None, True)
+            work.wait()
+        acc.current_stream().wait_stream(side)
         got = tensor
-    elif case.collective == "all_gather":
-        mine = _data(rank, 7, dtype).flatten()
-        expected = torch.cat([_data(r, 7, dtype).flatten() for r in range(world)])
-        got = torch.empty(7 * world, dtype=dtype, device=device)
-        finish(acc.all_gather(got, mine.to(device), None, case.async_op))
-    elif case.collective == "reduce_scatter":
-        full = [_data(r, 5 * world, dtype).flatten() for r in range(world)]
-        expected = _reduce(full, case.op)[rank * 5 : (rank + 1) * 5]
-        got = torch.empty(5, dtype=dtype, device=device)
-        finish(acc.reduce_scatter(got, full[rank].to(device), case.op, None, case.async_op))
-    elif case.collective == "broadcast":
-        src = world - 1
-        expected = _data(src, 11, dtype).flatten()
-        got = _data(rank, 11, dtype, salt=0 if rank == src else 5).flatten().to(device)
-        finish(acc.broadcast(got, src, None, case.async_op))
-    elif case.collective == "all_to_all":
-        sends = [_split(rank, peer) for peer in range(world)]
-        recvs = [_split(peer, rank) for peer in range(world)]
-        mine = _data(rank, sum(sends), dtype, cols=3)
-        pieces = []
-        for peer in range(world):
-            theirs = _data(peer, sum(_split(peer, q) for q in range(world)), dtype, cols=3)
-            start = sum(_split(peer, q) for q in range(rank))
-            pieces.append(theirs[start : start + _split(peer, rank)])
-        expected = torch.cat(pieces)
-        got = torch.empty(sum(recvs), 3, dtype=dtype, device=device)
-        finish(acc.all_to_all(got, mine.to(device), recvs, sends, None, case.async_op))
-    else:  # pragma: no cover - the case list names only the collectives above
-        raise ValueError(f"unknown collective {case.collective!r}")
+    else:
+        tensor = data[ctx.rank].to(device)
+        acc.synchronize()
+        work = acc.all_reduce(tensor, "sum", None, True)
+        with acc.stream(side):
+            work.wait()  # orders the side stream after the collective
+            got = tensor * 1  # queued on the side stream, after the wait
+        acc.current_stream().wait_stream(side)
     acc.synchronize()
-    result = got.cpu()
-    if result.dtype != dtype or not torch.equal(result, expected):
-        raise AssertionError(
-            f"rank {rank} result={result.flatten().tolist()}, but should be "
-            f"{expected.flatten().tolist()} [{case.collective}({case.id})]"
-        )
+    _check(ctx, case, got, expected)

@@ -25,16 +25,22 @@ def check(ok: bool, what: str, actual: Any, expected: str, call: str) -> None:
         pytest.fail(f"{what}={actual!r}, but should be {expected} [{call}]", pytrace=False)
 
 
-def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> Any:
+def run_python(
+    code: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    base_env: dict[str, str] | None = None,
+) -> Any:
     """Run ``code`` in a fresh interpreter and return the JSON it prints on its last line.
 
-    The child inherits ``DS_ACCELERATOR`` (the backend under test) and ``sys.path``.
+    The child inherits ``DS_ACCELERATOR`` (the backend under test) and ``sys.path``; its
+    environment is ``base_env`` (default: this process's) updated with ``env``.
 
     :raises pytest.fail.Exception: when the child exits non-zero, hangs past ``timeout``
         seconds, or prints no JSON; the message carries the tail of its stderr.
     """
     __tracebackhide__ = True
-    child_env = dict(os.environ)
+    child_env = dict(os.environ if base_env is None else base_env)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     child_env.update(env or {})
     try:

@@ -92,6 +92,15 @@ def acc(request: pytest.FixtureRequest) -> Any:
     return suite_of(request.config).acc
 
 
+@pytest.fixture(scope="session")
+def rank_groups(request: pytest.FixtureRequest) -> Any:
+    """Rank processes shared by every multi-rank test of the run (:mod:`ds_conformance.ranks`)."""
+    from ds_conformance.ranks import RankGroups
+
+    suite_of(request.config)
+    return RankGroups(request.session.items)
+
+
 def _is_suite_item(item: pytest.Item) -> bool:
     module = getattr(item, "module", None)
     return module is not None and module.__name__.startswith(_PACKAGE + ".test_")
@@ -129,6 +138,9 @@ class Suite:
         self.results = rep.Results()
         self.ids: dict[str, tuple[str, str]] = {}  # nodeid -> (test id, category)
         self.stale: list[str] = []
+        # The environment before this process selected (and so probed) the backend: children
+        # that judge a probe's side effects start from it, not from what the probe left.
+        self.env_at_start: dict[str, str] = dict(os.environ, DS_ACCELERATOR=name)
         os.environ["DS_ACCELERATOR"] = name  # ranks and subprocesses test the same backend
         reset_accelerator()
         set_accelerator(name)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 
-from ds_conformance.helpers import check
+from ds_conformance.helpers import check, run_python
 from ds_conformance.marks import capability, hooks, tier
 
 pytestmark = tier("basic")
@@ -68,6 +69,100 @@ def test_record_names_what_was_set_and_restore_undoes_it(acc: Any) -> None:
         now,
         str(algos_before),
         "ds_determinism_restore",
+    )
+
+
+_SIDE_EFFECTS = """
+import json, os, torch
+from ds_core import get_accelerator
+
+def torch_globals():
+    b = torch.backends
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "num_threads": torch.get_num_threads(),
+        "default_dtype": str(torch.get_default_dtype()),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn.deterministic": b.cudnn.deterministic,
+        "cudnn.benchmark": b.cudnn.benchmark,
+        "mkldnn.enabled": b.mkldnn.enabled,
+    }
+
+def changed(a, b):
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+acc = get_accelerator()
+out = {}
+for already_on in (False, True):
+    torch.use_deterministic_algorithms(already_on)
+    env0, globals0 = dict(os.environ), torch_globals()
+    first = acc.set_deterministic(True)
+    env1, on = dict(os.environ), torch.are_deterministic_algorithms_enabled()
+    second = acc.set_deterministic(True)  # nested: a second policy over the first
+    acc.restore_determinism(second)
+    env_nested, on_nested = dict(os.environ), torch.are_deterministic_algorithms_enabled()
+    acc.restore_determinism(first)
+    env2, globals2 = dict(os.environ), torch_globals()
+    out["from-on" if already_on else "from-off"] = {
+        "applied_env": changed(env0, env1), "recorded_env": sorted(first.env),
+        "on_after_apply": on, "nested_env": changed(env1, env_nested), "on_nested": on_nested,
+        "leaked_env": changed(env0, env2),
+        "settings": {k: [globals0[k], v] for k, v in globals2.items() if globals0[k] != v},
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def side_effects(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """apply/restore in a fresh process, from the environment this run started with, so no
+    other test's (or torch's lazily set) variables hide or fake a change."""
+    from ds_conformance.plugin import suite_of
+
+    base = suite_of(request.config).env_at_start
+    return run_python(_SIDE_EFFECTS, base_env=base)  # type: ignore[no-any-return]
+
+
+@hooks("ds_determinism_apply", "ds_determinism_restore")
+@pytest.mark.parametrize("start", ["from-off", "from-on"])
+def test_apply_changes_only_what_it_records_and_restore_returns_every_setting(
+    side_effects: dict[str, Any], start: str
+) -> None:
+    """After apply, exactly the recorded variables changed and the setting holds; a nested
+    apply + restore returns to the first policy; after the last restore the environment and
+    torch's global settings equal those before — also when determinism was already on
+    (restore must return to the old value, not switch it off)."""
+    r = side_effects[start]
+    call = f"ds_determinism_apply(True) {start}"
+    check(
+        r["applied_env"] == r["recorded_env"],
+        "environment variables changed by apply",
+        r["applied_env"],
+        f"exactly the recorded ones {r['recorded_env']}",
+        call,
+    )
+    check(r["on_after_apply"], "deterministic algorithms after apply", False, "True", call)
+    check(
+        not r["nested_env"] and r["on_nested"],
+        "(env changes, deterministic) after apply, apply, restore(second)",
+        (r["nested_env"], r["on_nested"]),
+        "([], True): the first policy still in force",
+        "ds_determinism_restore (nested)",
+    )
+    check(
+        not r["leaked_env"],
+        "environment variables left changed",
+        r["leaked_env"],
+        "none",
+        f"apply + restore {start}",
+    )
+    check(
+        not r["settings"],
+        "torch settings [before, after] apply + restore",
+        r["settings"],
+        "unchanged",
+        f"ds_determinism_restore {start}",
     )
 
 

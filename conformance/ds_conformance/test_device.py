@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from ds_conformance.helpers import check
+from ds_conformance.helpers import check, run_python
 from ds_conformance.marks import hooks, tier
 
 pytestmark = tier("basic")
@@ -93,3 +93,42 @@ def test_properties_describe_each_device(acc: Any) -> None:
             "> 0 bytes",
             f"ds_device_properties({index})",
         )
+
+
+_SEVERAL = """
+import json
+from ds_core import get_accelerator
+acc = get_accelerator()
+out = {"count": acc.device_count(), "initial": acc.current_device(), "after_set": [],
+       "props": [], "default_props": []}
+for i in reversed(range(out["count"])):  # descending: a stale "current" cannot look right
+    acc.set_device(i)
+    out["after_set"].append(acc.current_device())
+    out["default_props"].append(acc.device_properties(None).index)
+    out["props"].append([acc.device_properties(j).index for j in range(out["count"])])
+print(json.dumps(out))
+"""
+
+
+@hooks("ds_device_count", "ds_device_set", "ds_device_current", "ds_device_properties")
+def test_several_devices_are_told_apart(acc: Any) -> None:
+    """With ≥ 2 devices (cpu: 3, presented through the launcher environment), every
+    device-indexed hook answers for the device asked, not for device 0 or the current one."""
+    env: dict[str, str] = {}
+    if acc.device_type == "cpu":
+        env = {"LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "1"}
+    elif acc.device_count() < 2:
+        pytest.skip("one device: device-indexed hooks need ≥ 2 to tell indices apart")
+    r = run_python(_SEVERAL, env=env)
+    n = r["count"]
+    if env:
+        check(n == 3, "device_count()", n, "3", "LOCAL_WORLD_SIZE=3")
+        check(r["initial"] == 1, "current_device()", r["initial"], "1", "LOCAL_RANK=1")
+    descending = list(reversed(range(n)))
+    every = [list(range(n))] * n
+    for what, got, want in (
+        ("current_device() after each set_device(i)", r["after_set"], descending),
+        ("device_properties(None).index after each set_device(i)", r["default_props"], descending),
+        ("[device_properties(j).index for j] after each set_device(i)", r["props"], every),
+    ):
+        check(got == want, what, got, str(want), f"i = {descending}")

@@ -9,6 +9,7 @@ import torch
 
 from ds_conformance.helpers import check
 from ds_conformance.marks import hooks, tier
+from ds_conformance.values import rank_values, reduce
 
 pytestmark = tier("basic")
 
@@ -66,3 +67,28 @@ def test_does_arithmetic(acc: Any, dtype: torch.dtype) -> None:
         str(want.tolist()),
         "on the device vs on the host",
     )
+
+
+@hooks("ds_dtype_supported")
+def test_keeps_every_bit_of_the_dtype(acc: Any, dtype: torch.dtype) -> None:
+    """Values exact in ``dtype`` but not in a narrower type (float64 below float32's resolution,
+    int64 beyond 2**53, bf16 beyond fp16's range, ...): a device that stores or adds ``dtype``
+    in a narrower type returns different values."""
+    if dtype in _FLOAT8:
+        pytest.skip(f"{dtype} is stored and converted only (test_does_arithmetic covers it)")
+    a, b = rank_values(0, 13, dtype, 2), rank_values(1, 13, dtype, 2)
+    da, db = a.to(acc.device()), b.to(acc.device())
+    got = {
+        "round trip": da.cpu(),
+        "a + b": (da + db).cpu(),
+        "max(a, b)": torch.maximum(da, db).cpu(),
+    }
+    want = {"round trip": a, "a + b": reduce([a, b], "sum"), "max(a, b)": reduce([a, b], "max")}
+    for what, value in got.items():
+        check(
+            value.dtype == dtype and torch.equal(value, want[what]),
+            what,
+            value.tolist(),
+            f"{want[what].tolist()} ({dtype}, exact)",
+            f"{what} on the device",
+        )

@@ -30,6 +30,8 @@ def _probe_script(acc: Any) -> str:
         + f"""
 import importlib.metadata as md
 before = snapshot()
+env0, torch0 = dict(os.environ), (torch.get_num_threads(), str(torch.get_default_dtype()),
+                                  torch.are_deterministic_algorithms_enabled())
 ep = next(e for e in md.entry_points(group="ds_core.backends") if e.name == {acc.name!r})
 plugin = ep.load()
 probe = plugin.ds_backend_probe()
@@ -38,6 +40,11 @@ result = diff(before, info.device_type)
 # Other ds_core backend packages obey these same rules; importing one is not a vendor import.
 backends = sorted(set(e.value.split(":")[0].split(".")[0]
                        for e in md.entry_points(group="ds_core.backends")))
+env1 = dict(os.environ)
+torch1 = (torch.get_num_threads(), str(torch.get_default_dtype()),
+          torch.are_deterministic_algorithms_enabled())
+result.update(env_changed=sorted(k for k in set(env0) | set(env1) if env0.get(k) != env1.get(k)),
+              torch_settings=[list(torch0), list(torch1)])
 result.update(available=probe.available, imported=list(probe.imported),
               own=ep.value.split(":")[0].split(".")[0], backends=backends)
 print(json.dumps(result))
@@ -46,8 +53,12 @@ print(json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def probe_effects(acc: Any) -> dict[str, Any]:
-    return run_python(_probe_script(acc))  # type: ignore[no-any-return]
+def probe_effects(acc: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
+    from ds_conformance.plugin import suite_of
+
+    # From the environment before this run's own selection probed the backend.
+    base = suite_of(request.config).env_at_start
+    return run_python(_probe_script(acc), base_env=base)  # type: ignore[no-any-return]
 
 
 @hooks("ds_backend_probe")
@@ -86,6 +97,29 @@ def test_probe_creates_no_device_context(probe_effects: dict[str, Any]) -> None:
         probe_effects["new_driver_libs"],
         "none",
         "import + ds_backend_probe()",
+    )
+
+
+@hooks("ds_backend_probe", "ds_backend_info")
+def test_probe_leaves_environment_and_torch_settings_unchanged(
+    probe_effects: dict[str, Any],
+) -> None:
+    """Discovery probes every installed backend: one that sets a variable (thread counts,
+    visible devices) or a torch setting changes the process for whichever backend wins."""
+    check(
+        not probe_effects["env_changed"],
+        "environment variables changed",
+        probe_effects["env_changed"],
+        "none",
+        "import + ds_backend_probe() + ds_backend_info()",
+    )
+    before, after = probe_effects["torch_settings"]
+    check(
+        before == after,
+        "torch (num_threads, default dtype, deterministic algorithms)",
+        after,
+        f"unchanged: {before}",
+        "import + ds_backend_probe() + ds_backend_info()",
     )
 
 

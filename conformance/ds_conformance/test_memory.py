@@ -43,6 +43,13 @@ def test_allocated_grows_with_a_tensor_and_falls_when_freed(acc: Any) -> None:
         f"≥ {SIZE // 2} after allocating {SIZE}",
         "ds_memory_allocated",
     )
+    check(
+        during - before <= SIZE * 3 // 2 + 16 * MiB,
+        "memory_allocated() growth (bytes)",
+        during - before,
+        f"≤ {SIZE * 3 // 2 + 16 * MiB} after allocating {SIZE} (bytes, not a larger unit)",
+        "ds_memory_allocated",
+    )
     del t
     _free(acc)
     after = acc.memory_allocated()
@@ -138,6 +145,17 @@ def test_total_at_least_available_above_zero(acc: Any) -> None:
         "total ≥ available > 0",
         "ds_memory_info",
     )
+    if acc.device_type == "cpu":  # an independent measurement: the host's physical pages
+        import os
+
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        check(
+            info.total <= host and (info.limit is not None or info.total == host),
+            "total",
+            info.total,
+            f"the host's {host} bytes, or less with a named limit",
+            "ds_memory_info",
+        )
     if info.limit is not None:
         check(
             info.total <= info.limit and bool(info.limit_source),
@@ -148,47 +166,70 @@ def test_total_at_least_available_above_zero(acc: Any) -> None:
         )
 
 
+_LIMIT_SCRIPT = """
+import json, resource, torch
+from ds_core import get_accelerator
+SOURCE, FIELD = {source!r}, {field!r}
+def used():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+                if l.startswith(FIELD + ":"))
+acc = get_accelerator()
+acc.memory_info()
+before = used()
+imposed = before + 512 * 2**20
+_, hard = resource.getrlimit(getattr(resource, SOURCE))
+resource.setrlimit(getattr(resource, SOURCE), (imposed, hard))
+info = acc.memory_info()
+after = used()
+block = torch.ones(64 * 2**20 // 4)  # counts against both limits
+grown = acc.memory_info()
+print(json.dumps({{"imposed": imposed, "total": info.total, "available": info.available,
+                  "limit": info.limit, "source": info.limit_source, "used_before": before,
+                  "used_after": after, "available_after_64MiB": grown.available,
+                  "used_after_64MiB": used()}}))
+"""
+
+
 @capability("memory_limits")
 @hooks("ds_memory_info")
-def test_values_stay_under_a_process_limit(acc: Any) -> None:
+@pytest.mark.parametrize(("source", "field"), [("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")])
+def test_values_follow_an_imposed_process_limit(acc: Any, source: str, field: str) -> None:
+    """Impose ``source`` at current usage + 512 MiB; the figures must follow it exactly.
+
+    ``limit`` equals the imposed bytes, ``total`` is capped at it, ``available`` is the limit
+    minus what the process uses against it (≈ 512 MiB), and a 64 MiB allocation lowers it.
+    """
     if acc.device_type != "cpu":
-        pytest.skip("the suite can impose a process limit (RLIMIT_AS) only on host memory")
-    result = run_python(
-        """
-        import json, resource
-        from ds_core import get_accelerator
-        acc = get_accelerator()
-        acc.memory_info()
-        vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
-        imposed = vm + 512 * 2**20
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        resource.setrlimit(resource.RLIMIT_AS, (imposed, hard))
-        info = acc.memory_info()
-        print(json.dumps({"imposed": imposed, "total": info.total, "available": info.available,
-                          "limit": info.limit, "source": info.limit_source}))
-        """
-    )
-    imposed = result["imposed"]
+        pytest.skip("the suite can impose a process limit (rlimit) only on host memory")
+    r = run_python(_LIMIT_SCRIPT.format(source=source, field=field))
+    imposed = r["imposed"]
+    if r["limit"] is not None and r["limit"] < imposed and source not in r["source"]:
+        pytest.skip(f"a lower limit binds on this host ({r['source']}: {r['limit']} bytes)")
+    call = f"setrlimit({source}, usage + 512 MiB); ds_memory_info"
     check(
-        result["total"] <= imposed,
-        "total under RLIMIT_AS",
-        result["total"],
-        f"≤ {imposed}",
-        "ds_memory_info",
+        r["limit"] == imposed and source in r["source"],
+        "(limit, limit_source)",
+        (r["limit"], r["source"]),
+        f"({imposed}, a source naming {source})",
+        call,
     )
+    check(r["total"] == imposed, "total", r["total"], f"{imposed} (the limit, in bytes)", call)
+    low, high = imposed - r["used_after"] - 32 * MiB, imposed - r["used_before"] + 32 * MiB
     check(
-        0 < result["available"] <= imposed,
-        "available under RLIMIT_AS",
-        result["available"],
-        f"in (0, {imposed}]",
-        "ds_memory_info",
+        low <= r["available"] <= high,
+        "available",
+        r["available"],
+        f"in [{low}, {high}]: the limit minus the process's {field}",
+        call,
     )
+    drop = r["available"] - r["available_after_64MiB"]
+    grew = r["used_after_64MiB"] - r["used_after"]
     check(
-        result["limit"] is not None and result["limit"] <= imposed and bool(result["source"]),
-        "(limit, source)",
-        (result["limit"], result["source"]),
-        f"a limit ≤ {imposed} with its source",
-        "ds_memory_info",
+        drop >= grew - 16 * MiB and drop >= 32 * MiB,
+        "drop of available after a 64 MiB tensor",
+        drop,
+        f"≈ the {grew}-byte growth of {field}",
+        call,
     )
 
 

@@ -125,3 +125,87 @@ def test_elapsed_time_without_timing_raises(acc: Any) -> None:
     b.synchronize()
     with pytest.raises(RuntimeError):
         a.elapsed_time(b)
+
+
+@hooks("ds_stream_use", "ds_stream_current", "ds_stream_create")
+def test_stream_contexts_nest_and_restore_exactly_the_previous_stream(acc: Any) -> None:
+    outer, inner, third = acc.Stream(), acc.Stream(), acc.Stream()
+    start = acc.current_stream()
+
+    def current_is(stream: Any, where: str) -> None:
+        now = acc.current_stream()
+        check(now == stream, f"current_stream() {where}", now, repr(stream), "ds_stream_use")
+
+    with acc.stream(outer):
+        current_is(outer, "inside stream(outer)")
+        with acc.stream(inner):
+            current_is(inner, "inside stream(outer) > stream(inner)")
+            with acc.stream(outer):  # re-entering a stream already on the stack
+                current_is(outer, "inside ... > stream(inner) > stream(outer)")
+            current_is(inner, "after the innermost stream(outer)")
+        current_is(outer, "after stream(inner), still inside stream(outer)")
+        with acc.stream(third):  # a sequence of contexts at the same depth
+            current_is(third, "inside stream(outer) > stream(third)")
+        current_is(outer, "after stream(third)")
+        with pytest.raises(KeyError), acc.stream(inner):
+            raise KeyError("raised inside stream(inner)")
+        current_is(outer, "after stream(inner) exited by an exception")
+    current_is(start, "after every context")
+
+
+@hooks("ds_stream_use", "ds_stream_current")
+def test_stream_context_changes_only_the_calling_thread(acc: Any) -> None:
+    import threading
+
+    side = acc.Stream()
+    seen: list[Any] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        acc.set_device(acc.current_device())  # device selection is per thread on some runtimes
+        with acc.stream(side):
+            inside.set()
+            release.wait(timeout=30)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        inside.wait(timeout=30)
+        seen.append(acc.current_stream())
+    finally:
+        release.set()
+        thread.join()
+    check(
+        seen[0] != side,
+        "current_stream() on the main thread while another thread is inside stream(side)",
+        seen[0],
+        "not side (the context is per thread)",
+        "ds_stream_use",
+    )
+
+
+@hooks("ds_stream_event_create")
+def test_elapsed_time_is_in_milliseconds_of_the_host_clock(acc: Any) -> None:
+    """An idle gap of known host duration between two events: elapsed_time must be in ms."""
+    import time
+
+    start, end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
+    stream = acc.current_stream()
+    acc.synchronize()
+    host_before = time.perf_counter()
+    start.record(stream)
+    time.sleep(0.05)
+    host_gap_start = time.perf_counter()
+    end.record(stream)
+    end.synchronize()
+    host_after = time.perf_counter()
+    measured = start.elapsed_time(end)
+    low = (host_gap_start - host_before) * 1000.0 * 0.5  # the device saw at least the sleep
+    high = (host_after - host_before) * 1000.0 * 1.5 + 5.0  # and at most the whole bracket
+    check(
+        low <= measured <= high,
+        "elapsed_time over a 50 ms host sleep",
+        measured,
+        f"in [{low:.1f}, {high:.1f}] milliseconds (host clock)",
+        "Event.elapsed_time",
+    )

@@ -7,6 +7,30 @@ does better another way. Collectives take a process group from ``ds_core.comm.ne
 ``"min"``, ``"product"``), and ``async_op``; they return a handle whose ``wait()`` makes the
 result visible, already completed when ``async_op`` is false. Tensors are on the backend's
 device; all ranks of the group call the same collective with the same shapes and dtypes.
+
+Ordering and ownership (the stream contract of every collective hook below):
+
+- **Ordered after the current stream at call time.** A collective reads its inputs only after
+  all work queued so far on the stream that is current (``ds_stream_current``) when the hook
+  is called; a producer queued on that stream needs no event or host sync before the call.
+  Work queued on other streams is not waited for: order it with ``Stream.wait_stream`` or an
+  event first.
+- **``async_op=False``**: the hook returns when the result is ordered before all later work on
+  the calling stream; without ``async_streams`` (synchronous devices, the host) it returns
+  only once the result is in the output buffer. A synchronous collective blocks while any
+  peer has not joined. The returned handle is already completed.
+- **``async_op=True``**: the hook returns without waiting for peers. ``handle.wait()`` orders
+  completion before later work: where the backend declares ``async_streams`` it makes the
+  stream current *at the time of ``wait()``* wait for the collective (the host may return at
+  once); where it does not, it blocks the host until the result is in the output buffer.
+  Either way, work queued after ``wait()`` sees the result; nothing read before ``wait()``
+  returns is guaranteed to (an implementation may complete the collective only in
+  ``wait()``). ``wait()`` may be called more than once; later calls do nothing.
+- **Buffers are the caller's until ``wait()`` returns.** Every tensor handed to a
+  collective (inputs and outputs) must stay alive and unmodified, and outputs unread, until
+  the handle's ``wait()`` has returned; for a synchronous call, until the hook returns. A
+  backend may keep references to them, use them as scratch where a hook says so, and write
+  the outputs at any time before ``wait()`` returns.
 """
 
 from __future__ import annotations

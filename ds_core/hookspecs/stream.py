@@ -4,6 +4,20 @@ Without the ``async_streams`` capability, streams are synchronous: work is compl
 call that queued it returns, ``wait_*`` and ``synchronize`` return at once, and ``query`` is
 ``True``. Without ``device_timing``, events time with a monotonic host clock taken at
 ``record`` after synchronising the stream, so elapsed times are still real.
+
+Ordering contract, shared with the collective hooks (see :mod:`ds_core.hookspecs.comm`):
+
+- Work is ordered after earlier work on the same stream, never after other streams' work
+  unless a ``Stream.wait_stream``/``Stream.wait_event`` call says so; ``wait_*`` orders
+  later work on the waiting stream and does not block the host when ``async_streams`` is
+  declared.
+- ``ds_stream_use`` contexts nest: leaving one makes current again exactly the stream that
+  was current when it was entered (also when the body raises), on the thread that entered.
+- A collective runs after the stream current when it is called, and its handle's ``wait()``
+  makes the stream current at the time of the wait wait for it (with ``async_streams``), or
+  blocks the host until it completed (without). A tensor used by another stream than the one
+  that produced it must stay alive and unmodified until that stream's use is ordered (by an
+  event recorded after the use, waited for before the buffer is reused or freed).
 """
 
 from __future__ import annotations
@@ -56,6 +70,9 @@ def ds_stream_default(index: int | None) -> Stream:
 @hookspec(firstresult=True)
 def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
     """Return a context manager that makes ``stream`` current inside it and restores after.
+
+    On exit (normal or by an exception) the stream current before entry is current again, so
+    nested and consecutive uses compose; the context changes only the calling thread's stream.
 
     :param stream: a stream from ``ds_stream_create``/``ds_stream_current``/``ds_stream_default``.
 

@@ -10,11 +10,12 @@ Configuration lives in :mod:`ds_core.zero.config`, optimizer and schedule builde
 
 from __future__ import annotations
 
-from ds_core.zero.engine import ZeroEngine, initialize, needs_full_gradients
+from ds_core.zero.engine import ZeroEngine, initialize
 from ds_core.zero.gathered import GatheredParameters
 from ds_core.zero.init import Init
 from ds_core.zero.partition import Mode, ZeroParam
 from ds_core.zero.precision import LossScaler
+from ds_core.zero.schedules import needs_full_gradients
 
 __all__ = [
     "GatheredParameters",

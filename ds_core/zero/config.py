@@ -23,7 +23,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -37,6 +37,8 @@ from pydantic import (
 )
 
 from ds_core.errors import ConfigError
+from ds_core.zero.config_errors import fail, messages, unknown_key_message
+from ds_core.zero.deepspeed_keys import NOT_YET, strip_known_extras
 
 __all__ = [
     "AdamParams",
@@ -141,7 +143,11 @@ class ZeroConfig(BaseModel):
     stage3_param_persistence_threshold: Int = Field(default=100_000, ge=0)
     """Parameters with fewer elements stay whole on every rank at stage 3. (Default: 1e5)"""
     stage3_max_live_parameters: Int = Field(default=1_000_000_000, gt=0)
-    """Most elements gathered at once at stage 3. (Default: 1e9)"""
+    """Most elements gathered at once at stage 3: prefetches that would exceed it wait until
+    their module runs. (Default: 1e9)"""
+    stage3_max_reuse_distance: Int = Field(default=1_000_000_000, ge=0)
+    """A stage-3 unit the forward uses again within this many elements is kept gathered
+    instead of released and gathered again; 0 always releases. (Default: 1e9)"""
 
     @model_validator(mode="before")
     @classmethod
@@ -310,6 +316,16 @@ class DSConfig(BaseModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """dtype gradients are reduced in; they always accumulate in fp32. ``None`` reduces in
+    fp32 whatever the model's precision (DESIGN §3; DeepSpeed reduces in the model's dtype).
+    (Default: None)"""
+    prescale_gradients: Bool = False
+    """Divide gradients by the data-parallel size before reducing them instead of after.
+    (Default: false)"""
+    gradient_predivide_factor: Float = Field(default=1.0, gt=0)
+    """Without ``prescale_gradients``: divide by this before reducing and by
+    ``world / factor`` after, as DeepSpeed does (keeps fp16 sums in range). (Default: 1.0)"""
     accelerator: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-backend options, ``{"cpu": {...}}``, passed to ``get_accelerator().configure()``."""
 
@@ -329,161 +345,6 @@ class DSConfig(BaseModel):
         return "bf16" if self.bf16.enabled else "fp32"
 
 
-# ---------------------------------------------------------------------------------------------
-# keys that are not fields: performance knobs (warned), not-yet-implemented features (errors)
-
-#: section path -> knobs that change no result in this design; accepted with one warning
-_IGNORED: dict[tuple[str, ...], frozenset[str]] = {
-    (): frozenset(
-        {
-            "wall_clock_breakdown",
-            "memory_breakdown",
-            "dump_state",
-            "flops_profiler",
-            "tensorboard",
-            "wandb",
-            "csv_monitor",
-            "comet",
-            "comms_logger",
-            "zero_allow_untested_optimizer",
-            "zero_force_ds_cpu_optimizer",
-            "aio",
-            "disable_allgather",
-            "timers",
-        }
-    ),
-    ("zero_optimization",): frozenset(
-        {
-            "contiguous_gradients",
-            "reduce_scatter",
-            "round_robin_gradients",
-            "sub_group_size",
-            "allgather_partitions",
-            "load_from_fp32_weights",
-            "elastic_checkpoint",
-            "ignore_unused_parameters",
-            "stage3_max_reuse_distance",
-            "stage3_gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save",
-            "use_multi_rank_bucket_allreduce",
-            "memory_efficient_linear",
-            "stage3_module_granularity_threshold",
-            "stage3_use_all_reduce_for_fetch_params",
-            "legacy_stage1",
-            "log_trace_cache_warnings",
-        }
-    ),
-    ("fp16",): frozenset({"fp16_master_weights_and_grads"}),
-    ("bf16",): frozenset({"immediate_grad_update"}),
-}
-
-_NOT_YET = "not supported yet"
-
-#: section path -> keys that would change results and are not implemented
-_UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
-    (): frozenset(
-        {
-            "activation_checkpointing",
-            "amp",
-            "torch_autocast",
-            "data_types",
-            "communication_data_type",
-            "sparse_attention",
-            "sparse_gradients",
-            "pipeline",
-            "compression_training",
-            "quantize_training",
-            "curriculum_learning",
-            "data_efficiency",
-            "elasticity",
-            "autotuning",
-            "checkpoint",
-            "hybrid_engine",
-            "tensor_parallel",
-            "sequence_parallel_size",
-            "seq_parallel_communication_data_type",
-            "eigenvalue",
-            "progressive_layer_drop",
-            "nebula",
-            "gradient_allreduce_op",
-            "fp32_allreduce",
-            "prescale_gradients",
-            "gradient_predivide_factor",
-        }
-    ),
-    ("zero_optimization",): frozenset(
-        {
-            "offload_optimizer",
-            "offload_param",
-            "cpu_offload",
-            "cpu_offload_params",
-            "cpu_offload_use_pin_memory",
-            "zero_quantized_weights",
-            "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients",
-            "zero_hpz_partition_size",
-            "mics_shard_size",
-            "mics_hierarchical_params_gather",
-            "zeropp_loco_param",
-            "pipeline_loading_checkpoint",
-        }
-    ),
-    ("fp16",): frozenset({"consecutive_hysteresis", "auto_cast"}),
-}
-
-#: (section path, key) -> test that the value requests nothing (DeepSpeed's default / "off")
-_NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
-    ((), "prescale_gradients"): lambda v: v is False,
-    ((), "gradient_predivide_factor"): lambda v: v == 1.0 and not isinstance(v, bool),
-    ((), "fp32_allreduce"): lambda v: v is False,
-    ((), "sparse_gradients"): lambda v: v is False,
-    ((), "gradient_allreduce_op"): lambda v: v == "mean",
-    (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
-    (("fp16",), "auto_cast"): lambda v: v is False,
-    (("zero_optimization",), "offload_optimizer"): lambda v: _offload_off(v),
-    (("zero_optimization",), "offload_param"): lambda v: _offload_off(v),
-    (("zero_optimization",), "cpu_offload"): lambda v: v is False,
-    (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
-}
-
-
-def _offload_off(value: Any) -> bool:
-    return value is None or (
-        isinstance(value, dict) and value.get("device", "none") in ("none", None)
-    )
-
-
-def _dotted(path: tuple[str | int, ...]) -> str:
-    return ".".join(str(p) for p in path) or "<config>"
-
-
-def _strip_known_extras(
-    raw: dict[str, Any], path: tuple[str, ...], ignored: list[str], errors: list[str]
-) -> dict[str, Any]:
-    """Remove ignored knobs and no-op values from one section, recording them."""
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        here = (*path, key)
-        if key in _IGNORED.get(path, frozenset()):
-            ignored.append(_dotted(here))
-        elif key in _UNSUPPORTED.get(path, frozenset()):
-            no_op = _NO_OP_VALUES.get((path, key))
-            if no_op is not None and no_op(value):
-                ignored.append(_dotted(here))
-            else:
-                errors.append(
-                    f"{_dotted(here)}: {_NOT_YET} (this key would change training results "
-                    f"and ds_core does not implement it); remove it"
-                )
-        else:
-            out[key] = value
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# error messages
-
-
 def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] | None = DSConfig
     for part in path:
@@ -495,64 +356,6 @@ def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
             (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
         )
     return model
-
-
-def _known_keys(section: tuple[str | int, ...], model: type[BaseModel] | None) -> list[str]:
-    keys = list(model.model_fields) if model is not None else []
-    str_path = tuple(p for p in section if isinstance(p, str))
-    keys += sorted(_IGNORED.get(str_path, frozenset()) | _UNSUPPORTED.get(str_path, frozenset()))
-    return keys
-
-
-def _unknown_key_message(path: tuple[str | int, ...], model: type[BaseModel] | None) -> str:
-    key = str(path[-1])
-    known = _known_keys(path[:-1], model)
-    match = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"; did you mean '{_dotted((*path[:-1], match[0]))}'?" if match else ""
-    where = f"in '{_dotted(path[:-1])}'" if path[:-1] else "at the top level"
-    return f"{_dotted(path)}: unknown key {where}{hint}"
-
-
-_BOUNDS = {
-    "greater_than": ">",
-    "greater_than_equal": ">=",
-    "less_than": "<",
-    "less_than_equal": "<=",
-}
-
-
-def _messages(
-    exc: ValidationError,
-    prefix: tuple[str | int, ...] = (),
-    model_for: Callable[[tuple[str | int, ...]], type[BaseModel] | None] = _section_model,
-) -> list[str]:
-    lines = []
-    for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
-        path = (*prefix, *loc)
-        if err["type"] == "extra_forbidden":
-            lines.append(_unknown_key_message(path, model_for(loc[:-1])))
-            continue
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        if err["type"] == "missing":
-            msg = "is required"
-        elif err["type"] == "model_type" or err["type"] == "dict_type":
-            msg = f"must be an object, got {type(err['input']).__name__} {err['input']!r}"
-        elif err["type"] in _BOUNDS:
-            bound = next(iter(err.get("ctx", {}).values()), "?")
-            if isinstance(bound, float) and bound.is_integer():
-                bound = int(bound)
-            msg = f"must be {_BOUNDS[err['type']]} {bound}, got {err['input']!r}"
-        elif "input" in err and err["type"] not in ("value_error",):
-            msg = f"{msg[0].lower()}{msg[1:]} (got {err['input']!r})"
-        lines.append(f"{_dotted(path)}: {msg}" if path else msg)
-    return lines
-
-
-def _fail(lines: list[str]) -> ConfigError:
-    if len(lines) == 1:
-        return ConfigError(f"invalid ds_core config: {lines[0]}")
-    return ConfigError("invalid ds_core config:\n" + "\n".join(f"  - {line}" for line in lines))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,7 +382,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
             problems.append(f"{key}: must be > 0, got {number}")
         values[key] = number
     if problems:
-        raise _fail(problems)
+        raise fail(problems)
     tb, mb, gas = (values[k] for k in _BATCH_KEYS)
     ws = world_size
     facts = (
@@ -588,7 +391,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
     )
     if tb is not None and mb is not None and gas is not None:
         if tb != mb * gas * ws:
-            raise _fail(
+            raise fail(
                 [
                     f"train_batch_size ({tb}) must equal train_micro_batch_size_per_gpu ({mb}) "
                     f"× gradient_accumulation_steps ({gas}) × world_size ({ws}) = {mb * gas * ws}"
@@ -597,7 +400,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
         return tb, mb, gas
     if tb is not None and mb is not None:
         if tb % (mb * ws):
-            raise _fail(
+            raise fail(
                 [
                     f"train_batch_size ({tb}) is not divisible by train_micro_batch_size_per_gpu "
                     f"({mb}) × world_size ({ws}) = {mb * ws}, so gradient_accumulation_steps "
@@ -608,7 +411,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
     if tb is not None:
         gas = 1 if gas is None else gas
         if tb % (gas * ws):
-            raise _fail(
+            raise fail(
                 [
                     f"train_batch_size ({tb}) is not divisible by gradient_accumulation_steps "
                     f"({gas}) × world_size ({ws}) = {gas * ws}, so "
@@ -669,7 +472,7 @@ def _typed_section(
     canonical = {t.lower(): t for t in types}.get(name.lower())
     if canonical is None:
         if name.lower() in {t.lower() for t in not_yet}:
-            return None, [f"{key}.type: '{name}' is {_NOT_YET}; use one of {', '.join(types)}"]
+            return None, [f"{key}.type: '{name}' is {NOT_YET}; use one of {', '.join(types)}"]
         match = difflib.get_close_matches(name, list(types), n=1, cutoff=0.5)
         hint = f"; did you mean '{match[0]}'?" if match else ""
         return None, [f"{key}.type: unknown type '{name}' (one of {', '.join(types)}){hint}"]
@@ -677,7 +480,7 @@ def _typed_section(
     if not isinstance(params, dict):
         return None, [f"{key}.params: must be an object, got {type(params).__name__}"]
     errors = [
-        _unknown_key_message((key, extra), None)
+        unknown_key_message((key, extra), None)
         + f" (section keys: {', '.join(sorted(('type', 'params')))})"
         for extra in section
         if extra not in ("type", "params")
@@ -686,7 +489,7 @@ def _typed_section(
     try:
         parsed = model.model_validate(params)
     except ValidationError as exc:
-        return None, errors + _messages(exc, (key, "params"), lambda _loc: model)
+        return None, errors + messages(exc, (key, "params"), lambda _loc: model)
     if key == "optimizer" and canonical == "AdamW" and not params.get("adam_w_mode", True):
         errors.append("optimizer.params.adam_w_mode: must be true for AdamW (use type Adam)")
     return {"type": canonical, "params": parsed.model_dump()}, errors
@@ -712,15 +515,15 @@ def load_config(
     if "bfloat16" in raw:
         # DeepSpeed's alias for the bf16 section.
         if "bf16" in raw:
-            raise _fail(["bfloat16: is DeepSpeed's alias of bf16; give only one of them"])
+            raise fail(["bfloat16: is DeepSpeed's alias of bf16; give only one of them"])
         raw["bf16"] = raw.pop("bfloat16")
 
     ignored: list[str] = []
     errors: list[str] = []
-    raw = _strip_known_extras(raw, (), ignored, errors)
+    raw = strip_known_extras(raw, (), ignored, errors)
     for section in ("zero_optimization", "fp16", "bf16"):
         if isinstance(raw.get(section), dict):
-            raw[section] = _strip_known_extras(raw[section], (section,), ignored, errors)
+            raw[section] = strip_known_extras(raw[section], (section,), ignored, errors)
 
     for key, types, not_yet in (
         ("optimizer", OPTIMIZER_TYPES, _NOT_YET_OPTIMIZERS),
@@ -745,10 +548,10 @@ def load_config(
     try:
         cfg = DSConfig.model_validate(raw)
     except ValidationError as exc:
-        errors += _messages(exc)
+        errors += messages(exc, (), _section_model)
         cfg = None
     if errors:
-        raise _fail(errors)
+        raise fail(errors)
     if ignored:
         warnings.warn(
             "ds_core ignores these DeepSpeed config keys, which change nothing in this design: "
@@ -757,5 +560,5 @@ def load_config(
             stacklevel=2,
         )
     if cfg is None:  # unreachable: errors is non-empty whenever validation failed
-        raise _fail(["validation failed"])
+        raise fail(["validation failed"])
     return cfg

@@ -272,7 +272,6 @@ def test_performance_knobs_are_accepted_with_one_warning() -> None:
             "sub_group_size": 1e9,
             "offload_optimizer": {"device": "none"},
         },
-        "prescale_gradients": False,
     }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -289,7 +288,6 @@ def test_performance_knobs_are_accepted_with_one_warning() -> None:
         "zero_optimization.round_robin_gradients",
         "zero_optimization.sub_group_size",
         "zero_optimization.offload_optimizer",
-        "prescale_gradients",
     ):
         assert key in text
 
@@ -307,15 +305,27 @@ def test_no_warning_without_ignored_keys() -> None:
         ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
         ({"amp": {"enabled": True}}, "amp"),
-        ({"prescale_gradients": True}, "prescale_gradients"),
-        ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"fp16": {"consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis"),
-        ({"communication_data_type": "fp16"}, "communication_data_type"),
     ],
 )
 def test_result_changing_keys_are_not_supported_yet(config: dict[str, Any], path: str) -> None:
     msg = error_of(config)
     assert f"{path}: not supported yet" in msg
+
+
+def test_gradient_reduction_keys_are_typed() -> None:
+    cfg = load_config(
+        {
+            "communication_data_type": "bf16",
+            "prescale_gradients": True,
+            "gradient_predivide_factor": 2.0,
+        },
+        1,
+    )
+    assert (cfg.communication_data_type, cfg.prescale_gradients) == ("bf16", True)
+    assert cfg.gradient_predivide_factor == 2.0
+    assert "communication_data_type" in error_of({"communication_data_type": "int8"})
+    assert "gradient_predivide_factor" in error_of({"gradient_predivide_factor": 0})
 
 
 # ---------------------------------------------------------------------------------------------

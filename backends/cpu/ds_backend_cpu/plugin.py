@@ -13,9 +13,7 @@ import contextlib
 import importlib.metadata as md
 import inspect
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -24,6 +22,7 @@ import torch.distributed as dist
 
 from ds_backend_cpu import memory
 from ds_core import hookimpl
+from ds_core.backend_kit import HostEvent, HostStream, HostStreams
 from ds_core.comm import DefaultCollectives, torch_reduce_op
 from ds_core.errors import ConfigError
 from ds_core.types import (
@@ -166,98 +165,29 @@ def ds_rng_default_generator(index: int | None) -> torch.Generator:
 # --------------------------------------------------------------------------- streams
 
 
-class HostEvent:
-    """An event on a synchronous device: recorded at a host clock reading."""
-
-    __slots__ = ("_t", "enable_timing")
-
-    def __init__(self, enable_timing: bool) -> None:
-        self.enable_timing = enable_timing
-        self._t: float | None = None
-
-    def record(self, stream: Any = None) -> None:
-        self._t = time.perf_counter()
-
-    def wait(self, stream: Any = None) -> None:
-        return None  # work before the record is already complete
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end_event: HostEvent) -> float:
-        """Milliseconds from this event's record to ``end_event``'s."""
-        if not (self.enable_timing and end_event.enable_timing):
-            raise RuntimeError("elapsed_time needs both events created with enable_timing=True")
-        if self._t is None or end_event._t is None:
-            raise RuntimeError("elapsed_time needs both events recorded first")
-        return (end_event._t - self._t) * 1000.0
-
-
-class HostStream:
-    """A work queue on a synchronous device: every wait is already satisfied."""
-
-    __slots__ = ("index", "priority")
-
-    def __init__(self, index: int, priority: int) -> None:
-        self.index, self.priority = index, priority
-
-    def wait_stream(self, stream: Any) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> None:
-        return None
-
-    def record_event(self, event: HostEvent | None = None) -> HostEvent:
-        event = event if event is not None else HostEvent(enable_timing=False)
-        event.record(self)
-        return event
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return f"HostStream(index={self.index}, priority={self.priority})"
-
-
-_default_stream = HostStream(0, 0)
-_local = threading.local()
+# One implementation for every synchronous device, in the kit (HostEvent and HostStream are
+# re-exported here for code that imported them from this module).
+_streams = HostStreams(ds_device_current)
 
 
 @hookimpl
 def ds_stream_create(index: int | None, priority: int) -> HostStream:
-    return HostStream(ds_device_current() if index is None else index, priority)
+    return _streams.create(index, priority)
 
 
 @hookimpl
 def ds_stream_current(index: int | None) -> HostStream:
-    stack: list[HostStream] = getattr(_local, "stack", [])
-    return stack[-1] if stack else _default_stream
+    return _streams.current(index)
 
 
 @hookimpl
 def ds_stream_default(index: int | None) -> HostStream:
-    return _default_stream
-
-
-@contextlib.contextmanager
-def _use(stream: HostStream) -> Iterator[HostStream]:
-    stack: list[HostStream] = _local.__dict__.setdefault("stack", [])
-    stack.append(stream)
-    try:
-        yield stream
-    finally:
-        stack.pop()
+    return _streams.default
 
 
 @hookimpl
 def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    return _use(stream)
+    return _streams.use(stream)
 
 
 @hookimpl

@@ -1,0 +1,122 @@
+"""The conformance suite's data discriminates: wrong answers cannot equal the right ones.
+
+These tests check the data of :mod:`ds_conformance.values` itself (not a backend): every
+reduction gives a different result from every other and from a no-op; ranks differ at every
+position; values and sums are exact in the claimed dtype; and carrying them through each
+plausible narrower type changes a value or a reduction.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ds_conformance.comm_cases import cases
+from ds_conformance.values import (
+    REDUCE_OPS,
+    op_applies,
+    product_values,
+    rank_values,
+    reduce,
+    substitutes,
+)
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+WORLDS = (2, 4)
+NUMEL = 13
+
+
+def _ranks(dtype: torch.dtype, world: int, op: str = "sum") -> list[torch.Tensor]:
+    if op == "product":
+        return [product_values(r, NUMEL, dtype) for r in range(world)]
+    return [rank_values(r, NUMEL, dtype, world) for r in range(world)]
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64 if t.dtype.is_floating_point else torch.int64)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_reduction_differs_from_every_other_and_from_a_no_op(
+    dtype: torch.dtype, world: int
+) -> None:
+    results = {
+        op: reduce(_ranks(dtype, world, op), op) for op in REDUCE_OPS if op_applies(op, dtype)
+    }
+    names = sorted(results)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not torch.equal(results[a], results[b]), f"{dtype} w{world}: {a} == {b}"
+    for op, result in results.items():
+        for r, mine in enumerate(_ranks(dtype, world, op)):
+            assert not torch.equal(result, mine), f"{dtype} w{world}: {op} equals rank {r}'s input"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ranks_differ_at_every_position_and_chunks_differ(dtype: torch.dtype, world: int) -> None:
+    data = _ranks(dtype, world)
+    if dtype != torch.bool:
+        stacked = torch.stack([_wide(t) for t in data])
+        for i in range(NUMEL):
+            assert len(set(stacked[:, i].tolist())) == world, f"{dtype}: ranks equal at {i}"
+    if dtype == torch.bool:
+        return  # reduce-scatter is not defined on bool
+    full = reduce([rank_values(r, 5 * world, dtype, world) for r in range(world)], "max")
+    chunks = full.view(world, 5)
+    for a in range(world):
+        for b in range(a + 1, world):
+            assert not torch.equal(chunks[a], chunks[b]), f"{dtype}: chunks {a} and {b} equal"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.bool], ids=str)
+def test_values_and_reductions_are_exact_in_the_dtype(dtype: torch.dtype, world: int) -> None:
+    for op in REDUCE_OPS:
+        if not op_applies(op, dtype):
+            continue
+        data = _ranks(dtype, world, op)
+        stacked = torch.stack([_wide(t) for t in data])
+        exact = {
+            "sum": stacked.sum(0),
+            "avg": stacked.sum(0) / world,
+            "max": stacked.amax(0),
+            "min": stacked.amin(0),
+            "product": stacked.prod(0),
+        }[op]
+        assert torch.equal(_wide(reduce(data, op)), exact), f"{dtype} w{world} {op} is not exact"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if substitutes(d)], ids=str)
+def test_carrying_through_a_narrower_type_changes_a_result(dtype: torch.dtype, world: int) -> None:
+    data = _ranks(dtype, world)
+    for sub in substitutes(dtype):
+        through = [t.to(sub) for t in data]
+        changed = [not torch.equal(a.to(dtype), b) for a, b in zip(through, data, strict=True)]
+        for op in ("sum", "max", "min"):
+            changed.append(not torch.equal(reduce(through, op).to(dtype), reduce(data, op)))
+        assert any(changed), f"{dtype} through {sub} (w{world}) changes nothing"
+
+
+def test_every_reduce_op_and_collective_is_covered_on_every_dtype() -> None:
+    all_cases = cases(DTYPES)
+    for world in WORLDS:
+        for dtype in DTYPES:
+            name = str(dtype).removeprefix("torch.")
+            ops = {
+                c.op
+                for c in all_cases
+                if c.collective == "all_reduce"
+                and c.dtype == name
+                and c.world == world
+                and not c.variant
+            }
+            assert ops == {op for op in REDUCE_OPS if op_applies(op, dtype)}, (dtype, world, ops)
+    variants = {(c.collective, c.variant) for c in all_cases}
+    for collective in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
+        assert (collective, "group") in variants and (collective, "late-async") in variants
+    assert ("barrier", "late-sync") in variants and ("all_to_all", "equal-splits") in variants
