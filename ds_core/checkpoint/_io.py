@@ -149,13 +149,14 @@ def check_entry(path: Path, rel: str, entry: dict[str, Any]) -> None:
     size = path.stat().st_size
     if size != entry["size"]:
         raise CheckpointError(
-            f"{path}: {size} bytes, the manifest says {entry['size']} (truncated or replaced)"
+            f"{path}: {size} bytes, the manifest says {entry['size']} (truncated or replaced, "
+            "or the manifest belongs to another save)"
         )
     _, sha = hash_file(path)
     if sha != entry["sha256"]:
         raise CheckpointError(
-            f"{path}: content does not match the manifest's SHA-256 (corrupted: {sha[:12]}... "
-            f"!= {entry['sha256'][:12]}...)"
+            f"{path}: content does not match the manifest's SHA-256 (corrupted, or the "
+            f"manifest belongs to another save: {sha[:12]}... != {entry['sha256'][:12]}...)"
         )
 
 

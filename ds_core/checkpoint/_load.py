@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
 from ds_core.checkpoint import _io, _state
 from ds_core.checkpoint._io import CheckpointError
@@ -139,13 +138,9 @@ def _plan(
             )
         if not info["saved"]:
             continue  # frozen and saved with exclude_frozen_parameters: keep the model's values
-        fast = (
-            same_world
-            and zp.master is not None
-            and int(info["rows"]) == zp.rows
-            and int(info["shard_numel"]) == zp.shard_numel
-            and (zp.rows > 1 or zp.group_rank == 0)
-        )
+        own = reader.fragment(key, engine.rank) if same_world and zp.master is not None else None
+        # the piece this rank saved is the piece it holds now: read it, nothing else
+        fast = own is not None and (int(own["lo"]), int(own["hi"])) == (zp.lo, zp.hi)
         plan.append((zp, key, fast))
     names = {zp.name for zp in engine.zparams.values()}
     unexpected = sorted({i["name"] for i in reader.params.values()} - names)
@@ -170,10 +165,9 @@ def _plan(
 
 def _owned(zp: ZeroParam, full: torch.Tensor) -> torch.Tensor:
     """This rank's slice of a full tensor, in the layout of ``zp.master``."""
-    flat = full.reshape(-1)
     if zp.mode is Mode.REPLICATED:
-        return flat.view(zp.shape)
-    return F.pad(flat, (0, zp.padded_numel - zp.numel))[zp.owned_slice()]
+        return full.reshape(zp.shape)
+    return full.reshape(-1)[zp.lo : zp.hi]
 
 
 def _load_param(
@@ -231,12 +225,8 @@ def _opt_state(
 
 
 def _load_frozen(zp: ZeroParam, full: torch.Tensor) -> None:
-    if zp.mode is Mode.PARTITIONED:
-        if zp.shard is None:
-            raise AssertionError(f"{zp.name} has no shard")
-        zp.shard.copy_(_owned(zp, full))
-    elif zp.full is not None:
-        zp.full[: zp.numel].copy_(full.reshape(-1))
+    if zp.unit is not None:
+        zp.unit.place(zp, full)  # keeps what this rank holds
     else:
         zp.param.data.copy_(full.view(zp.shape))
 

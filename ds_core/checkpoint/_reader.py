@@ -100,7 +100,8 @@ class CheckpointReader:
         return [_io.rank_file(r) for r in range(self.world_size)]
 
     def fragment(self, key: str, rank: int) -> dict[str, Any] | None:
-        """Native only: what rank ``rank`` saved of ``key`` (``None`` when it saved nothing)."""
+        """Native only: what rank ``rank`` saved of ``key``: its piece ``[lo, hi)`` of the
+        flattened parameter (``None`` when it saved none)."""
         frag: dict[str, Any] | None = self.rank_payload(rank)["params"].get(key)
         return frag
 
@@ -117,22 +118,23 @@ class CheckpointReader:
         if self.format == "universal":
             entry: dict[str, Any] = self.load(_io.param_file(key))
             return entry
-        frags: dict[int, dict[str, Any]] = {}
-        for r in range(self.world_size):
-            frag = self.fragment(key, r)
-            if frag is not None:
-                frags.setdefault(int(frag["group_rank"]), frag)
-        rows = int(info["rows"])
-        missing = sorted(set(range(rows)) - set(frags))
-        if missing:
-            raise CheckpointError(
-                f"{self.folder}: parameter {key!r} lacks the fragments of group ranks {missing}"
-            )
-        ordered = [frags[g] for g in range(rows)]
         numel = int(info["numel"])
+        found = [self.fragment(key, r) for r in range(self.world_size)]
+        ordered = sorted((f for f in found if f is not None), key=lambda f: int(f["lo"]))
+        edge = 0
+        for f in ordered:
+            if int(f["lo"]) != edge:
+                break
+            edge = int(f["hi"])
+        if edge != numel or not ordered:
+            spans = [(int(f["lo"]), int(f["hi"])) for f in ordered]
+            raise CheckpointError(
+                f"{self.folder}: the fragments of {key!r} cover {spans}, not [0, {numel}) "
+                "exactly (a rank file from another save?)"
+            )
 
         def join(parts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([p.reshape(-1) for p in parts])[:numel].view(shape)
+            return torch.cat([p.reshape(-1) for p in parts]).view(shape)
 
         first = ordered[0]
         if "frozen" in first:

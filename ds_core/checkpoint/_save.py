@@ -20,6 +20,7 @@ import torch
 
 from ds_core.checkpoint import _io, _state
 from ds_core.checkpoint._io import CheckpointError
+from ds_core.zero.partition import Mode
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -67,13 +68,20 @@ def host(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def owned_param(zp: ZeroParam) -> torch.Tensor:
-    """This rank's fragment of ``zp``'s weights in the model dtype (flat, padded length)."""
-    if zp.shard is not None:
-        return zp.shard
-    if zp.full is not None:
-        return zp.full[zp.owned_slice()]
-    return zp.param.detach().reshape(-1)
+def piece_value(zp: ZeroParam) -> torch.Tensor:
+    """This rank's piece of ``zp``'s weights in the model dtype: elements ``[lo, hi)`` of the
+    flattened parameter (the whole parameter when replicated)."""
+    if zp.unit is None:
+        return zp.param.detach().reshape(-1)
+    return zp.unit.piece(zp)
+
+
+def stores(zp: ZeroParam) -> bool:
+    """Whether this rank stores a native fragment of ``zp``: its non-empty piece, or, for a
+    replicated parameter, the copy of its group's first rank."""
+    if zp.mode is Mode.REPLICATED:
+        return zp.group_rank == 0
+    return zp.hi > zp.lo
 
 
 def _validate(
@@ -191,14 +199,12 @@ def save_checkpoint(
 
 
 def _native_fragments(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, Any]:
-    """This rank's fragments: one per parameter it owns a piece of (replicas: group rank 0)."""
+    """This rank's fragments: its piece ``[lo, hi)`` of every parameter it holds one of."""
     out: dict[str, Any] = {}
     for zp in engine.zparams.values():
-        if zp.rows == 1 and zp.group_rank != 0:
-            continue  # a replica: the group's first rank stores it
-        if not zp.trainable and exclude_frozen:
+        if not stores(zp) or (not zp.trainable and exclude_frozen):
             continue
-        frag: dict[str, Any] = {"group_rank": zp.group_rank if zp.rows > 1 else 0}
+        frag: dict[str, Any] = {"lo": zp.lo, "hi": zp.hi}
         if zp.master is not None:
             frag["fp32"] = host(zp.master)
             tensors, scalars = _state.split_state(zp, engine.optimizer.state.get(zp.master, {}))
@@ -208,66 +214,96 @@ def _native_fragments(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, Any
                 for k, v in scalars.items()
             }
         else:
-            frag["frozen"] = host(owned_param(zp))
+            frag["frozen"] = host(piece_value(zp))
         out[_state.param_key(zp, engine.rank)] = frag
     return out
 
 
-def _gather_full(engine: ZeroEngine, zp: ZeroParam, flat: torch.Tensor) -> torch.Tensor:
-    """The full unpadded flat tensor from every group member's fragment (collective on
-    ``zp.group``; replicas need no communication)."""
-    flat = flat.detach().reshape(-1)
-    if zp.rows == 1:
-        return flat[: zp.numel]
-    out = torch.empty(zp.rows * zp.shard_numel, dtype=flat.dtype, device=flat.device)
-    engine.acc.all_gather(out, flat.contiguous(), zp.group)
-    return out[: zp.numel]
+def _gather_full(engine: ZeroEngine, zp: ZeroParam, piece: torch.Tensor) -> torch.Tensor:
+    """The full flat parameter-shaped tensor from every group member's piece (collective on
+    ``zp.group``; a replicated piece already is whole). Pieces differ in length across ranks,
+    so each is padded to the longest for the all-gather."""
+    piece = piece.detach().reshape(-1)
+    if zp.mode is Mode.REPLICATED or zp.group_world == 1:
+        return piece
+    bounds = [zp.shard_bounds(g) for g in range(zp.group_world)]
+    width = max(hi - lo for lo, hi in bounds)
+    buf = torch.zeros(width, dtype=piece.dtype, device=piece.device)
+    buf[: piece.numel()].copy_(piece)
+    out = torch.empty(zp.group_world * width, dtype=piece.dtype, device=piece.device)
+    engine.acc.all_gather(out, buf, zp.group)
+    full = torch.empty(zp.numel, dtype=piece.dtype, device=piece.device)
+    for g, (lo, hi) in enumerate(bounds):
+        full[lo:hi].copy_(out[g * width : g * width + hi - lo])
+    return full
 
 
-def _check_scalars(engine: ZeroEngine, zp: ZeroParam, scalars: Mapping[str, Any]) -> None:
-    """Scalars (a per-parameter ``step``) are stored once: check every group member agrees."""
-    if zp.rows == 1 or not scalars:
-        return
-    mine = torch.tensor(
-        [_state.scalar_value(v) for v in scalars.values()],
-        dtype=torch.float64,
-        device=engine.device,
-    )
-    every = torch.empty(zp.rows * mine.numel(), dtype=torch.float64, device=engine.device)
-    engine.acc.all_gather(every, mine, zp.group)
-    rows = every.view(zp.rows, -1)
-    if not bool((rows == rows[0]).all()):
-        raise CheckpointError(
-            f"optimizer scalars {sorted(scalars)} of {zp.name!r} differ across ranks: "
-            f"{rows.tolist()}; the universal format stores them once"
-        )
+def _encode(v: Any) -> dict[str, Any]:
+    if isinstance(v, torch.Tensor):
+        return {"dtype": str(v.dtype).removeprefix("torch."), "value": v.item()}
+    return {"dtype": None, "value": v}
+
+
+def _decode(d: dict[str, Any]) -> Any:
+    if d["dtype"] is None:
+        return d["value"]
+    return torch.tensor(d["value"], dtype=getattr(torch, d["dtype"]))
+
+
+def _agreed_layout(engine: ZeroEngine) -> dict[str, dict[str, Any]]:
+    """Per parameter key: the optimizer's state tensor names and dtypes, and its scalars (a
+    ``step``), checked equal on every rank that stores a piece of it, in one collective.
+
+    The universal format stores scalars once; and every rank must run the same sequence of
+    all-gathers, including ranks whose piece is empty and that may hold no state at all.
+    """
+    mine: dict[str, dict[str, Any]] = {}
+    for zp in engine.zparams.values():
+        if zp.master is not None and stores(zp):
+            tensors, scalars = _state.split_state(zp, engine.optimizer.state.get(zp.master, {}))
+            mine[_state.param_key(zp, engine.rank)] = {
+                "tensors": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
+                "scalars": {k: _encode(v) for k, v in scalars.items()},
+            }
+    agreed: dict[str, dict[str, Any]] = {}
+    for rank, theirs in enumerate(all_gather_json(engine, mine)):
+        for key, layout in theirs.items():
+            if agreed.setdefault(key, layout) != layout:
+                raise CheckpointError(
+                    f"optimizer state of {key!r} differs across ranks ({agreed[key]} vs rank "
+                    f"{rank}'s {layout}); the universal format stores its scalars once"
+                )
+    return agreed
 
 
 def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dict[str, Any]:
     """Gather and write one parameter at a time; returns the files this rank wrote."""
     files: dict[str, Any] = {}
+    agreed = _agreed_layout(engine)
     for i, zp in enumerate(engine.zparams.values()):
         if not zp.trainable and exclude_frozen:
             continue
-        writer = (zp.rows == 1 and zp.group_rank == 0) or (
-            zp.rows > 1 and zp.group_rank == i % zp.rows
-        )
+        if zp.mode is Mode.REPLICATED:
+            writer = zp.group_rank == 0
+        else:  # spread the writing over the group
+            writer = zp.group_rank == i % zp.group_world
+        key = _state.param_key(zp, engine.rank)
         entry: dict[str, Any] = {}
         if zp.master is not None:
+            layout = agreed.get(key, {"tensors": {}, "scalars": {}})
             entry["fp32"] = _gather_full(engine, zp, zp.master).view(zp.shape)
-            tensors, scalars = _state.split_state(zp, engine.optimizer.state.get(zp.master, {}))
-            entry["state"] = {
-                k: _gather_full(engine, zp, v).view(zp.shape) for k, v in tensors.items()
-            }
-            _check_scalars(engine, zp, scalars)
-            entry["scalars"] = {
-                k: v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else v
-                for k, v in scalars.items()
-            }
+            state = engine.optimizer.state.get(zp.master, {})
+            entry["state"] = {}
+            for k, dtype in sorted(layout["tensors"].items()):
+                mine = state.get(k)
+                if mine is None:  # an empty piece without state contributes nothing
+                    mine = torch.zeros(0, dtype=getattr(torch, dtype), device=engine.device)
+                entry["state"][k] = _gather_full(engine, zp, mine).view(zp.shape)
+            entry["scalars"] = {k: _decode(v) for k, v in layout["scalars"].items()}
         else:
-            entry["frozen"] = _gather_full(engine, zp, owned_param(zp)).view(zp.shape)
+            entry["frozen"] = _gather_full(engine, zp, piece_value(zp)).view(zp.shape)
         if writer:
-            rel = _io.param_file(_state.param_key(zp, engine.rank))
+            rel = _io.param_file(key)
             files[rel] = _io.save_object(tmp / rel, _to_host(entry))
         del entry
     return files

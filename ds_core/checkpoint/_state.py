@@ -109,7 +109,9 @@ def split_state(
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     for k, v in state.items():
-        if isinstance(v, torch.Tensor) and v.shape == master.shape and master.dim() > 0:
+        # A 0-dim parameter's moments are 0-dim like its step: there the name decides.
+        shaped = master.dim() > 0 or k != "step"
+        if isinstance(v, torch.Tensor) and v.shape == master.shape and shaped:
             tensors[k] = v
         elif isinstance(v, torch.Tensor) and v.numel() == 1 and v.dim() <= 1:
             scalars[k] = v
@@ -249,8 +251,6 @@ def param_table(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, dict[str,
             "trainable": zp.trainable,
             "saved": zp.trainable or not exclude_frozen,
             "mode": zp.mode.value,
-            "rows": zp.rows,
-            "shard_numel": zp.shard_numel,
             "ep_size": zp.expert_ep_size or 1,
         }
         for ep_rank in range(zp.expert_ep_size or 1):

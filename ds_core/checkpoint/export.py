@@ -230,7 +230,7 @@ def save_16bit_model(
         if exclude_frozen_parameters and not zp.trainable:
             continue
         if zp.mode is Mode.PARTITIONED:
-            full = _save._gather_full(engine, zp, _save.owned_param(zp)).view(zp.shape)
+            full = _save._gather_full(engine, zp, _save.piece_value(zp)).view(zp.shape)
         else:
             full = zp.param.detach()
         if engine.rank == 0:

@@ -520,11 +520,6 @@ class ZeroEngine:
 
     # -- checkpoints (ds_core.checkpoint does the work) ---------------------------------------
 
-    def sync_params_from_masters(self) -> None:
-        """Rebuild module parameters (stage-3 shards) from the fp32 masters, in the model
-        dtype. Collective: call on every rank after writing into the masters."""
-        self._publish_params()
-
     def save_checkpoint(
         self,
         save_dir: str,

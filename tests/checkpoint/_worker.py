@@ -267,6 +267,7 @@ def load_options(root: Path) -> dict[str, Any]:
                 if zp.master is not None
             },
             "lr": engine.get_lr(),
+            "bounds": {n: (zp.lo, zp.hi) for n, zp in engine.zparams.items()},
         }
         engine.destroy()
     other = build(Resume(stage=1, model="mlp"), world, seed=0)
