@@ -1,9 +1,9 @@
 """Loading either format into an engine of any world size and stage.
 
-Each rank fills its own masters and optimizer state: the saved fragment itself when the layout
-matches (native format, same group size and shard length), else the parameter's full unpadded
-tensor cut to this rank's slice of the padded flat form (see [Note: shard layout] in
-:mod:`ds_core.zero.partition`). 16-bit weights are then rebuilt from the fp32 masters by
+Each rank fills its own masters and optimizer state: the fragment it saved when it holds the
+same piece now (native format, same world size, same ``[lo, hi)``), else the parameter's full
+unpadded tensor cut to its piece ``[lo, hi)`` of the flattened parameter (see [Note: shard
+layout] in :mod:`ds_core.zero.partition`). 16-bit weights are then rebuilt from the fp32 masters by
 ``engine.sync_params_from_masters()``, never the other way round.
 
 Every file a rank needs is verified against the manifest and unpickled (weights only) before
