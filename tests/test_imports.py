@@ -28,8 +28,6 @@ LOCAL_IMPORT_EXCEPTIONS: dict[str, str] = {
     "ds_core/zero/buckets.py": "integrator: moves these to the top with the zero/ changes",
     "ds_core/zero/init.py": "integrator: moves these to the top with the zero/ changes",
     "ds_core/zero/engine.py": "integrator: moves these to the top with the zero/ changes",
-    # Shared with the checkpoint helper (issue 11), who is adding subcommands there.
-    "ds_core/cli.py": "shared file: moved to the top once the checkpoint subcommands land",
 }
 
 

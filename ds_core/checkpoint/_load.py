@@ -24,7 +24,6 @@ from ds_core.checkpoint import _io, _state
 from ds_core.checkpoint._io import CheckpointError
 from ds_core.checkpoint._reader import CheckpointReader
 from ds_core.checkpoint._save import agree
-from ds_core.zero.partition import Mode
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -165,7 +164,7 @@ def _plan(
 
 def _owned(zp: ZeroParam, full: torch.Tensor) -> torch.Tensor:
     """This rank's slice of a full tensor, in the layout of ``zp.master``."""
-    if zp.mode is Mode.REPLICATED:
+    if zp.mode.value == _state.REPLICATED:
         return full.reshape(zp.shape)
     return full.reshape(-1)[zp.lo : zp.hi]
 

@@ -119,8 +119,17 @@ class CheckpointReader:
             entry: dict[str, Any] = self.load(_io.param_file(key))
             return entry
         numel = int(info["numel"])
+        if numel == 0:  # nothing to join; an empty parameter has no optimizer state to keep
+            empty = torch.zeros(shape, dtype=getattr(torch, info["dtype"]))
+            if info["trainable"]:
+                return {"fp32": empty.float(), "state": {}, "scalars": {}}
+            return {"frozen": empty}
         found = [self.fragment(key, r) for r in range(self.world_size)]
-        ordered = sorted((f for f in found if f is not None), key=lambda f: int(f["lo"]))
+        # empty pieces hold no elements (and maybe no optimizer state): leave them out
+        ordered = sorted(
+            (f for f in found if f is not None and int(f["hi"]) > int(f["lo"])),
+            key=lambda f: int(f["lo"]),
+        )
         edge = 0
         for f in ordered:
             if int(f["lo"]) != edge:

@@ -20,7 +20,6 @@ import torch
 
 from ds_core.checkpoint import _io, _state
 from ds_core.checkpoint._io import CheckpointError
-from ds_core.zero.partition import Mode
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -79,7 +78,7 @@ def piece_value(zp: ZeroParam) -> torch.Tensor:
 def stores(zp: ZeroParam) -> bool:
     """Whether this rank stores a native fragment of ``zp``: its non-empty piece, or, for a
     replicated parameter, the copy of its group's first rank."""
-    if zp.mode is Mode.REPLICATED:
+    if zp.mode.value == _state.REPLICATED:
         return zp.group_rank == 0
     return zp.hi > zp.lo
 
@@ -199,10 +198,13 @@ def save_checkpoint(
 
 
 def _native_fragments(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, Any]:
-    """This rank's fragments: its piece ``[lo, hi)`` of every parameter it holds one of."""
+    """This rank's fragments: its piece ``[lo, hi)`` of every parameter. An empty piece is
+    stored too (no elements, but this rank's optimizer scalars), so that a load at the same
+    layout reads this rank's file only."""
     out: dict[str, Any] = {}
     for zp in engine.zparams.values():
-        if not stores(zp) or (not zp.trainable and exclude_frozen):
+        replica = zp.mode.value == _state.REPLICATED and zp.group_rank != 0
+        if replica or (not zp.trainable and exclude_frozen):
             continue
         frag: dict[str, Any] = {"lo": zp.lo, "hi": zp.hi}
         if zp.master is not None:
@@ -224,7 +226,7 @@ def _gather_full(engine: ZeroEngine, zp: ZeroParam, piece: torch.Tensor) -> torc
     ``zp.group``; a replicated piece already is whole). Pieces differ in length across ranks,
     so each is padded to the longest for the all-gather."""
     piece = piece.detach().reshape(-1)
-    if zp.mode is Mode.REPLICATED or zp.group_world == 1:
+    if zp.mode.value == _state.REPLICATED or zp.group_world == 1:
         return piece
     bounds = [zp.shard_bounds(g) for g in range(zp.group_world)]
     width = max(hi - lo for lo, hi in bounds)
@@ -283,7 +285,7 @@ def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dic
     for i, zp in enumerate(engine.zparams.values()):
         if not zp.trainable and exclude_frozen:
             continue
-        if zp.mode is Mode.REPLICATED:
+        if zp.mode.value == _state.REPLICATED:
             writer = zp.group_rank == 0
         else:  # spread the writing over the group
             writer = zp.group_rank == i % zp.group_world

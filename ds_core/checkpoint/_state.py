@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from ds_core.accelerator import get_accelerator
 from ds_core.checkpoint._io import FORMAT_VERSION, CheckpointError
 
 if TYPE_CHECKING:
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
     from ds_core.zero.partition import ZeroParam
 
 log = logging.getLogger("ds_core.checkpoint")
+
+#: ``ds_core.zero.partition.Mode`` values, compared by value: ``ds_core.zero.engine`` imports
+#: this package, so importing ``ds_core.zero`` here would close an import cycle.
+REPLICATED, PARTITIONED = "replicated", "partitioned"
 
 #: engine attribute holding ``(global_steps, global_samples)`` at the last load, used while the
 #: engine keeps no ``global_samples`` counter of its own.
@@ -172,8 +177,6 @@ def restore_param_groups(
 
 def rng_state() -> dict[str, Any]:
     """This rank's Python, NumPy, torch CPU and accelerator RNG states (plain containers)."""
-    from ds_core.accelerator import get_accelerator
-
     name, keys, pos, has_gauss, cached = cast(
         "tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state(legacy=True)
     )
@@ -193,8 +196,6 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore :func:`rng_state`."""
-    from ds_core.accelerator import get_accelerator
-
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]

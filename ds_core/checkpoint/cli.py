@@ -16,6 +16,7 @@ import json
 import sys
 
 from ds_core.checkpoint._io import CheckpointError
+from ds_core.checkpoint.export import convert_to_universal, export_checkpoint, inspect_checkpoint
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -40,12 +41,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds_core.checkpoint.export import (
-        convert_to_universal,
-        export_checkpoint,
-        inspect_checkpoint,
-    )
-
     try:
         if args.checkpoint_command == "convert":
             print(f"wrote {convert_to_universal(args.src, args.dst, args.tag)}")

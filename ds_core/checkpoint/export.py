@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_core.checkpoint import _io
+from ds_core.checkpoint import _io, _save, _state
 from ds_core.checkpoint._io import CheckpointError
 from ds_core.checkpoint._reader import CheckpointReader
 
@@ -208,9 +208,6 @@ def save_16bit_model(
     :raises CheckpointError: expert parameters split over ranks (use
         ``save_checkpoint(universal=True)``), or a write failure on rank 0.
     """
-    from ds_core.checkpoint import _save, _state
-    from ds_core.zero.partition import Mode
-
     zcfg = engine.config.zero_optimization
     if engine.stage == 3 and not getattr(zcfg, "stage3_gather_16bit_weights_on_model_save", False):
         log.warning(
@@ -229,7 +226,7 @@ def save_16bit_model(
     for zp in engine.zparams.values():
         if exclude_frozen_parameters and not zp.trainable:
             continue
-        if zp.mode is Mode.PARTITIONED:
+        if zp.mode.value == _state.PARTITIONED:
             full = _save._gather_full(engine, zp, _save.piece_value(zp)).view(zp.shape)
         else:
             full = zp.param.detach()
