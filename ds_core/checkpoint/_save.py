@@ -315,7 +315,7 @@ def _to_host(entry: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in entry.items():
         if isinstance(v, torch.Tensor):
-            out[k] = v.to("cpu").clone()
+            out[k] = host(v).view(v.shape)
         elif isinstance(v, dict):
             out[k] = _to_host(v)
         else:
