@@ -13,6 +13,10 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
 - ``zero_opt``  torch ZeroRedundancyOptimizer(AdamW) + DDP (shards optimizer state)
 - ``fsdp2``     torch ``fully_shard`` per block and at the root (shards everything)
 - ``ds0``..``ds3`` ds_core stages 0-3 (``ds_core.initialize``), persistence threshold 0
+- ``ds1_off``..``ds3_off`` the same with ``offload_optimizer: {"device": "cpu"}`` (not in the
+  default set: ``--configs ds2,ds2_off,ds3,ds3_off``); their ``state MiB`` is what stays on the
+  device, the host side is printed below the table, and ``time/peer`` compares with the same
+  stage without offload
 
 All use fp32, gradient clipping at 1.0 (scale-sensitive, so a wrong gradient average shows
 in the loss) and AdamW(lr 3e-4, no weight decay). Per configuration it prints: median step
@@ -64,6 +68,7 @@ from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E40
 
 PEERS = ("ddp", "zero_opt", "fsdp2")
 DS_STAGES = ("ds0", "ds1", "ds2", "ds3")
+OFFLOAD = ("ds1_off", "ds2_off", "ds3_off")
 LR, CLIP, SEED = 3e-4, 1.0, 1234
 # collectives with fewer elements are bookkeeping (norms, flags), left out of byte counts
 MIN_NUMEL = 1024
@@ -270,9 +275,11 @@ def build_fsdp2(model: torch.nn.Module) -> Trainer:
     )
 
 
-def ds_config(stage: int, micro_batch: int, bf16: bool = False) -> dict[str, Any]:
+def ds_config(
+    stage: int, micro_batch: int, bf16: bool = False, offload: bool = False
+) -> dict[str, Any]:
     """The DeepSpeed-style config of a ds_core run in these benchmarks."""
-    return {
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
@@ -282,6 +289,9 @@ def ds_config(stage: int, micro_batch: int, bf16: bool = False) -> dict[str, Any
         "steps_per_print": 10**9,
         "log_level": "warning",
     }
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return cfg
 
 
 def ds_state_bytes(engine: Any) -> int | None:
@@ -296,14 +306,21 @@ def ds_state_bytes(engine: Any) -> int | None:
     return None
 
 
-def build_ds(model: torch.nn.Module, stage: int, micro_batch: int) -> Trainer:
+HOST_BYTES: dict[str, int] = {}  # offload runs: host-side model-state bytes, this rank
+
+
+def build_ds(
+    model: torch.nn.Module, stage: int, micro_batch: int, offload: bool = False
+) -> Trainer:
     import ds_core
     from ds_core.comm.counting import CommCounter
 
     counter = CommCounter()
     ds_core.register_plugin(counter)
     engine, _, _, _ = ds_core.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(stage, micro_batch)
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(stage, micro_batch, offload=offload),
     )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -313,6 +330,8 @@ def build_ds(model: torch.nn.Module, stage: int, micro_batch: int) -> Trainer:
         return loss.detach()  # type: ignore[no-any-return]
 
     def close() -> None:
+        if offload:
+            HOST_BYTES[f"ds{stage}_off"] = engine.model_state_bytes().get("host_total", 0)
         ds_core.unregister_plugin(counter)
         destroy = getattr(engine, "destroy", None)
         if callable(destroy):  # free the engine's buffers before the next configuration
@@ -372,7 +391,9 @@ def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
         return build_fsdp2(model)
     if name in DS_STAGES:
         return build_ds(model, int(name[2]), micro_batch)
-    raise ValueError(f"unknown configuration {name!r}; choose from {PEERS + DS_STAGES}")
+    if name in OFFLOAD:
+        return build_ds(model, int(name[2]), micro_batch, offload=True)
+    raise ValueError(f"unknown configuration {name!r}; choose from {PEERS + DS_STAGES + OFFLOAD}")
 
 
 def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunResult:
@@ -529,12 +550,22 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
         if "error" in r or "median_s" not in ddp:
             continue
         peer = best_peer[r["stage"]] if name in DS_STAGES else name
+        if name in OFFLOAD:
+            peer = name[:3]  # the same stage without offload
         pr = rows.get(peer, {})
         vs_peer = f"{r['median_s'] / pr['median_s']:.2f}" if "median_s" in pr else "n/a"
         lines.append(
             f"{name:<9} {r['median_s'] / ddp['median_s']:>9.2f} {vs_peer:>10} {peer:>9} "
             f"{r['cpu_s'] / ddp['cpu_s']:>8.2f}"
         )
+    for name in OFFLOAD:
+        if name in rows and "state" in rows[name] and name[:3] in rows and name in HOST_BYTES:
+            dev, base = rows[name]["state"], rows[name[:3]].get("state", 0)
+            lines.append(
+                f"{name}: device model states {dev / MiB:.1f} MiB vs {base / MiB:.1f} MiB "
+                f"without offload ({(base - dev) / MiB:.1f} MiB saved, {dev / base:.2f}x); "
+                f"host {HOST_BYTES[name] / MiB:.1f} MiB (rank 0)"
+            )
     return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ __all__ = ["TorchStyleHooks", "VendorModule", "fixed_module", "torch_attr"]
 
 
 def torch_attr(name: str) -> Callable[[], Any]:
-    """A lookup of ``torch.<name>`` (e.g. ``"cuda"``) that runs no Python frame.
+    """A lookup of ``torch.<name>`` (the backend's torch module name) that runs no Python frame.
 
     The attribute is read on every call, so a test that replaces ``torch.<name>`` is seen.
     """

@@ -35,12 +35,15 @@ def init_distributed(
     Reads the ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``, ``LOCAL_RANK``); with none of it set, starts a one-process group on a
     free loopback port, so single-process scripts work unchanged. Sets the current device to
-    ``LOCAL_RANK``. Idempotent.
+    ``LOCAL_RANK`` *before* creating the process group and, on an accelerator, binds the group
+    to that device (``device_id``), so a device-only comm library never guesses. Idempotent.
 
     :param timeout: seconds (or a timedelta) after which a collective that a dead rank never
         joins fails on the others, instead of hanging. Default: torch's (10 minutes).
     :param init_method: a ``torch.distributed`` init method URL; default ``env://``.
-    :raises RuntimeError: when the comm library cannot be prepared.
+    :raises RuntimeError: when the comm library cannot be prepared, or ``LOCAL_RANK`` names a
+        device this process cannot see (message: the rank, the device count and the
+        visible-devices variables to check).
     """
     if dist.is_available() and dist.is_initialized():
         return
@@ -53,6 +56,17 @@ def init_distributed(
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     kwargs: dict[str, Any] = {"backend": acc.communication_backend_name()}
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if acc.device_type != "cpu":  # host ranks share the one host device; nothing to pick
+        count = acc.device_count()
+        if not 0 <= local_rank < count:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this process sees {count} {acc.name} device(s); "
+                f"launch at most {count} ranks per node, or check "
+                f"{', '.join(acc.visible_devices_envs()) or 'the visible-devices variables'}"
+            )
+        acc.set_device(local_rank)
+        kwargs["device_id"] = acc.device(local_rank)
     if timeout is not None:
         kwargs["timeout"] = (
             timeout
@@ -62,8 +76,7 @@ def init_distributed(
     kwargs["init_method"] = init_method or "env://"
     dist.init_process_group(**kwargs)
     atexit.register(destroy_distributed)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank < acc.device_count():
+    if acc.device_type == "cpu" and local_rank < acc.device_count():
         acc.set_device(local_rank)
 
 

@@ -6,10 +6,10 @@ unknown key also names the closest known key. Three kinds of DeepSpeed keys are 
 
 - performance knobs that mean nothing in this design (``contiguous_gradients``,
   ``wall_clock_breakdown``, ...) are accepted and named in one warning;
-- keys that would change results but are not implemented (``offload_optimizer``,
+- keys that would change results but are not implemented (``offload_param``,
   ``activation_checkpointing``, ...) are errors saying "not supported yet";
 - result-changing keys set to their no-op value (``prescale_gradients: false``,
-  ``offload_optimizer.device: "none"``) are accepted with the knobs' warning.
+  ``offload_param.device: "none"``) are accepted with the knobs' warning.
 
 Batch sizes follow DeepSpeed: ``train_batch_size = train_micro_batch_size_per_gpu ×
 gradient_accumulation_steps × world_size``; any two determine the third. Deviation from
@@ -124,6 +124,44 @@ class BF16Config(BaseModel):
     """Skip a step whose gradients hold inf/NaN, keeping Adam state clean. (Default: true)"""
 
 
+class OffloadOptimizerConfig(BaseModel):
+    """``zero_optimization.offload_optimizer``: fp32 masters and optimizer state on the host."""
+
+    model_config = _FROZEN
+
+    device: Literal["none", "cpu"] = "none"
+    """``cpu`` keeps the fp32 master shards and the optimizer state in host memory and steps
+    them there (cpu_adam); ``none`` turns offload off. (Default: none)"""
+    pin_memory: Bool = True
+    """Page-lock the host buffers where the backend declares ``pinned_memory``; elsewhere
+    the engine logs that it runs unpinned. (Default: true)"""
+    buffer_count: Int = Field(default=4, gt=0)
+    """DeepSpeed's NVMe buffer count; no effect with ``device: cpu``. (Default: 4)"""
+    fast_init: Bool = False
+    """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
+    ratio: Float = 1.0
+    """Fraction of the state to offload; only 1.0 (all) is supported. (Default: 1.0)"""
+    nvme_path: str | None = None
+    """DeepSpeed's NVMe folder; NVMe offload is not supported yet. (Default: none)"""
+    pipeline_read: Bool = False
+    """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
+    pipeline_write: Bool = False
+    """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nvme(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("device") == "nvme":
+            raise ValueError(f"device='nvme' is {NOT_YET}; use 'cpu' or 'none'")
+        return data
+
+    @model_validator(mode="after")
+    def _whole(self) -> OffloadOptimizerConfig:
+        if self.ratio != 1.0:
+            raise ValueError(f"ratio={self.ratio}: partial offload is {NOT_YET}; use 1.0")
+        return self
+
+
 class ZeroConfig(BaseModel):
     """``zero_optimization``: what is partitioned and how collectives are bucketed."""
 
@@ -148,6 +186,31 @@ class ZeroConfig(BaseModel):
     stage3_max_reuse_distance: Int = Field(default=1_000_000_000, ge=0)
     """A stage-3 unit the forward uses again within this many elements is kept gathered
     instead of released and gathered again; 0 always releases. (Default: 1e9)"""
+    offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    """Optimizer offload (stages 1-3). DeepSpeed's legacy ``cpu_offload: true`` (with
+    ``cpu_offload_use_pin_memory``) means ``{"device": "cpu"}``. (Default: off)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_cpu_offload(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "cpu_offload" not in data:
+            return data
+        data = dict(data)
+        legacy, pin = data.pop("cpu_offload"), data.pop("cpu_offload_use_pin_memory", False)
+        if legacy is True and "offload_optimizer" not in data:
+            data["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        elif legacy not in (True, False):
+            raise ValueError(f"cpu_offload must be true or false, got {legacy!r}")
+        return data
+
+    @model_validator(mode="after")
+    def _offload_stage(self) -> ZeroConfig:
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise ValueError(
+                "offload_optimizer.device='cpu' needs stage 1, 2 or 3 (stage 0 keeps no "
+                "partitioned optimizer state); set zero_optimization.stage"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -89,11 +89,8 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
     ),
     ("zero_optimization",): frozenset(
         {
-            "offload_optimizer",
             "offload_param",
-            "cpu_offload",
             "cpu_offload_params",
-            "cpu_offload_use_pin_memory",
             "zero_quantized_weights",
             "zero_quantized_nontrainable_weights",
             "zero_quantized_gradients",
@@ -114,9 +111,7 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
     ((), "gradient_allreduce_op"): lambda v: v == "mean",
     (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
     (("fp16",), "auto_cast"): lambda v: v is False,
-    (("zero_optimization",), "offload_optimizer"): lambda v: _offload_off(v),
     (("zero_optimization",), "offload_param"): lambda v: _offload_off(v),
-    (("zero_optimization",), "cpu_offload"): lambda v: v is False,
     (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
 }
 

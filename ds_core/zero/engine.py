@@ -39,8 +39,10 @@ from ds_core import comm
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
+from ds_core.zero.accounting import model_state_bytes
 from ds_core.zero.config import DSConfig, load_config
 from ds_core.zero.init import INIT_ATTR, restore_full
+from ds_core.zero.offload import OptimizerOffload
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
 from ds_core.zero.precision import LossScaler
 from ds_core.zero.reducer import GradReducer
@@ -98,6 +100,10 @@ class ZeroEngine:
         )
         self.check_overflow = self.fp16 or (self.bf16 and bool(config.bf16.check_grad_overflow))
         self.loss_scaler = LossScaler.from_config(config.fp16) if self.fp16 else None
+        #: host side of optimizer offload (see [Note: offload data path]), or ``None``.
+        self.offload: OptimizerOffload | None = None
+        if zcfg.offload_optimizer.device == "cpu":
+            self.offload = OptimizerOffload(self.acc, zcfg.offload_optimizer.pin_memory)
 
         # - module, partitioned as it is placed: one full parameter on the device at a time
         self.module = model
@@ -247,8 +253,14 @@ class ZeroEngine:
     def _make_masters(self) -> None:
         """fp32 masters of each trainable parameter's piece; fp32 parameters are their own
         masters (the optimizer steps the unit's storage in place, so no copy exists)."""
+        if self.offload is not None:
+            self.offload.make_masters(
+                [u for u in self.units if u.trainable and u.mode is not Mode.REPLICATED]
+            )
         with torch.no_grad():
             for zp in self._trainable:
+                if self.offload is not None and self.offload.holds(zp.unit):
+                    continue
                 if zp.mode is Mode.REPLICATED:
                     p = zp.param
                     zp.master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float())
@@ -276,6 +288,7 @@ class ZeroEngine:
             {k: zp.master for k, zp in self._by_param.items()},
             [zp.param for zp in self._trainable],
             self.stage,
+            host_adam=self.offload is not None,
         )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:
@@ -393,11 +406,14 @@ class ZeroEngine:
                 # torch's clip_grad_norm_ coefficient, kept on the device.
                 clip_coef = (self.clip / (norm + 1e-6)).clamp(max=1.0)
                 mult = (clip_coef * coef).to(torch.float32)
-            self.reducer.scale_(mult)
-            for zp in self._trainable:
-                if zp.master is not None:
-                    zp.master.grad = self.reducer.grad(zp)
-            self.optimizer.step()
+            if self.offload is not None:
+                self._offloaded_update(mult)
+            else:
+                self.reducer.scale_(mult)
+                for zp in self._trainable:
+                    if zp.master is not None:
+                        zp.master.grad = self.reducer.grad(zp)
+                self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self._publish_params()
@@ -412,13 +428,25 @@ class ZeroEngine:
         if self.global_steps % self.config.steps_per_print == 0:
             self._log_step()
 
+    def _offloaded_update(self, mult: float | torch.Tensor) -> None:
+        """The optimizer step with masters on the host (see [Note: offload data path])."""
+        assert self.offload is not None
+        fused = self.offload.uses_fused_scale(self.optimizer)
+        if not fused:
+            self.reducer.scale_(mult)  # on the device, before the copy
+        self.offload.gradients_to_host(self.reducer.reduced_ranges())
+        # The host reads the multiplier once: it needs the gradients on the host anyway.
+        self.offload.step(self.optimizer, float(mult) if fused else None)
+
     def _publish_params(self) -> None:
         """Move updated masters into the parameters the module computes with: each rank
         writes its own range, then one all-gather per stage-1/2 unit rebuilds the rest."""
         with torch.no_grad():
+            if self.offload is not None:
+                self.offload.publish()
             for zp in self._trainable:
                 master = zp.master
-                if master is None:
+                if master is None or (self.offload is not None and self.offload.holds(zp.unit)):
                     continue
                 if zp.mode is Mode.REPLICATED:
                     if master is not zp.param:
@@ -458,43 +486,9 @@ class ZeroEngine:
     # ----------------------------------------------------------------------- Utilities #
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of this rank's model states, summed over the engine's own buffers.
-
-        Keys: ``params`` (full or partitioned parameters, padding included), ``master`` (fp32
-        masters that are separate copies; 0 when parameters are fp32 and serve as their own),
-        ``grads`` (persistent gradient accumulators; the reusable staging buffers of
-        ``reduce_bucket_size`` elements are apart, in ``reducer.staging_bytes()``), ``optimizer`` (optimizer state tensors),
-        ``total``. Gathered stage-3 parameters are transient and not counted.
-        """
-        seen: set[int] = set()
-
-        def size(t: torch.Tensor | None) -> int:
-            if t is None or t.numel() == 0:
-                return 0
-            key = t.untyped_storage().data_ptr()
-            if key in seen:
-                return 0
-            seen.add(key)
-            return t.untyped_storage().nbytes()
-
-        params = sum(size(u.shard if u.mode is Mode.PARTITIONED else u.flat) for u in self.units)
-        for zp in self.zparams.values():
-            if zp.unit is None:
-                params += size(zp.param.data)
-        master = sum(size(zp.master.data) for zp in self._trainable if zp.master is not None)
-        grads = self.reducer.nbytes()
-        opt = 0
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.numel() > 1:
-                    opt += size(v)
-        return {
-            "params": params,
-            "master": master,
-            "grads": grads,
-            "optimizer": opt,
-            "total": params + master + grads + opt,
-        }
+        """Bytes of this rank's model states from the engine's own buffers (see
+        :func:`ds_core.zero.accounting.model_state_bytes` for the keys)."""
+        return model_state_bytes(self)
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """Full copies of every parameter by name (collective: every rank must call it).
@@ -579,6 +573,8 @@ class ZeroEngine:
             self.coordinator.remove()
             self.coordinator = None
         self.reducer.release()
+        if self.offload is not None:
+            self.offload.release()
         self.optimizer.state.clear()
         for g in self.optimizer.param_groups:
             g["params"] = []

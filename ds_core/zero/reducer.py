@@ -334,6 +334,13 @@ class GradReducer:
             self.acc.all_reduce(total, "sum", None)
         return total.sqrt()
 
+    def reduced_ranges(self) -> Iterator[tuple[FlatUnit, torch.Tensor]]:
+        """Each partitioned unit with this rank's reduced fp32 range (``part`` elements), for
+        optimizer offload. Valid after :meth:`finish` at the window's end."""
+        for ug in self.units:
+            if ug.reduced is not None and not self.policy.all_reduce:
+                yield ug.unit, ug.reduced
+
     def scale_(self, factor: float | torch.Tensor) -> None:
         """Multiply every reduced gradient by ``factor`` (a float or a 0-dim device tensor)."""
         for ug in self.units:

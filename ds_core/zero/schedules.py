@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from ds_core.errors import ConfigError
+from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
 from ds_core.zero.config import (
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
@@ -66,7 +67,9 @@ def _cpu_floating(groups: list[dict[str, Any]]) -> bool:
 
 
 def build_optimizer(
-    cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter] | list[dict[str, Any]]
+    cfg: OptimizerConfig,
+    params: Iterable[torch.nn.Parameter] | list[dict[str, Any]],
+    host_adam: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the torch optimizer a config's ``optimizer`` section describes.
 
@@ -78,6 +81,8 @@ def build_optimizer(
 
     :param cfg: the ``optimizer`` section (type and params, DeepSpeed names).
     :param params: parameters, or parameter groups as dicts (each may override ``lr`` etc.).
+    :param host_adam: build :class:`~ds_core.ops.cpu_adam.DeepSpeedCPUAdam` (optimizer offload:
+        DeepSpeed's ``zero_force_ds_cpu_optimizer``), same hyper-parameters and mode.
     :returns: the optimizer; learning rate in the units of the loss's gradient, as torch's.
     :raises ConfigError: unknown type or invalid params, naming the field.
     """
@@ -97,6 +102,15 @@ def build_optimizer(
     if not groups:
         raise ConfigError("build_optimizer: got no parameters to optimize")
     decoupled = name == "AdamW" or parsed.adam_w_mode
+    if host_adam:
+        return DeepSpeedCPUAdam(
+            groups,
+            lr=parsed.lr,
+            betas=parsed.betas,
+            eps=parsed.eps,
+            weight_decay=parsed.weight_decay,
+            adamw_mode=decoupled,
+        )
     cls: type[torch.optim.AdamW] | type[torch.optim.Adam]
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     kwargs: dict[str, Any] = {
@@ -357,6 +371,7 @@ def bind_optimizer(
     masters: dict[int, Any],
     trainable: list[Any],
     stage: int,
+    host_adam: bool = False,
 ) -> torch.optim.Optimizer:
     """The optimizer stepping the engine's fp32 masters.
 
@@ -365,6 +380,8 @@ def bind_optimizer(
         ``param_groups -> optimizer``, or ``None`` to build ``config``.
     :param model_parameters: parameters or groups for a built optimizer (default: ``trainable``).
     :param masters: ``id(model parameter) -> fp32 master`` (``None`` for frozen parameters).
+    :param host_adam: the masters live on the host (optimizer offload): build Adam as
+        cpu_adam (see :func:`build_optimizer`).
     :raises ConfigError: a stepped optimizer, a foreign tensor, no optimizer at all, or one
         that needs whole gradients at stages 1-3.
     """
@@ -390,7 +407,9 @@ def bind_optimizer(
             'to the config (e.g. {"type": "AdamW", "params": {"lr": 1e-3}})'
         )
     else:
-        built = build_optimizer(config, _master_groups(model_parameters, masters, trainable))
+        built = build_optimizer(
+            config, _master_groups(model_parameters, masters, trainable), host_adam=host_adam
+        )
     _reject_full_gradient_optimizer(built, stage)
     return built
 

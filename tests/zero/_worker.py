@@ -608,6 +608,10 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         return {"api": api_checks}
     if suite == "accounting":
         return {"bytes": count_bytes, "memory": memory}
+    if suite == "offload":
+        from tests.zero import _offload
+
+        return _offload.jobs(world)
     raise SystemExit(f"unknown suite {suite}")
 
 

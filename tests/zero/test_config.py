@@ -270,7 +270,7 @@ def test_performance_knobs_are_accepted_with_one_warning() -> None:
             "reduce_scatter": True,
             "round_robin_gradients": False,
             "sub_group_size": 1e9,
-            "offload_optimizer": {"device": "none"},
+            "offload_param": {"device": "none"},
         },
     }
     with warnings.catch_warnings(record=True) as caught:
@@ -287,7 +287,7 @@ def test_performance_knobs_are_accepted_with_one_warning() -> None:
         "zero_optimization.reduce_scatter",
         "zero_optimization.round_robin_gradients",
         "zero_optimization.sub_group_size",
-        "zero_optimization.offload_optimizer",
+        "zero_optimization.offload_param",
     ):
         assert key in text
 
@@ -301,7 +301,7 @@ def test_no_warning_without_ignored_keys() -> None:
 @pytest.mark.parametrize(
     ("config", "path"),
     [
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload_param"),
         ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
         ({"amp": {"enabled": True}}, "amp"),
