@@ -108,7 +108,12 @@ class Resume:
             cfg["fp16"] = {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2}
         if self.bf16:
             cfg["bf16"] = {"enabled": True}
-        cfg.update(self.extra)
+        if self.optimizer == "config":
+            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR}}
+        extra = dict(self.extra)
+        if extra.pop("offload", False):
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg.update(extra)
         return cfg
 
 
@@ -120,6 +125,9 @@ RESUME: dict[str, Resume] = {
     "s2_fp16": Resume(stage=2, model="mlp", fp16=True, n=4),
     "s3_bf16": Resume(stage=3, model="mlp", bf16=True),
     "s2_ep2": Resume(stage=2, model="tiny_ep2"),
+    # optimizer offload: host masters and state, the config's AdamW built as DeepSpeedCPUAdam
+    "s2_offload": Resume(stage=2, optimizer="config", extra={"offload": True}),
+    "s3_offload": Resume(stage=3, optimizer="config", extra={"offload": True}),
     "s1_group_step": Resume(stage=1, optimizer="group_step"),
     "s3_param_step": Resume(stage=3, optimizer="param_step"),
 }

@@ -34,7 +34,9 @@ def build(sc: Resume, world: int, seed: int) -> Any:
     model = build_model(sc.model)
     engine, _, _, _ = ds_core.initialize(
         model=model,
-        optimizer=OPTIMIZERS[sc.optimizer](model.parameters()),
+        optimizer=None
+        if sc.optimizer == "config"
+        else OPTIMIZERS[sc.optimizer](model.parameters()),
         config=sc.config(world),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
     )
@@ -72,6 +74,7 @@ def snapshot(engine: Any, losses: list[float]) -> dict[str, Any]:
         "sched": engine.lr_scheduler.state_dict(),
         "params": engine.gathered_state_dict(),
         "losses": losses,
+        "optimizer": (type(opt).__name__, getattr(engine, "offload", None) is not None),
     }
     for name, zp in engine.zparams.items():
         if zp.master is not None:
@@ -292,13 +295,15 @@ def reshard_scenario(stage: int, world: int) -> Scenario:
     return sc
 
 
-def reshard_engine(stage: int, world: int) -> Any:
+def reshard_engine(stage: int, world: int, offload: bool = False) -> Any:
     import ds_core
     from ds_core import comm
 
     sc = reshard_scenario(stage, world)
     cfg = sc.config()
     cfg["train_micro_batch_size_per_gpu"] = GLOBAL // world
+    if offload:  # host masters and state, stepped by the same torch AdamW
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     torch.manual_seed(1234 + comm.get_rank())
     model = TinyNet(1)
     load_reference(model, reference_state())
@@ -358,9 +363,11 @@ def reshard_save(root: Path) -> dict[str, Any]:
     return out
 
 
-def reshard_load(stage: int, world: int, fmt: str, root: Path) -> Callable[[], dict[str, Any]]:
+def reshard_load(
+    stage: int, world: int, fmt: str, root: Path, offload: bool = False
+) -> Callable[[], dict[str, Any]]:
     def run() -> dict[str, Any]:
-        engine = reshard_engine(stage, world)
+        engine = reshard_engine(stage, world, offload)
         engine.load_checkpoint(str(root / "reshard" / fmt))
         loaded = gathered_opt(engine)
         losses = reshard_train(engine, world, STEPS)
@@ -403,6 +410,7 @@ def jobs(suite: str, world: int, root: Path) -> dict[str, Callable[[], dict[str,
         return {
             "s1_universal": reshard_load(1, 2, "universal", root),
             "s1_native": reshard_load(1, 2, "native", root),
+            "s1_offload_universal": reshard_load(1, 2, "universal", root, offload=True),
         }
     if suite == "reshard_w1":
         return {"s0_universal": reshard_load(0, 1, "universal", root)}

@@ -1,4 +1,5 @@
-"""Reshard on load: save at world size 4, stage 3; load at 4/stage 2, 2/stage 1 and 1/stage 0.
+"""Reshard on load: save at world size 4, stage 3; load at 4/stage 2, 2/stage 1 (also with
+optimizer offload) and 1/stage 0.
 
 The gathered fp32 masters and Adam moments after the load equal the saved ones bitwise (it is
 pure data movement); continued training matches the uninterrupted world-4 run within fp32
@@ -20,6 +21,7 @@ RUNS = [
     ("reshard_save", "s2_universal"),
     ("reshard_w2", "s1_universal"),
     ("reshard_w2", "s1_native"),
+    ("reshard_w2", "s1_offload_universal"),  # optimizer offload: masters on the host
     ("reshard_w1", "s0_universal"),
 ]
 

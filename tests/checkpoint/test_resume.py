@@ -79,6 +79,8 @@ def test_resume_moves_the_state_that_matters(suite: Any) -> None:
     params = ref.ckroot / "s2_ep2" / "universal" / "global_step3" / "params"
     names = {p.name for p in params.iterdir()}
     assert {"moe.experts.0.fc1.weight@ep0of2.pt", "moe.experts.0.fc1.weight@ep1of2.pt"} <= names
+    for name in ("s2_offload", "s3_offload"):
+        assert ref.ranks(f"save_{name}")[0]["optimizer"] == ("DeepSpeedCPUAdam", True)
     param = ref.ranks("save_s3_param_step")[0]
     assert "step" not in param["groups"][0]
     assert {st["step"] for st in param["opt"].values()} == {2 * RESUME["s3_param_step"].n}
