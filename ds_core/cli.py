@@ -37,7 +37,6 @@ def _version(dist: str) -> str:
 
 def collect_report() -> tuple[dict[str, Any], list[str]]:
     """Build the report as a JSON-able dict, and the list of problems that make it fail."""
-
     problems: list[str] = []
     report: dict[str, Any] = {
         "versions": {
@@ -241,7 +240,6 @@ def _new_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def _new_backend(args: argparse.Namespace) -> int:
-
     try:
         root = write_backend(args.name, args.device_type, args.output)
     except (ValueError, FileExistsError) as exc:
@@ -257,9 +255,8 @@ def _commands() -> dict[str, Command]:
         "report": (_report_args, _report),
         "conformance": (_conformance_args, _conformance),
         "new-backend": (_new_backend_args, _new_backend),
+        "checkpoint": (checkpoint_cli.add_args, checkpoint_cli.run),
     }
-
-    commands["checkpoint"] = (checkpoint_cli.add_args, checkpoint_cli.run)
     return commands
 
 
