@@ -6,6 +6,7 @@ backend is selected at the first :func:`get_accelerator` (see DESIGN.md §4).
 
 from __future__ import annotations
 
+from ds_core import checkpointing  # deepspeed.checkpointing's place
 from ds_core.accelerator import (
     Accelerator,
     get_accelerator,
@@ -23,7 +24,7 @@ from ds_core.errors import (
     NotSupportedError,
 )
 from ds_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
-from ds_core.zero import initialize
+from ds_core.zero import add_config_arguments, initialize
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,8 @@ __all__ = [
     "DSCoreError",
     "NotSupportedError",
     "__version__",
+    "add_config_arguments",
+    "checkpointing",
     "destroy_distributed",
     "get_accelerator",
     "hookimpl",

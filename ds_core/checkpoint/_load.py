@@ -70,7 +70,8 @@ def load_checkpoint(
             f"tag {tag!r} not found" if tag is not None else "no 'latest' file",
         )
         return None, None
-    want_opt = load_optimizer_states and not load_module_only
+    # a forward-only engine (no optimizer) takes the weights only
+    want_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
     error: BaseException | None = None
     reader: CheckpointReader | None = None
     plan: list[tuple[ZeroParam, str, bool]] = []

@@ -106,7 +106,7 @@ def _validate(
         )
     for zp in engine.zparams.values():
         if zp.master is not None:
-            _state.split_state(zp, engine.optimizer.state.get(zp.master, {}))
+            _state.split_state(zp, _state.optimizer_state(engine, zp.master))
     return root, tag
 
 
@@ -215,7 +215,7 @@ def _native_fragments(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, Any
         frag: dict[str, Any] = {"lo": zp.lo, "hi": zp.hi}
         if zp.master is not None:
             frag["fp32"] = host(zp.master)
-            tensors, scalars = _state.split_state(zp, engine.optimizer.state.get(zp.master, {}))
+            tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
             frag["state"] = {k: host(v) for k, v in tensors.items()}
             frag["scalars"] = {
                 k: v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else v
@@ -268,7 +268,7 @@ def _agreed_layout(engine: ZeroEngine) -> dict[str, dict[str, Any]]:
     mine: dict[str, dict[str, Any]] = {}
     for zp in engine.zparams.values():
         if zp.master is not None and stores(zp):
-            tensors, scalars = _state.split_state(zp, engine.optimizer.state.get(zp.master, {}))
+            tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
             mine[_state.param_key(zp, engine.rank)] = {
                 "tensors": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
                 "scalars": {k: _encode(v) for k, v in scalars.items()},
@@ -300,7 +300,7 @@ def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dic
         if zp.master is not None:
             layout = agreed.get(key, {"tensors": {}, "scalars": {}})
             entry["fp32"] = _gather_full(engine, zp, zp.master).view(zp.shape)
-            state = engine.optimizer.state.get(zp.master, {})
+            state = _state.optimizer_state(engine, zp.master)
             entry["state"] = {}
             for k, dtype in sorted(layout["tensors"].items()):
                 mine = state.get(k)

@@ -131,12 +131,22 @@ def split_state(
     return tensors, scalars
 
 
+def optimizer_state(engine: ZeroEngine, master: torch.Tensor) -> Mapping[str, Any]:
+    """The optimizer's state of one master (empty for a forward-only engine)."""
+    if engine.optimizer is None:
+        return {}
+    state: Mapping[str, Any] = engine.optimizer.state.get(master, {})
+    return state
+
+
 def scalar_value(v: Any) -> float:
     return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
 
 
 def param_groups(engine: ZeroEngine, keys: Mapping[int, str]) -> list[dict[str, Any]]:
     """The optimizer's param groups with masters replaced by their parameter keys."""
+    if engine.optimizer is None:
+        return []
     out = []
     for g in engine.optimizer.param_groups:
         entry = {k: v for k, v in g.items() if k != "params"}
@@ -312,7 +322,7 @@ def build_meta(
         if sched is not None and hasattr(sched, "state_dict")
         else None,
         "optimizer": {
-            "type": type(engine.optimizer).__name__,
+            "type": None if engine.optimizer is None else type(engine.optimizer).__name__,
             "param_groups": param_groups(engine, keys),
         },
         "params": param_table(engine, exclude_frozen),

@@ -11,13 +11,13 @@ backends have always imported them from); byte counting in :mod:`ds_core.comm.co
 from __future__ import annotations
 
 from ds_core.comm.collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
+from ds_core.comm.compat import get_local_rank, init_distributed, is_initialized
 from ds_core.comm.groups import (
     ExpertGroups,
     destroy_distributed,
     expert_groups,
     get_rank,
     get_world_size,
-    init_distributed,
     new_group,
     on_destroy,
     reset_expert_groups,
@@ -34,9 +34,11 @@ __all__ = [
     "ExpertGroups",
     "destroy_distributed",
     "expert_groups",
+    "get_local_rank",
     "get_rank",
     "get_world_size",
     "init_distributed",
+    "is_initialized",
     "new_group",
     "on_destroy",
     "reset_expert_groups",

@@ -10,7 +10,8 @@ Configuration lives in :mod:`ds_core.zero.config`, optimizer and schedule builde
 
 from __future__ import annotations
 
-from ds_core.zero.engine import ZeroEngine, initialize
+from ds_core.zero.engine import ZeroEngine
+from ds_core.zero.entry import add_config_arguments, initialize
 from ds_core.zero.gathered import GatheredParameters
 from ds_core.zero.init import Init
 from ds_core.zero.partition import Mode, ZeroParam
@@ -24,6 +25,7 @@ __all__ = [
     "Mode",
     "ZeroEngine",
     "ZeroParam",
+    "add_config_arguments",
     "initialize",
     "needs_full_gradients",
 ]

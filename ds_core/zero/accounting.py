@@ -50,7 +50,7 @@ def model_state_bytes(engine: ZeroEngine) -> dict[str, int]:
     )
     grads = engine.reducer.nbytes()
     opt = 0
-    for state in engine.optimizer.state.values():
+    for state in engine.optimizer.state.values() if engine.optimizer is not None else ():
         for v in state.values():
             if isinstance(v, torch.Tensor) and v.numel() > 1:
                 opt += size(v)

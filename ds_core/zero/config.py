@@ -19,8 +19,6 @@ DeepSpeed: a config that sets neither batch size means micro-batch 1 (DeepSpeed 
 from __future__ import annotations
 
 import difflib
-import json
-import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -29,22 +27,30 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
-    Strict,
     ValidationError,
     model_validator,
 )
 
 from ds_core.errors import ConfigError
-from ds_core.zero.config_errors import fail, messages, unknown_key_message
+from ds_core.zero.config_errors import ConfigProblemsError, fail, messages, unknown_key_message
+from ds_core.zero.config_sections import (
+    ActivationCheckpointingConfig,
+    TorchAutocastConfig,
+    parse_config_text,
+)
+from ds_core.zero.config_types import FROZEN as _FROZEN
+from ds_core.zero.config_types import Bool, Float, Int, as_float, as_int
 from ds_core.zero.deepspeed_keys import NOT_YET, strip_known_extras
 
 __all__ = [
+    "TorchAutocastConfig",
+    "ActivationCheckpointingConfig",
     "AdamParams",
     "BF16Config",
     "DSConfig",
     "FP16Config",
+    "LRRangeTestParams",
     "OptimizerConfig",
     "SchedulerConfig",
     "WarmupCosineLRParams",
@@ -55,39 +61,6 @@ __all__ = [
     "OPTIMIZER_TYPES",
     "SCHEDULER_TYPES",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# value types: JSON numbers as DeepSpeed writes them (5e8 is an int), bools never count as numbers
-
-
-def _as_int(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError(f"must be an integer, not a bool ({value!r})")
-    if isinstance(value, float):
-        if not math.isfinite(value) or not value.is_integer():
-            raise ValueError(f"must be an integer, got {value!r}")
-        return int(value)
-    if not isinstance(value, int):
-        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _as_float(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError(f"must be a number, not a bool ({value!r})")
-    if not isinstance(value, (int, float)):
-        raise ValueError(f"must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"must be finite, got {value!r}")
-    return float(value)
-
-
-Int = Annotated[int, BeforeValidator(_as_int)]
-Float = Annotated[float, BeforeValidator(_as_float)]
-Bool = Annotated[bool, Strict()]
-
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +84,8 @@ class FP16Config(BaseModel):
     """Overflows tolerated before the scale halves. (Default: 2)"""
     min_loss_scale: Float = Field(default=1.0, gt=0)
     """Floor of the dynamic scale. (Default: 1)"""
+    auto_cast: Bool = False
+    """Cast floating-point inputs of ``engine(...)`` to float16. (Default: false)"""
 
 
 class BF16Config(BaseModel):
@@ -260,6 +235,8 @@ class AdamParams(BaseModel):
     adam_w_mode: Bool = True
     """Decoupled weight decay (AdamW). DeepSpeed's ``Adam`` is AdamW unless this is false."""
     bias_correction: Bool = True
+    """Correct the moments' initial bias (torch's Adam); false uses
+    :class:`~ds_core.zero.adam.AdamNoBiasCorrection`, as DeepSpeed's FusedAdam. (Default: true)"""
     amsgrad: Bool = False
     torch_adam: Bool = False
     """Accepted for compatibility: this engine always uses torch's Adam/AdamW."""
@@ -269,8 +246,6 @@ class AdamParams(BaseModel):
         for i, beta in enumerate(self.betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
-        if not self.bias_correction:
-            raise ValueError("bias_correction: false is not supported yet")
         if self.amsgrad:
             raise ValueError("amsgrad: true is not supported yet")
         return self
@@ -279,8 +254,8 @@ class AdamParams(BaseModel):
 def _as_lrs(value: Any) -> Any:
     # DeepSpeed takes one learning rate or one per parameter group.
     if isinstance(value, (list, tuple)):
-        return [_nonneg(_as_float(v)) for v in value]
-    return _nonneg(_as_float(value))
+        return [_nonneg(as_float(v)) for v in value]
+    return _nonneg(as_float(value))
 
 
 def _nonneg(value: float) -> float:
@@ -336,6 +311,19 @@ class WarmupCosineLRParams(BaseModel):
         return self
 
 
+class LRRangeTestParams(BaseModel):
+    """``LRRangeTest``: grow the lr from ``lr_range_test_min_lr`` by ``step_rate`` per
+    ``step_size`` steps (continuously or as a staircase), to find a good lr range."""
+
+    model_config = _FROZEN
+
+    lr_range_test_min_lr: LearningRates = 0.001
+    lr_range_test_step_size: Int = Field(default=2000, gt=0)
+    lr_range_test_step_rate: Float = Field(default=1.0, ge=0)
+    lr_range_test_staircase: Bool = False
+    last_batch_iteration: Int = Field(default=-1, ge=-1)
+
+
 def _check_total_steps(total: int, warmup: int) -> None:
     effective = max(2, warmup)
     if total <= effective:
@@ -352,9 +340,10 @@ SCHEDULER_TYPES: dict[str, type[BaseModel]] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 _NOT_YET_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "SGD", "Lion")
-_NOT_YET_SCHEDULERS = ("OneCycle", "LRRangeTest", "WarmupCosineDecayLR")
+_NOT_YET_SCHEDULERS = ("OneCycle", "WarmupCosineDecayLR")
 
 
 class DSConfig(BaseModel):
@@ -368,8 +357,8 @@ class DSConfig(BaseModel):
     """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: Int = Field(gt=0)
     """Micro-batches per optimizer step. (Default: 1 when not derivable)"""
-    gradient_clipping: Float = Field(default=1.0, ge=0)
-    """Clip the global gradient norm to this value; 0 disables clipping. (Default: 1.0)"""
+    gradient_clipping: Float = Field(default=0.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping. (Default: 0, as in DeepSpeed)"""
     steps_per_print: Int = Field(default=10, gt=0)
     """Log every this many optimizer steps. (Default: 10)"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -391,6 +380,13 @@ class DSConfig(BaseModel):
     ``world / factor`` after, as DeepSpeed does (keeps fp16 sums in range). (Default: 1.0)"""
     accelerator: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-backend options, ``{"cpu": {...}}``, passed to ``get_accelerator().configure()``."""
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    dataloader_drop_last: Bool = False
+    """The loader ``initialize(training_data=...)`` returns drops a last short batch, as in
+    DeepSpeed. (Default: false)"""
 
     @model_validator(mode="after")
     def _one_precision(self) -> DSConfig:
@@ -398,6 +394,13 @@ class DSConfig(BaseModel):
             raise ValueError(
                 "fp16.enabled and bf16.enabled are both true; enable at most one precision"
             )
+        if self.torch_autocast.enabled and (self.fp16.enabled or self.bf16.enabled):
+            raise ValueError(
+                "torch_autocast.enabled with fp16/bf16 enabled: autocast keeps fp32 "
+                "parameters; enable one of them (DeepSpeed refuses both too)"
+            )
+        if self.fp16.auto_cast and not self.fp16.enabled:
+            raise ValueError("fp16.auto_cast needs fp16.enabled: true")
         return self
 
     @property
@@ -437,7 +440,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
             values[key] = None
             continue
         try:
-            number = _as_int(value)
+            number = as_int(value)
         except ValueError as exc:
             problems.append(f"{key}: {exc}")
             continue
@@ -500,16 +503,12 @@ def _read(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str
         path = os.fspath(config)
         try:
             with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+                text = f.read()
+            data = parse_config_text(text, path)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
         except OSError as exc:
             raise ConfigError(f"config file {path!r} cannot be read: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"config file {path!r} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                f"column {exc.colno}"
-            ) from None
         if not isinstance(data, dict):
             raise ConfigError(
                 f"config file {path!r} must hold a JSON object, got {type(data).__name__}"
@@ -575,6 +574,10 @@ def load_config(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     raw = _read(config)
+    legacy_zero = raw.get("zero_optimization")
+    if isinstance(legacy_zero, bool) or isinstance(legacy_zero, int):
+        # DeepSpeed's legacy forms: ``true`` is stage 1, an integer is the stage.
+        raw["zero_optimization"] = {"stage": int(legacy_zero)}
     if "bfloat16" in raw:
         # DeepSpeed's alias for the bf16 section.
         if "bf16" in raw:
@@ -601,8 +604,8 @@ def load_config(
 
     try:
         tb, mb, gas = _batch_sizes(raw, world_size)
-    except ConfigError as exc:
-        errors.append(str(exc).removeprefix("invalid ds_core config: "))
+    except ConfigProblemsError as exc:
+        errors += exc.problems
         tb, mb, gas = 1, 1, 1
     raw.update(
         train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas

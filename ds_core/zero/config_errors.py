@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 from ds_core.errors import ConfigError
 from ds_core.zero.deepspeed_keys import dotted, extra_keys
 
-__all__ = ["fail", "messages", "unknown_key_message"]
+__all__ = ["ConfigProblemsError", "fail", "messages", "unknown_key_message"]
 
 ModelFor = Callable[[tuple[str | int, ...]], type[BaseModel] | None]
 
@@ -64,8 +64,19 @@ def messages(exc: ValidationError, prefix: tuple[str | int, ...], model_for: Mod
     return lines
 
 
+class ConfigProblemsError(ConfigError):
+    """A :class:`ConfigError` that keeps its problems apart, so a caller gathering problems
+    from several checks can list each once under one header."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        if len(problems) == 1:
+            super().__init__(f"invalid ds_core config: {problems[0]}")
+        else:
+            items = "\n".join(f"  - {line}" for line in problems)
+            super().__init__(f"invalid ds_core config:\n{items}")
+
+
 def fail(lines: list[str]) -> ConfigError:
-    """One :class:`ConfigError` listing every problem."""
-    if len(lines) == 1:
-        return ConfigError(f"invalid ds_core config: {lines[0]}")
-    return ConfigError("invalid ds_core config:\n" + "\n".join(f"  - {line}" for line in lines))
+    """One :class:`ConfigError` listing every problem, each once, under one header."""
+    return ConfigProblemsError(list(dict.fromkeys(lines)))

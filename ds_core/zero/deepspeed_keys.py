@@ -30,6 +30,7 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "aio",
             "disable_allgather",
             "timers",
+            "cuda_visible_devices",
         }
     ),
     ("zero_optimization",): frozenset(
@@ -50,6 +51,7 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "stage3_use_all_reduce_for_fetch_params",
             "legacy_stage1",
             "log_trace_cache_warnings",
+            "gather_16bit_weights_on_model_save",
         }
     ),
     ("fp16",): frozenset({"fp16_master_weights_and_grads"}),
@@ -62,9 +64,7 @@ NOT_YET = "not supported yet"
 _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
     (): frozenset(
         {
-            "activation_checkpointing",
             "amp",
-            "torch_autocast",
             "data_types",
             "sparse_attention",
             "sparse_gradients",
@@ -85,6 +85,7 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "nebula",
             "gradient_allreduce_op",
             "fp32_allreduce",
+            "compile",
         }
     ),
     ("zero_optimization",): frozenset(
@@ -101,7 +102,8 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "pipeline_loading_checkpoint",
         }
     ),
-    ("fp16",): frozenset({"consecutive_hysteresis", "auto_cast"}),
+    ("fp16",): frozenset({"consecutive_hysteresis"}),
+    ("bf16",): frozenset({"bf16_master_weights_and_grads", "bf16_optimizer_states"}),
 }
 
 #: (section path, key) -> test that the value requests nothing (DeepSpeed's default / "off")
@@ -110,10 +112,25 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
     ((), "sparse_gradients"): lambda v: v is False,
     ((), "gradient_allreduce_op"): lambda v: v == "mean",
     (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
-    (("fp16",), "auto_cast"): lambda v: v is False,
     (("zero_optimization",), "offload_param"): lambda v: _offload_off(v),
     (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
+    ((), "amp"): lambda v: _disabled(v),
+    ((), "hybrid_engine"): lambda v: _disabled(v),
+    ((), "compile"): lambda v: isinstance(v, dict) and not any(x is True for x in v.values()),
+    # ds_core accumulates gradients in fp32 always: only that choice is a no-op.
+    ((), "data_types"): lambda v: (
+        isinstance(v, dict)
+        and set(v) <= {"grad_accum_dtype"}
+        and v.get("grad_accum_dtype") in (None, "fp32", "float32")
+    ),
+    (("bf16",), "bf16_master_weights_and_grads"): lambda v: v is False,
+    (("bf16",), "bf16_optimizer_states"): lambda v: v is False,
 }
+
+
+def _disabled(value: Any) -> bool:
+    """A section whose ``enabled`` is false (or absent: DeepSpeed's default is off)."""
+    return isinstance(value, dict) and value.get("enabled", False) is False
 
 
 def _offload_off(value: Any) -> bool:

@@ -26,13 +26,11 @@ overflow skip (one flag per step, as DeepSpeed's loss scaler does).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 from torch.utils.hooks import RemovableHandle
 
 from ds_core import comm
@@ -40,7 +38,8 @@ from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
 from ds_core.zero.accounting import model_state_bytes
-from ds_core.zero.config import DSConfig, load_config
+from ds_core.zero.api import DeepSpeedEngineAPI
+from ds_core.zero.config import DSConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
 from ds_core.zero.offload import OptimizerOffload
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
@@ -48,6 +47,7 @@ from ds_core.zero.precision import LossScaler
 from ds_core.zero.reducer import GradReducer
 from ds_core.zero.schedules import bind_optimizer, bind_scheduler
 from ds_core.zero.stage3 import ParamCoordinator
+from ds_core.zero.throughput import ThroughputTimer
 
 _COMM_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp16": torch.float16}
 _COMM_DTYPES["bf16"] = torch.bfloat16
@@ -55,8 +55,12 @@ _COMM_DTYPES["bf16"] = torch.bfloat16
 log = logging.getLogger("ds_core.zero")
 
 
-class ZeroEngine:
+class ZeroEngine(DeepSpeedEngineAPI):
     """Trains a module with ZeRO; build it with :func:`ds_core.initialize`.
+
+    DeepSpeed's engine members (``local_rank``, ``train_batch_size()``, ``state_dict()``,
+    ``no_sync()``, ...) come from :class:`~ds_core.zero.api.DeepSpeedEngineAPI`. Without an
+    optimizer (none passed, no ``optimizer`` section) the engine runs forward only.
 
     Public state: ``module`` (the wrapped model), ``optimizer`` (stepping the fp32 masters),
     ``lr_scheduler``, ``global_steps`` (boundaries seen, skipped ones included),
@@ -160,6 +164,10 @@ class ZeroEngine:
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._last_loss_t: torch.Tensor | None = None
+        #: inside this engine's own backward (gradients outside it are not this step's).
+        self._in_backward = False
+        self._no_sync = False
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
 
     # ------------------------------------------------------------------ Initialization #
 
@@ -273,6 +281,11 @@ class ZeroEngine:
         reducer = self.reducer
 
         def hook(p: torch.Tensor) -> None:
+            if not self._in_backward:
+                # Another backward (a GAN's generator loss through this discriminator): the
+                # gradient stays on ``p.grad`` as in plain torch; zero_grad() discards it, and
+                # if kept autograd adds it to this engine's next backward.
+                return
             grad = p.grad
             p.grad = None  # the reducer's copy is the only one kept
             if grad is not None:
@@ -281,6 +294,8 @@ class ZeroEngine:
         return hook
 
     def _build_optimizer(self, optimizer: Any, model_parameters: Iterable[Any] | None) -> Any:
+        if optimizer is None and self.config.optimizer is None:
+            return None  # forward only: step() and backward() say so
         return bind_optimizer(
             optimizer,
             model_parameters,
@@ -292,6 +307,10 @@ class ZeroEngine:
         )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:
+        if self.optimizer is None:
+            if lr_scheduler is not None or self.config.scheduler is not None:
+                raise ConfigError("a learning-rate scheduler needs an optimizer; pass one")
+            return None
         return bind_scheduler(lr_scheduler, self.config.scheduler, self.optimizer)
 
     # ------------------------------------------------------------------------- Runtime #
@@ -300,14 +319,18 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module (stage 3 gathers and releases each module's parameters)."""
-        if self.coordinator is None:
-            return self.module(*args, **kwargs)
-        self.coordinator.begin_forward()
-        try:
-            return self.module(*args, **kwargs)
-        finally:
-            self.coordinator.end_forward()
+        """Run the module (stage 3 gathers and releases each module's parameters), with
+        ``fp16.auto_cast`` / ``torch_autocast`` applied (see :class:`DeepSpeedEngineAPI`)."""
+        args, kwargs = self._cast_inputs(args, kwargs)
+        self.tput_timer.start()
+        with self._autocast():
+            if self.coordinator is None:
+                return self.module(*args, **kwargs)
+            self.coordinator.begin_forward()
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                self.coordinator.end_forward()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Back-propagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
@@ -315,18 +338,21 @@ class ZeroEngine:
         Gradients are reduced while backward runs (see [Note: streaming reduction]); with
         ``overlap_comm`` the last collectives may still be in flight when this returns.
         """
+        self._require_optimizer("backward")
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
         scaled = loss / self.gas
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        self.reducer.begin_backward(self.is_gradient_accumulation_boundary())
+        self.reducer.begin_backward(self.is_gradient_accumulation_boundary() and not self._no_sync)
         if self.coordinator is not None:
             self.coordinator.begin_backward()
+        self._in_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
         finally:
+            self._in_backward = False
             if self.coordinator is not None:
                 self.coordinator.release_all()
         self.reducer.end_backward()
@@ -344,11 +370,22 @@ class ZeroEngine:
         self._boundary_override = bool(is_boundary)
 
     def step(self) -> None:
-        """Call after every micro-batch's backward; updates the parameters at the boundary."""
+        """Call after every micro-batch's backward; updates the parameters at the boundary.
+
+        :raises RuntimeError: no optimizer (a forward-only engine), inside ``no_sync()``, or
+            gradients on the parameters from a backward the engine did not run and none
+            from its own (they would be silently ignored).
+        """
+        self._require_optimizer("step")
+        if self._no_sync:
+            raise RuntimeError("step() inside no_sync() is not allowed (DeepSpeed forbids it)")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._loss_count == 0:
+            self._check_no_stray_gradients()
         self.micro_steps += 1
         if boundary:
             self._boundary_step()
+        self.tput_timer.stop(global_step=boundary, report_speed=False)
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (the engine also does this after each update)."""
@@ -357,18 +394,6 @@ class ZeroEngine:
             if zp.master is not None:
                 zp.master.grad = None
             zp.param.grad = None
-
-    def train(self, mode: bool = True) -> ZeroEngine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> ZeroEngine:
-        self.module.eval()
-        return self
-
-    def get_lr(self) -> list[float]:
-        """Learning rate of each optimizer group."""
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -479,6 +504,7 @@ class ZeroEngine:
         norm = self.last_grad_norm
         parts.append(f"grad_norm={norm:.6g}" if norm is not None else "grad_norm=n/a")
         parts.append(f"skipped={self.skipped_steps}")
+        parts.append(f"samples_per_sec={self.tput_timer.avg_samples_per_sec():.6g}")
         parts.append(f"mem_allocated={self.acc.memory_allocated() / 2**20:.1f}MiB")
         parts.append(f"mem_peak={self.acc.max_memory_allocated() / 2**20:.1f}MiB")
         log.info(" ".join(parts))
@@ -490,35 +516,13 @@ class ZeroEngine:
         :func:`ds_core.zero.accounting.model_state_bytes` for the keys)."""
         return model_state_bytes(self)
 
-    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full copies of every parameter by name (collective: every rank must call it).
-
-        Stage-3 partitioned parameters are all-gathered one unit at a time; the others are
-        copied. Expert parameters are this rank's local experts.
-        """
-        out: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for unit in self.units:
-                if unit.mode is not Mode.PARTITIONED:
-                    continue
-                held = unit.gathered
-                unit.gather()
-                for zp in unit.zparams:
-                    out[zp.name] = zp.param.detach().clone()
-                if not held:
-                    unit.release()
-            for name, zp in self.zparams.items():
-                if name not in out:
-                    out[name] = zp.param.detach().clone()
-        return {name: out[name] for name in self.zparams}
-
     # -- checkpoints (ds_core.checkpoint does the work) ---------------------------------------
 
     def save_checkpoint(
         self,
         save_dir: str,
         tag: str | None = None,
-        client_state: Mapping[str, Any] | None = None,
+        client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
         universal: bool = False,
@@ -575,9 +579,10 @@ class ZeroEngine:
         self.reducer.release()
         if self.offload is not None:
             self.offload.release()
-        self.optimizer.state.clear()
-        for g in self.optimizer.param_groups:
-            g["params"] = []
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+            for g in self.optimizer.param_groups:
+                g["params"] = []
         for unit in self.units:
             unit.release()
             unit.flat = unit.shard = None
@@ -593,42 +598,3 @@ class ZeroEngine:
         self.zparams.clear()
         self._by_param.clear()
         self._trainable.clear()
-
-
-def initialize(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
-    model_parameters: Iterable[Any] | None = None,
-    config: Mapping[str, Any] | str | Any = None,
-    training_data: Any = None,
-    lr_scheduler: Any = None,
-) -> tuple[ZeroEngine, torch.optim.Optimizer, Any, Any]:
-    """Wrap ``model`` for ZeRO training; DeepSpeed's ``deepspeed.initialize`` shape.
-
-    :param model: the module; moved to the current device (and cast to fp16/bf16 when the
-        config enables them). Every rank must build the same model; rank 0's values win.
-    :param optimizer: a fresh ``torch.optim`` optimizer over the model's parameters (it is
-        re-pointed at the fp32 master shards), a callable ``param_groups -> optimizer``, or
-        ``None`` to build the config's ``optimizer`` section.
-    :param model_parameters: parameters or parameter groups for a built optimizer.
-    :param config: a dict, a JSON file path, or a loaded ``DSConfig``.
-    :param training_data: a ``torch.utils.data.Dataset``; when given, a loader over this rank's
-        share with ``train_micro_batch_size_per_gpu`` samples per batch is returned.
-    :param lr_scheduler: an ``LRScheduler`` on ``optimizer``, or a callable
-        ``optimizer -> scheduler``; else the config's ``scheduler`` section, if any.
-    :returns: ``(engine, optimizer, dataloader or None, lr_scheduler or None)``.
-    :raises ds_core.ConfigError: invalid config, no optimizer, or an optimizer that needs
-        whole gradients with stages 1-3.
-    """
-    comm.init_distributed()
-    cfg = config if isinstance(config, DSConfig) else load_config(config, comm.get_world_size())
-    engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
-    loader = None
-    if training_data is not None:
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            training_data, num_replicas=engine.world, rank=engine.rank, shuffle=False
-        )
-        loader = DataLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler
-        )
-    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -175,6 +175,12 @@ class GradReducer:
         self._cursor = 0
         for ug in self.units:
             ug.arrived = 0
+            if self.reducing and self.policy.all_reduce and ug.opened and ug.local is not None:
+                # A second reducing backward in one window (a GAN's two discriminator
+                # losses): the all-reduce works in place, so the first result is set aside
+                # and added back when the second completes.
+                self.finish()
+                ug.reduced = ug.local.clone()
             if not self.policy.local_accumulation:
                 ug.touched.clear()
 
@@ -285,9 +291,12 @@ class GradReducer:
         if staging is not None:
             self._free.append(staging)
         if self.policy.all_reduce:
+            assert ug.local is not None
             if out is not ug.local:
-                assert ug.local is not None
                 ug.local.copy_(out)
+            if ug.reduced is not None and ug.reduced is not ug.local:
+                ug.local.add_(ug.reduced)
+                ug.reduced = ug.local
             return
         if ug.reduced is None:  # stage 1 with accumulation: the range lives during the step
             ug.reduced = out if out.dtype == torch.float32 else out.float()

@@ -19,10 +19,12 @@ from pydantic import BaseModel, ValidationError
 
 from ds_core.errors import ConfigError
 from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
+from ds_core.zero.adam import AdamNoBiasCorrection
 from ds_core.zero.config import (
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
     AdamParams,
+    LRRangeTestParams,
     OptimizerConfig,
     SchedulerConfig,
     WarmupCosineLRParams,
@@ -32,6 +34,7 @@ from ds_core.zero.config import (
 from ds_core.zero.config_errors import messages
 
 __all__ = [
+    "LRRangeTest",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
@@ -106,10 +109,15 @@ def build_optimizer(
         return DeepSpeedCPUAdam(
             groups,
             lr=parsed.lr,
+            bias_correction=parsed.bias_correction,
             betas=parsed.betas,
             eps=parsed.eps,
             weight_decay=parsed.weight_decay,
             adamw_mode=decoupled,
+        )
+    if not parsed.bias_correction:
+        return AdamNoBiasCorrection(
+            groups, parsed.lr, parsed.betas, parsed.eps, parsed.weight_decay, decoupled
         )
     cls: type[torch.optim.AdamW] | type[torch.optim.Adam]
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
@@ -289,7 +297,35 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         return [lr * ratio for lr in self.org_lrs]
 
 
+class LRRangeTest(_DeepSpeedSchedule):
+    """DeepSpeed's ``LRRangeTest``: ``lr(i) = min_lr · (1 + step_rate · x)`` with
+    ``x = (i + 1) / step_size``, floored when ``staircase``; ``lr(−1) = min_lr``."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_range_test_min_lr: float | list[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        n = len(optimizer.param_groups)
+        self.min_lrs = _per_group(lr_range_test_min_lr, n, "lr_range_test_min_lr")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        super().__init__(optimizer, last_batch_iteration)
+
+    def lr_at(self, it: int) -> list[float]:
+        x = (it + 1) / self.step_size
+        if self.staircase:
+            x = math.floor(x)
+        return [lo * (1 + self.step_rate * x) for lo in self.min_lrs]
+
+
 _SCHEDULE_CLASSES: dict[str, type[_DeepSpeedSchedule]] = {
+    "LRRangeTest": LRRangeTest,
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
@@ -308,7 +344,9 @@ def build_scheduler(
     :raises ConfigError: unknown type, invalid params, or a per-group list of the wrong length.
     """
     name, parsed = _validated("scheduler", cfg.type, SCHEDULER_TYPES, cfg.params)
-    if not isinstance(parsed, (WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams)):
+    if not isinstance(
+        parsed, (WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams, LRRangeTestParams)
+    ):
         raise ConfigError(f"scheduler.type: '{name}' has no builder")
     kwargs: dict[str, Any] = parsed.model_dump()
     return _SCHEDULE_CLASSES[name](optimizer, **kwargs)

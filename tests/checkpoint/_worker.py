@@ -273,6 +273,16 @@ def load_options(root: Path) -> dict[str, Any]:
             "bounds": {n: (zp.lo, zp.hi) for n, zp in engine.zparams.items()},
         }
         engine.destroy()
+    # a forward-only engine (no optimizer) loads the weights, and saves without optimizer state
+    import ds_core
+
+    torch.manual_seed(999)
+    model = build_model("tiny")
+    fwd, _, _, _ = ds_core.initialize(model=model, config=sc.config(world))
+    fwd.load_checkpoint(str(root / "s1" / "native"))
+    fwd.save_checkpoint(str(root / "forward_only"))
+    out["forward_only"] = {"params": fwd.gathered_state_dict(), "optimizer": fwd.optimizer}
+    fwd.destroy()
     other = build(Resume(stage=1, model="mlp"), world, seed=0)
     try:
         other.load_checkpoint(str(root / "s1" / "native"))

@@ -151,3 +151,9 @@ def test_load_options(suite: Any) -> None:
             assert torch.equal(shard, want), name
             assert torch.equal(module_only["masters"][name], want), name
         assert "does not match the model: missing from the checkpoint" in out["mismatch"]
+        fwd = out["forward_only"]
+        assert fwd["optimizer"] is None
+        for name, value in fwd["params"].items():
+            assert torch.equal(value, state[name]), name
+    saved = consolidated_state_dict(suite("resume_load").ckroot / "forward_only")
+    assert all(torch.equal(saved[k], state[k]) for k in saved)
