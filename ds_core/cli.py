@@ -17,7 +17,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ds_core.accelerator import build_accelerator
+from ds_core.checkpoint import cli as checkpoint_cli
 from ds_core.errors import DSCoreError
+from ds_core.hookspecs import HOOKSPEC_VERSION
+from ds_core.known_backends import KNOWN_BACKENDS, install_hint
+from ds_core.plugins import ENV_ACCELERATOR, choose, discover
+from ds_core.scaffold import write_backend
 
 Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
@@ -31,11 +37,6 @@ def _version(dist: str) -> str:
 
 def collect_report() -> tuple[dict[str, Any], list[str]]:
     """Build the report as a JSON-able dict, and the list of problems that make it fail."""
-    from ds_core.accelerator import build_accelerator
-    from ds_core.hookspecs import HOOKSPEC_VERSION
-    from ds_core.known_backends import KNOWN_BACKENDS, install_hint
-    from ds_core.plugins import ENV_ACCELERATOR, choose, discover
-
     problems: list[str] = []
     report: dict[str, Any] = {
         "versions": {
@@ -239,8 +240,6 @@ def _new_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def _new_backend(args: argparse.Namespace) -> int:
-    from ds_core.scaffold import write_backend
-
     try:
         root = write_backend(args.name, args.device_type, args.output)
     except (ValueError, FileExistsError) as exc:
@@ -256,6 +255,7 @@ def _commands() -> dict[str, Command]:
         "report": (_report_args, _report),
         "conformance": (_conformance_args, _conformance),
         "new-backend": (_new_backend_args, _new_backend),
+        "checkpoint": (checkpoint_cli.add_args, checkpoint_cli.run),
     }
     return commands
 

@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=2, help="ranks when started without torchrun")
     p.add_argument("--out", default="out/train_gpt", help="folder for the log and the plot")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
+    p.add_argument("--save-dir", help="write a checkpoint here after the last step")
+    p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
     return p.parse_args(argv)
 
 
@@ -197,6 +199,18 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
         model=model, model_parameters=model.parameters(), config=config
     )
     accum = config.gradient_accumulation_steps
+    start = 0
+    if args.resume:  # any world size and stage: the checkpoint reshards on load
+        path, _ = engine.load_checkpoint(args.resume)
+        start = engine.global_steps
+        if path is None or start >= args.steps:
+            raise ds_core.ConfigError(
+                f"--resume {args.resume}: no checkpoint, or --steps {args.steps} <= its step {start}"
+            )
+        for _ in range(start * accum):  # the data an unbroken run would see next
+            data.next()
+        if rank == 0:
+            print(f"resumed from {path} at step {start}", file=sys.stderr)
     if rank == 0:
         print(
             f"GPT {args.model}: {n_params / 1e6:.1f} M parameters | ZeRO stage "
@@ -211,7 +225,7 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
     mem_mib: list[float] = []
     tokens_per_step = micro * args.seq * accum * world
     t_start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(start + 1, args.steps + 1):
         t0, bytes0 = time.perf_counter(), counter.total_bytes()
         loss_sum = torch.zeros((), device=device)
         for _ in range(accum):  # DeepSpeed's contract: step() every micro-batch
@@ -240,6 +254,10 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir)
+        if rank == 0:
+            print(f"saved {args.save_dir}/global_step{engine.global_steps}", file=sys.stderr)
     # finish collectives still in flight (stage-3 prefetches) before the process group goes
     engine.destroy()
 
@@ -255,7 +273,7 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
     comm_per_step = sorted(per_step)[len(per_step) // 2]
     print(
         f"\nsummary: final loss {rows[-1]['loss']:.4f} (first {rows[0]['loss']:.4f}) | "
-        f"{args.steps} steps in {elapsed:.1f} s ({tokens_per_step * args.steps / elapsed:,.0f} "
+        f"{len(rows)} steps in {elapsed:.1f} s ({tokens_per_step * len(rows) / elapsed:,.0f} "
         f"tokens/s) | peak memory per rank "
         + ", ".join(f"{e['peak']:.0f} MiB" for e in everyone)
         + f" | communicated {comm_per_step / MiB:.1f} MiB per step per rank "

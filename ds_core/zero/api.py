@@ -12,17 +12,21 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from ds_core import comm
+from ds_core.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from ds_core.errors import ConfigError
 from ds_core.zero.config import DSConfig
 from ds_core.zero.gathered import GatheredParameters
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
 from ds_core.zero.reducer import GradReducer
+
+if TYPE_CHECKING:  # the engine subclasses this mixin
+    from ds_core.zero.engine import ZeroEngine
 
 __all__ = ["DeepSpeedEngineAPI", "strip_module_prefix"]
 
@@ -294,3 +298,57 @@ class DeepSpeedEngineAPI:
             yield
         finally:
             self._no_sync = False
+
+    # -- checkpoints (ds_core.checkpoint) ---------------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+        universal: bool = False,
+    ) -> bool:
+        """DeepSpeed's ``save_checkpoint``; see :func:`ds_core.checkpoint.save_checkpoint`."""
+        save_checkpoint(
+            cast("ZeroEngine", self),
+            save_dir,
+            tag,
+            client_state,
+            save_latest,
+            exclude_frozen_parameters,
+            universal,
+        )
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """DeepSpeed's ``load_checkpoint``; see :func:`ds_core.checkpoint.load_checkpoint`."""
+        return load_checkpoint(
+            cast("ZeroEngine", self),
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's ``save_16bit_model``; see :func:`ds_core.checkpoint.save_16bit_model`."""
+        return save_16bit_model(
+            cast("ZeroEngine", self), save_dir, save_filename, exclude_frozen_parameters
+        )

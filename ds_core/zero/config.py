@@ -22,11 +22,10 @@ import difflib
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     Field,
     ValidationError,
     model_validator,
@@ -34,13 +33,22 @@ from pydantic import (
 
 from ds_core.errors import ConfigError
 from ds_core.zero.config_errors import ConfigProblemsError, fail, messages, unknown_key_message
+from ds_core.zero.config_optim import (
+    OPTIMIZER_TYPES,
+    SCHEDULER_TYPES,
+    AdamParams,
+    LRRangeTestParams,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+)
 from ds_core.zero.config_sections import (
     ActivationCheckpointingConfig,
     TorchAutocastConfig,
     parse_config_text,
 )
 from ds_core.zero.config_types import FROZEN as _FROZEN
-from ds_core.zero.config_types import Bool, Float, Int, as_float, as_int
+from ds_core.zero.config_types import Bool, Float, Int, as_int
 from ds_core.zero.deepspeed_keys import NOT_YET, strip_known_extras
 
 __all__ = [
@@ -173,6 +181,10 @@ class ZeroConfig(BaseModel):
     stage3_max_reuse_distance: Int = Field(default=1_000_000_000, ge=0)
     """A stage-3 unit the forward uses again within this many elements is kept gathered
     instead of released and gathered again; 0 always releases. (Default: 1e9)"""
+    stage3_gather_16bit_weights_on_model_save: Bool = False
+    """Let ``engine.save_16bit_model`` gather stage-3 parameters into a consolidated file
+    (DeepSpeed's legacy spelling ``stage3_gather_fp16_weights_on_model_save`` is read too).
+    (Default: false)"""
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     """Optimizer offload (stages 1-3). DeepSpeed's legacy ``cpu_offload: true`` (with
     ``cpu_offload_use_pin_memory``) means ``{"device": "cpu"}``. (Default: off)"""
@@ -180,6 +192,10 @@ class ZeroConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _legacy_cpu_offload(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "stage3_gather_fp16_weights_on_model_save" in data:
+            data = dict(data)
+            legacy = data.pop("stage3_gather_fp16_weights_on_model_save")
+            data.setdefault("stage3_gather_16bit_weights_on_model_save", legacy)
         if not isinstance(data, dict) or "cpu_offload" not in data:
             return data
         data = dict(data)
@@ -231,129 +247,6 @@ class SchedulerConfig(BaseModel):
     """Schedule arguments, validated by the type's params model (defaults filled in)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# optimizer and scheduler parameters (DeepSpeed's names; validated here so errors come at load)
-
-
-class AdamParams(BaseModel):
-    """Parameters of ``Adam`` / ``AdamW`` (DeepSpeed's FusedAdam names and defaults)."""
-
-    model_config = _FROZEN
-
-    lr: Float = Field(default=1e-3, ge=0)
-    betas: tuple[Float, Float] = (0.9, 0.999)
-    eps: Float = Field(default=1e-8, gt=0)
-    weight_decay: Float = Field(default=0.0, ge=0)
-    adam_w_mode: Bool = True
-    """Decoupled weight decay (AdamW). DeepSpeed's ``Adam`` is AdamW unless this is false."""
-    bias_correction: Bool = True
-    """Correct the moments' initial bias (torch's Adam); false uses
-    :class:`~ds_core.zero.adam.AdamNoBiasCorrection`, as DeepSpeed's FusedAdam. (Default: true)"""
-    amsgrad: Bool = False
-    torch_adam: Bool = False
-    """Accepted for compatibility: this engine always uses torch's Adam/AdamW."""
-
-    @model_validator(mode="after")
-    def _check(self) -> AdamParams:
-        for i, beta in enumerate(self.betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
-        if self.amsgrad:
-            raise ValueError("amsgrad: true is not supported yet")
-        return self
-
-
-def _as_lrs(value: Any) -> Any:
-    # DeepSpeed takes one learning rate or one per parameter group.
-    if isinstance(value, (list, tuple)):
-        return [_nonneg(as_float(v)) for v in value]
-    return _nonneg(as_float(value))
-
-
-def _nonneg(value: float) -> float:
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {value}")
-    return value
-
-
-LearningRates = Annotated[float | list[float], BeforeValidator(_as_lrs)]
-
-
-class WarmupLRParams(BaseModel):
-    """``WarmupLR``: warm up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold."""
-
-    model_config = _FROZEN
-
-    warmup_min_lr: LearningRates = 0.0
-    warmup_max_lr: LearningRates | None = None
-    """None means the optimizer's lr (DeepSpeed's current default)."""
-    warmup_num_steps: Int = Field(default=1000, ge=0)
-    """Steps of warm-up; DeepSpeed warms up over at least 2."""
-    warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: Int = Field(default=-1, ge=-1)
-
-
-class WarmupDecayLRParams(WarmupLRParams):
-    """``WarmupDecayLR``: WarmupLR, then linear decay to 0 at ``total_num_steps``."""
-
-    warmup_max_lr: LearningRates | None = 0.001
-    total_num_steps: Int = Field(gt=0)
-
-    @model_validator(mode="after")
-    def _check_total(self) -> WarmupDecayLRParams:
-        _check_total_steps(self.total_num_steps, self.warmup_num_steps)
-        return self
-
-
-class WarmupCosineLRParams(BaseModel):
-    """``WarmupCosineLR``: warm up a ratio of the optimizer's lr, then cosine-decay it."""
-
-    model_config = _FROZEN
-
-    total_num_steps: Int = Field(gt=0)
-    warmup_min_ratio: Float = Field(default=0.0, ge=0, le=1)
-    warmup_num_steps: Int = Field(default=1000, ge=0)
-    cos_min_ratio: Float = Field(default=0.0001, ge=0, le=1)
-    warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: Int = Field(default=-1, ge=-1)
-
-    @model_validator(mode="after")
-    def _check_total(self) -> WarmupCosineLRParams:
-        _check_total_steps(self.total_num_steps, self.warmup_num_steps)
-        return self
-
-
-class LRRangeTestParams(BaseModel):
-    """``LRRangeTest``: grow the lr from ``lr_range_test_min_lr`` by ``step_rate`` per
-    ``step_size`` steps (continuously or as a staircase), to find a good lr range."""
-
-    model_config = _FROZEN
-
-    lr_range_test_min_lr: LearningRates = 0.001
-    lr_range_test_step_size: Int = Field(default=2000, gt=0)
-    lr_range_test_step_rate: Float = Field(default=1.0, ge=0)
-    lr_range_test_staircase: Bool = False
-    last_batch_iteration: Int = Field(default=-1, ge=-1)
-
-
-def _check_total_steps(total: int, warmup: int) -> None:
-    effective = max(2, warmup)
-    if total <= effective:
-        raise ValueError(
-            f"total_num_steps ({total}) must be greater than warmup_num_steps ({warmup}"
-            + (", raised to 2: warm-up lasts at least 2 steps)" if effective != warmup else ")")
-        )
-
-
-#: canonical optimizer name -> params model
-OPTIMIZER_TYPES: dict[str, type[BaseModel]] = {"Adam": AdamParams, "AdamW": AdamParams}
-#: canonical scheduler name -> params model
-SCHEDULER_TYPES: dict[str, type[BaseModel]] = {
-    "WarmupLR": WarmupLRParams,
-    "WarmupDecayLR": WarmupDecayLRParams,
-    "WarmupCosineLR": WarmupCosineLRParams,
-    "LRRangeTest": LRRangeTestParams,
-}
 _NOT_YET_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "SGD", "Lion")
 _NOT_YET_SCHEDULERS = ("OneCycle", "WarmupCosineDecayLR")
 

@@ -43,8 +43,6 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "load_from_fp32_weights",
             "elastic_checkpoint",
             "ignore_unused_parameters",
-            "stage3_gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save",
             "use_multi_rank_bucket_allreduce",
             "memory_efficient_linear",
             "stage3_module_granularity_threshold",

@@ -1,0 +1,250 @@
+"""Loading either format into an engine of any world size and stage.
+
+Each rank fills its own masters and optimizer state: the fragment it saved when it holds the
+same piece now (native format, same world size, same ``[lo, hi)``), else the parameter's full
+unpadded tensor cut to its piece ``[lo, hi)`` of the flattened parameter (see [Note: shard
+layout] in :mod:`ds_core.zero.partition`). 16-bit weights are then rebuilt from the fp32 masters by
+``engine.sync_params_from_masters()``, never the other way round.
+
+Every file a rank needs is verified against the manifest and unpickled (weights only) before
+anything is changed, and the ranks agree on the outcome, so a bad checkpoint raises the same
+error on every rank instead of leaving some waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_core.checkpoint import _io, _state
+from ds_core.checkpoint._io import CheckpointError
+from ds_core.checkpoint._reader import CheckpointReader
+from ds_core.checkpoint._save import agree
+
+if TYPE_CHECKING:
+    from ds_core.zero.engine import ZeroEngine
+    from ds_core.zero.partition import ZeroParam
+
+log = logging.getLogger("ds_core.checkpoint")
+
+
+def load_checkpoint(
+    engine: ZeroEngine,
+    load_dir: Any,
+    tag: str | None = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Load a checkpoint (native or universal) into ``engine``, resharding as needed.
+
+    Collective: every rank calls it with the same arguments.
+
+    :param load_dir: the ``save_dir`` given to ``save_checkpoint``.
+    :param tag: the sub-folder; the one ``latest`` names when ``None``.
+    :param load_module_strict: every parameter and buffer of the model must be in the
+        checkpoint and the other way round.
+    :param load_optimizer_states: restore optimizer state and param-group hyperparameters.
+    :param load_lr_scheduler_states: restore the LR scheduler.
+    :param load_module_only: restore weights (and buffers) only: no optimizer, scheduler,
+        counters or RNG.
+    :returns: ``(checkpoint folder, client_state)``, or ``(None, None)`` when ``load_dir``
+        holds no such checkpoint (no ``latest`` file, or no folder for ``tag``).
+    :raises CheckpointError: a file that is missing, truncated, corrupted, not weights-only
+        or from another save; a model that does not match the checkpoint. The message names
+        the file or the parameter.
+    """
+    root = Path(load_dir)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"load_dir {str(root)!r} is not a folder")
+    folder = _io.resolve(root, tag)
+    if folder is None:
+        log.warning(
+            "no checkpoint to load in %s (%s); starting from scratch",
+            root,
+            f"tag {tag!r} not found" if tag is not None else "no 'latest' file",
+        )
+        return None, None
+    # a forward-only engine (no optimizer) takes the weights only
+    want_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    error: BaseException | None = None
+    reader: CheckpointReader | None = None
+    plan: list[tuple[ZeroParam, str, bool]] = []
+    try:
+        reader = CheckpointReader(folder)
+        plan = _plan(engine, reader, load_module_strict)
+    except CheckpointError as exc:
+        error = exc
+    agree(engine, error, f"checking {folder}")
+    if reader is None:
+        raise AssertionError("reader missing after a successful check")
+    try:
+        for zp, key, fast in plan:
+            _load_param(engine, reader, zp, key, fast, want_opt)
+        _load_buffers(engine, reader, load_module_strict)
+    except (CheckpointError, OSError, RuntimeError) as exc:
+        error = exc
+    agree(engine, error, f"loading {folder}")
+    engine.sync_params_from_masters()
+    meta = reader.meta
+    if want_opt:
+        names = {id(zp.master): zp.name for zp in engine.zparams.values() if zp.master is not None}
+        _state.restore_param_groups(engine, meta["optimizer"]["param_groups"], names)
+    if not load_module_only:
+        _state.restore_counters(engine, meta, load_lr_scheduler_states)
+        if reader.world_size == engine.world:
+            payload = reader.rank_payload(engine.rank)
+            _state.set_rng_state(payload["rng"])
+            _state.set_loader_state(engine, payload.get("loader"))
+        else:
+            log.warning(
+                "RNG states and data position not restored: saved on %d ranks, loading on %d",
+                reader.world_size,
+                engine.world,
+            )
+    return str(folder), dict(meta["client_state"])
+
+
+def _plan(
+    engine: ZeroEngine, reader: CheckpointReader, strict: bool
+) -> list[tuple[ZeroParam, str, bool]]:
+    """Match the model against the checkpoint and verify every file this rank will read.
+
+    :returns: ``(zparam, key, use own fragment)`` for each parameter to load.
+    """
+    plan: list[tuple[ZeroParam, str, bool]] = []
+    missing: list[str] = []
+    same_world = reader.format == "native" and reader.world_size == engine.world
+    for zp in engine.zparams.values():
+        key = _state.param_key(zp, engine.rank)
+        info = reader.params.get(key)
+        if info is None:
+            missing.append(key)
+            continue
+        if list(info["shape"]) != list(zp.shape):
+            raise CheckpointError(
+                f"parameter {key!r}: shape {tuple(zp.shape)} in the model, "
+                f"{tuple(info['shape'])} in {reader.folder}"
+            )
+        if bool(info["trainable"]) != zp.trainable:
+            raise CheckpointError(
+                f"parameter {key!r} is {'trainable' if zp.trainable else 'frozen'} in the model "
+                f"but {'trainable' if info['trainable'] else 'frozen'} in {reader.folder}"
+            )
+        if not info["saved"]:
+            continue  # frozen and saved with exclude_frozen_parameters: keep the model's values
+        own = reader.fragment(key, engine.rank) if same_world and zp.master is not None else None
+        # the piece this rank saved is the piece it holds now: read it, nothing else
+        fast = own is not None and (int(own["lo"]), int(own["hi"])) == (zp.lo, zp.hi)
+        plan.append((zp, key, fast))
+    names = {zp.name for zp in engine.zparams.values()}
+    unexpected = sorted({i["name"] for i in reader.params.values()} - names)
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{reader.folder} does not match the model: missing from the checkpoint "
+            f"{missing[:5]}{'...' if len(missing) > 5 else ''}, not in the model "
+            f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} (pass "
+            "load_module_strict=False to load the parameters both have)"
+        )
+    needed: set[str] = set()
+    for _zp, key, fast in plan:
+        needed.update([_io.rank_file(engine.rank)] if fast else reader.files_for(key))
+    if reader.world_size == engine.world:
+        needed.add(_io.rank_file(engine.rank))
+    for rel in sorted(needed):
+        reader.load(rel)  # verifies size and SHA-256, and unpickles weights-only
+        if rel.startswith("params/"):
+            reader.release(rel)
+    return plan
+
+
+def _owned(zp: ZeroParam, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a full tensor, in the layout of ``zp.master``."""
+    if zp.mode.value == _state.REPLICATED:
+        return full.reshape(zp.shape)
+    return full.reshape(-1)[zp.lo : zp.hi]
+
+
+def _load_param(
+    engine: ZeroEngine,
+    reader: CheckpointReader,
+    zp: ZeroParam,
+    key: str,
+    fast: bool,
+    want_opt: bool,
+) -> None:
+    src: dict[str, Any] | None = reader.fragment(key, engine.rank) if fast else None
+    own_fragment = src is not None
+    if src is None:
+        src = reader.entry(key)
+    master_shape = zp.master.shape if zp.master is not None else zp.shape
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        # A native fragment already is this rank's slice; a full tensor is cut to it.
+        return t.view(master_shape) if own_fragment else _owned(zp, t)
+
+    with torch.no_grad():
+        if zp.master is not None:
+            if "fp32" not in src:
+                raise CheckpointError(f"{reader.folder}: parameter {key!r} has no fp32 master")
+            zp.master.copy_(pick(src["fp32"]))
+            if want_opt:
+                engine.optimizer.state[zp.master] = _opt_state(engine, zp, src, pick)
+        else:
+            _load_frozen(zp, src["frozen"])
+    if reader.format == "universal":
+        reader.release(_io.param_file(key))
+
+
+def _opt_state(
+    engine: ZeroEngine,
+    zp: ZeroParam,
+    src: dict[str, Any],
+    pick: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, Any]:
+    master = zp.master
+    if master is None:
+        raise AssertionError(f"{zp.name} has no master")
+    group = next(g for g in engine.optimizer.param_groups if any(p is master for p in g["params"]))
+    on_device = bool(group.get("capturable")) or bool(group.get("fused"))
+    state: dict[str, Any] = {}
+    for k, v in src["scalars"].items():
+        if isinstance(v, torch.Tensor):
+            v = v.clone().to(master.device) if on_device else v.clone()
+        state[k] = v
+    for k, v in src["state"].items():
+        t = torch.empty(master.shape, dtype=v.dtype, device=master.device)
+        t.copy_(pick(v))
+        state[k] = t
+    return state
+
+
+def _load_frozen(zp: ZeroParam, full: torch.Tensor) -> None:
+    if zp.unit is not None:
+        zp.unit.place(zp, full)  # keeps what this rank holds
+    else:
+        zp.param.data.copy_(full.view(zp.shape))
+
+
+def _load_buffers(engine: ZeroEngine, reader: CheckpointReader, strict: bool) -> None:
+    saved: dict[str, torch.Tensor] = reader.meta["buffers"]
+    params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    ours = {
+        k: v
+        for k, v in engine.module.state_dict(keep_vars=True).items()
+        if k not in params and isinstance(v, torch.Tensor)
+    }
+    if strict and set(ours) != set(saved):
+        raise CheckpointError(
+            f"{reader.folder}: buffers differ: missing {sorted(set(ours) - set(saved))[:5]}, "
+            f"unexpected {sorted(set(saved) - set(ours))[:5]}"
+        )
+    with torch.no_grad():
+        for k, buf in ours.items():
+            if k in saved:
+                buf.copy_(saved[k])

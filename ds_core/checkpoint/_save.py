@@ -1,0 +1,329 @@
+"""Saving: every rank writes its own file into the temporary folder, rank 0 publishes.
+
+Native format: rank ``r`` writes ``rank_<r>.pt`` with the fragments it owns of every parameter
+(fp32 master, optimizer state, frozen weights) plus its RNG states. Universal format: ranks
+all-gather one parameter at a time over its group and one member (chosen round-robin) writes
+``params/<key>.pt`` with the full unpadded tensors, so no rank ever holds more than one whole
+parameter; ``rank_<r>.pt`` then holds RNG states only. See [Note: atomic publication] in
+:mod:`ds_core.checkpoint._io` for the order of writes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_core.checkpoint import _io, _state
+from ds_core.checkpoint._io import CheckpointError
+
+if TYPE_CHECKING:
+    from ds_core.zero.engine import ZeroEngine
+    from ds_core.zero.partition import ZeroParam
+
+
+def all_gather_json(engine: ZeroEngine, payload: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's JSON-able ``payload``, in rank order (collective)."""
+    acc = engine.acc
+    data = json.dumps(payload).encode()
+    if engine.world == 1:
+        return [json.loads(data)]
+    n = torch.tensor([len(data)], dtype=torch.int64, device=engine.device)
+    sizes = torch.empty(engine.world, dtype=torch.int64, device=engine.device)
+    acc.all_gather(sizes, n, None)
+    width = int(sizes.max().item())
+    buf = torch.zeros(width, dtype=torch.uint8, device=engine.device)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(engine.device)
+    out = torch.empty(engine.world * width, dtype=torch.uint8, device=engine.device)
+    acc.all_gather(out, buf, None)
+    rows = out.to("cpu").view(engine.world, width)
+    return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(engine.world)]
+
+
+def agree(engine: ZeroEngine, error: BaseException | None, what: str) -> None:
+    """Raise on every rank when any rank failed (so none is left waiting in a collective)."""
+    states = all_gather_json(engine, {"error": None if error is None else str(error)})
+    failed = [(r, s["error"]) for r, s in enumerate(states) if s["error"] is not None]
+    if failed:
+        if error is not None and failed[0][0] == engine.rank:
+            raise error
+        rank, msg = failed[0]
+        raise CheckpointError(f"{what} failed on rank {rank}: {msg}")
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host, flat, over a storage holding exactly its elements.
+
+    ``torch.save`` of a view writes the view's whole underlying storage (a master piece is a
+    view of its unit's buffer). A contiguous host view is re-based on a slice of that storage,
+    which shares the memory, so nothing is copied; anything else is cloned.
+    """
+    flat = t.detach().reshape(-1).to("cpu")
+    size = flat.element_size()
+    if flat.untyped_storage().nbytes() == flat.numel() * size and not flat.storage_offset():
+        return flat
+    if not flat.is_contiguous():
+        return flat.clone()
+    start = flat.storage_offset() * size
+    storage: torch.UntypedStorage = flat.untyped_storage()[start : start + flat.numel() * size]
+    return torch.empty(0, dtype=flat.dtype).set_(storage, 0, (flat.numel(),), (1,))
+
+
+def piece_value(zp: ZeroParam) -> torch.Tensor:
+    """This rank's piece of ``zp``'s weights in the model dtype: elements ``[lo, hi)`` of the
+    flattened parameter (the whole parameter when replicated)."""
+    if zp.unit is None:
+        return zp.param.detach().reshape(-1)
+    return zp.unit.piece(zp)
+
+
+def stores(zp: ZeroParam) -> bool:
+    """Whether this rank stores a native fragment of ``zp``: its non-empty piece, or, for a
+    replicated parameter, the copy of its group's first rank."""
+    if zp.mode.value == _state.REPLICATED:
+        return zp.group_rank == 0
+    return zp.hi > zp.lo
+
+
+def _validate(
+    engine: ZeroEngine, save_dir: Any, tag: str | None, client_state: Any
+) -> tuple[Path, str]:
+    root = _io.check_save_dir(save_dir)
+    tag = _io.validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    if not isinstance(client_state, Mapping):
+        raise CheckpointError(f"client_state must be a dict, got {type(client_state).__name__}")
+    _state.check_plain(client_state, "client_state")
+    if _state.in_accumulation_window(engine):
+        raise CheckpointError(
+            "save_checkpoint was called inside a gradient accumulation window (micro-batches "
+            f"since the last update: micro_steps={engine.micro_steps}, "
+            f"gradient_accumulation_steps={engine.gas}); their gradients are not part of any "
+            "checkpoint. Save right after the step() that updates the parameters."
+        )
+    for zp in engine.zparams.values():
+        if zp.master is not None:
+            _state.split_state(zp, _state.optimizer_state(engine, zp.master))
+    return root, tag
+
+
+def save_checkpoint(
+    engine: ZeroEngine,
+    save_dir: Any,
+    tag: str | None = None,
+    client_state: Mapping[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+    universal: bool = False,
+) -> Path:
+    """Write a checkpoint of ``engine`` (collective: every rank calls it with the same args).
+
+    :param save_dir: folder holding one sub-folder per tag and the ``latest`` file.
+    :param tag: sub-folder name; ``global_step<N>`` by default.
+    :param client_state: a dict of tensors/numbers/strings (and containers of them) returned
+        by :func:`load_checkpoint`.
+    :param save_latest: move ``latest`` to this tag once it is complete.
+    :param exclude_frozen_parameters: leave parameters without gradients out.
+    :param universal: write the universal format (by parameter name, unpadded) directly.
+    :returns: the published folder.
+    :raises CheckpointError: bad arguments (before anything is written), state that cannot
+        be stored, or a failure on any rank (the previous checkpoint and ``latest`` stay).
+    """
+    root, tag = _validate(engine, save_dir, tag, {} if client_state is None else client_state)
+    args = {"dir": str(root.resolve()), "tag": tag, "universal": universal}
+    every = all_gather_json(engine, args)
+    if any(a != every[0] for a in every):
+        raise CheckpointError(
+            "save_checkpoint is collective: every rank must pass the same save_dir, tag and "
+            f"format; got {every}"
+        )
+    checkpoint_id = uuid.uuid4().hex if engine.rank == 0 else ""
+    error: BaseException | None = None
+    if engine.rank == 0:
+        try:
+            _io.start_folder(root, tag)
+        except OSError as exc:
+            error = CheckpointError(f"cannot create {_io.partial_dir(root, tag)}: {exc}")
+    agree(engine, error, "creating the checkpoint folder")
+    tmp = _io.partial_dir(root, tag)
+    # Param groups list members by module name: the same on every rank, experts included.
+    keys = {id(zp.master): zp.name for zp in engine.zparams.values() if zp.master is not None}
+    files: dict[str, dict[str, Any]] = {}
+    try:
+        if universal:
+            files.update(_write_universal(engine, tmp, exclude_frozen_parameters))
+        rank_payload: dict[str, Any] = {
+            "rank": engine.rank,
+            "world_size": engine.world,
+            "rng": _state.rng_state(),
+            "loader": _state.loader_state(engine),
+            "params": {} if universal else _native_fragments(engine, exclude_frozen_parameters),
+        }
+        _state.check_plain(rank_payload, _io.rank_file(engine.rank))
+        rel = _io.rank_file(engine.rank)
+        files[rel] = _io.save_object(tmp / rel, rank_payload)
+        del rank_payload
+    except (OSError, CheckpointError) as exc:
+        error = exc
+    gathered = all_gather_json(
+        engine, {"error": None if error is None else str(error), "files": files}
+    )
+    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
+    if failed:
+        raise CheckpointError(f"saving {tag} failed on rank {failed[0][0]}: {failed[0][1]}")
+    if engine.rank == 0:
+        try:
+            meta = _state.build_meta(
+                engine,
+                "universal" if universal else "native",
+                tag,
+                checkpoint_id,
+                client_state or {},
+                keys,
+                exclude_frozen_parameters,
+            )
+            _state.check_plain(meta, _io.META)
+            all_files = {k: v for g in gathered for k, v in g["files"].items()}
+            all_files[_io.META] = _io.save_object(tmp / _io.META, meta)
+            header = {
+                "format": meta["format"],
+                "format_version": _io.FORMAT_VERSION,
+                "checkpoint_id": checkpoint_id,
+                "tag": tag,
+                "world_size": engine.world,
+            }
+            _io.write_manifest(tmp, all_files, header)
+            _io.publish(root, tag, save_latest)
+        except (OSError, CheckpointError) as exc:
+            error = exc
+    agree(engine, error, f"publishing {tag}")
+    return root / tag
+
+
+def _native_fragments(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, Any]:
+    """This rank's fragments: its piece ``[lo, hi)`` of every parameter. An empty piece is
+    stored too (no elements, but this rank's optimizer scalars), so that a load at the same
+    layout reads this rank's file only."""
+    out: dict[str, Any] = {}
+    for zp in engine.zparams.values():
+        replica = zp.mode.value == _state.REPLICATED and zp.group_rank != 0
+        if replica or (not zp.trainable and exclude_frozen):
+            continue
+        frag: dict[str, Any] = {"lo": zp.lo, "hi": zp.hi}
+        if zp.master is not None:
+            frag["fp32"] = host(zp.master)
+            tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
+            frag["state"] = {k: host(v) for k, v in tensors.items()}
+            frag["scalars"] = {
+                k: v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else v
+                for k, v in scalars.items()
+            }
+        else:
+            frag["frozen"] = host(piece_value(zp))
+        out[_state.param_key(zp, engine.rank)] = frag
+    return out
+
+
+def _gather_full(engine: ZeroEngine, zp: ZeroParam, piece: torch.Tensor) -> torch.Tensor:
+    """The full flat parameter-shaped tensor from every group member's piece (collective on
+    ``zp.group``; a replicated piece already is whole). Pieces differ in length across ranks,
+    so each is padded to the longest for the all-gather."""
+    piece = piece.detach().reshape(-1)
+    if zp.mode.value == _state.REPLICATED or zp.group_world == 1:
+        return piece
+    bounds = [zp.shard_bounds(g) for g in range(zp.group_world)]
+    width = max(hi - lo for lo, hi in bounds)
+    buf = torch.zeros(width, dtype=piece.dtype, device=piece.device)
+    buf[: piece.numel()].copy_(piece)
+    out = torch.empty(zp.group_world * width, dtype=piece.dtype, device=piece.device)
+    engine.acc.all_gather(out, buf, zp.group)
+    full = torch.empty(zp.numel, dtype=piece.dtype, device=piece.device)
+    for g, (lo, hi) in enumerate(bounds):
+        full[lo:hi].copy_(out[g * width : g * width + hi - lo])
+    return full
+
+
+def _encode(v: Any) -> dict[str, Any]:
+    if isinstance(v, torch.Tensor):
+        return {"dtype": str(v.dtype).removeprefix("torch."), "value": v.item()}
+    return {"dtype": None, "value": v}
+
+
+def _decode(d: dict[str, Any]) -> Any:
+    if d["dtype"] is None:
+        return d["value"]
+    return torch.tensor(d["value"], dtype=getattr(torch, d["dtype"]))
+
+
+def _agreed_layout(engine: ZeroEngine) -> dict[str, dict[str, Any]]:
+    """Per parameter key: the optimizer's state tensor names and dtypes, and its scalars (a
+    ``step``), checked equal on every rank that stores a piece of it, in one collective.
+
+    The universal format stores scalars once; and every rank must run the same sequence of
+    all-gathers, including ranks whose piece is empty and that may hold no state at all.
+    """
+    mine: dict[str, dict[str, Any]] = {}
+    for zp in engine.zparams.values():
+        if zp.master is not None and stores(zp):
+            tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
+            mine[_state.param_key(zp, engine.rank)] = {
+                "tensors": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
+                "scalars": {k: _encode(v) for k, v in scalars.items()},
+            }
+    agreed: dict[str, dict[str, Any]] = {}
+    for rank, theirs in enumerate(all_gather_json(engine, mine)):
+        for key, layout in theirs.items():
+            if agreed.setdefault(key, layout) != layout:
+                raise CheckpointError(
+                    f"optimizer state of {key!r} differs across ranks ({agreed[key]} vs rank "
+                    f"{rank}'s {layout}); the universal format stores its scalars once"
+                )
+    return agreed
+
+
+def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dict[str, Any]:
+    """Gather and write one parameter at a time; returns the files this rank wrote."""
+    files: dict[str, Any] = {}
+    agreed = _agreed_layout(engine)
+    for i, zp in enumerate(engine.zparams.values()):
+        if not zp.trainable and exclude_frozen:
+            continue
+        if zp.mode.value == _state.REPLICATED:
+            writer = zp.group_rank == 0
+        else:  # spread the writing over the group
+            writer = zp.group_rank == i % zp.group_world
+        key = _state.param_key(zp, engine.rank)
+        entry: dict[str, Any] = {}
+        if zp.master is not None:
+            layout = agreed.get(key, {"tensors": {}, "scalars": {}})
+            entry["fp32"] = _gather_full(engine, zp, zp.master).view(zp.shape)
+            state = _state.optimizer_state(engine, zp.master)
+            entry["state"] = {}
+            for k, dtype in sorted(layout["tensors"].items()):
+                mine = state.get(k)
+                if mine is None:  # an empty piece without state contributes nothing
+                    mine = torch.zeros(0, dtype=getattr(torch, dtype), device=engine.device)
+                entry["state"][k] = _gather_full(engine, zp, mine).view(zp.shape)
+            entry["scalars"] = {k: _decode(v) for k, v in layout["scalars"].items()}
+        else:
+            entry["frozen"] = _gather_full(engine, zp, piece_value(zp)).view(zp.shape)
+        if writer:
+            rel = _io.param_file(key)
+            files[rel] = _io.save_object(tmp / rel, _to_host(entry))
+        del entry
+    return files
+
+
+def _to_host(entry: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in entry.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = host(v).view(v.shape)
+        elif isinstance(v, dict):
+            out[k] = _to_host(v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,353 @@
+"""What a checkpoint holds besides shards, read from and written back into an engine.
+
+Everything here goes through the engine's public contract: ``zparams`` (one
+:class:`~ds_core.zero.ZeroParam` per unique parameter, in ``named_parameters()`` order), the
+masters' optimizer state, counters, loss scaler, LR scheduler and RNG hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import random
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+
+from ds_core.accelerator import get_accelerator
+from ds_core.checkpoint._io import FORMAT_VERSION, CheckpointError
+
+if TYPE_CHECKING:
+    from ds_core.zero.engine import ZeroEngine
+    from ds_core.zero.partition import ZeroParam
+
+log = logging.getLogger("ds_core.checkpoint")
+
+#: ``ds_core.zero.partition.Mode`` values, compared by value: ``ds_core.zero.engine`` imports
+#: this package, so importing ``ds_core.zero`` here would close an import cycle.
+REPLICATED, PARTITIONED = "replicated", "partitioned"
+
+#: engine attribute holding ``(global_steps, global_samples)`` at the last load, used while the
+#: engine keeps no ``global_samples`` counter of its own.
+_SAMPLES_BASE = "_ds_checkpoint_samples_base"
+
+_PLAIN = (str, int, float, bool, type(None), torch.Size)
+
+
+def param_key(zp: ZeroParam, rank: int) -> str:
+    """The name a parameter is stored under.
+
+    A dense parameter is stored under its module name. Expert-parallel ranks hold different
+    experts under the same local name, so an expert parameter split over ``E > 1`` ranks is
+    stored as ``<name>@ep<j>of<E>`` with ``j = rank % E`` (its expert-parallel rank).
+    """
+    ep = zp.expert_ep_size
+    if ep is not None and ep > 1:
+        return f"{zp.name}@ep{rank % ep}of{ep}"
+    return zp.name
+
+
+def check_plain(obj: Any, where: str) -> None:
+    """Refuse anything ``torch.load(weights_only=True)`` would refuse to read back.
+
+    :raises CheckpointError: naming the path inside ``obj`` and the offending type.
+    """
+    if type(obj) in _PLAIN or isinstance(obj, (torch.Tensor, torch.dtype)):
+        return
+    if type(obj) in (dict, OrderedDict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise CheckpointError(f"{where}: key {k!r} is a {type(k).__name__}; use str/int")
+            check_plain(v, f"{where}[{k!r}]")
+        return
+    if type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            check_plain(v, f"{where}[{i}]")
+        return
+    raise CheckpointError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; checkpoints hold only "
+        "tensors, numbers, strings, None and lists/tuples/dicts of them (they are read back "
+        "with torch.load(weights_only=True), which runs no code)"
+    )
+
+
+def in_accumulation_window(engine: ZeroEngine) -> bool:
+    """Whether gradients of some micro-batches are accumulated but not yet applied."""
+    if int(getattr(engine, "_loss_count", 0)) > 0:
+        return True
+    return (
+        getattr(engine, "_boundary_override", None) is None and engine.micro_steps % engine.gas != 0
+    )
+
+
+def global_samples(engine: ZeroEngine) -> int:
+    """Samples consumed: the engine's counter when it keeps one, else steps x batch size."""
+    value = getattr(engine, "global_samples", None)
+    if value is not None:
+        return int(value)
+    # Without the engine's counter: the samples at the last load, plus steps since then at the
+    # current batch size (the batch size changes when a load changes the world size).
+    base_steps, base_samples = getattr(engine, _SAMPLES_BASE, (0, 0))
+    return base_samples + (int(engine.global_steps) - base_steps) * int(
+        engine.config.train_batch_size
+    )
+
+
+# -- optimizer state ----------------------------------------------------------------------------
+
+
+def split_state(
+    zp: ZeroParam, state: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split one master's optimizer state into shard-shaped tensors and per-parameter scalars.
+
+    :raises CheckpointError: a state value that is neither shaped like the master nor a
+        scalar (such state cannot be cut by parameter element, so it cannot be resharded).
+    """
+    master = zp.master
+    if master is None:
+        raise AssertionError(f"{zp.name} has no master")
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for k, v in state.items():
+        # A 0-dim parameter's moments are 0-dim like its step: there the name decides.
+        shaped = master.dim() > 0 or k != "step"
+        if isinstance(v, torch.Tensor) and v.shape == master.shape and shaped:
+            tensors[k] = v
+        elif isinstance(v, torch.Tensor) and v.numel() == 1 and v.dim() <= 1:
+            scalars[k] = v
+        elif isinstance(v, (int, float, bool)):
+            scalars[k] = v
+        else:
+            raise CheckpointError(
+                f"optimizer state {k!r} of parameter {zp.name!r} is "
+                f"{type(v).__name__}{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}; "
+                "checkpoints store state shaped like the parameter or scalars"
+            )
+    return tensors, scalars
+
+
+def optimizer_state(engine: ZeroEngine, master: torch.Tensor) -> Mapping[str, Any]:
+    """The optimizer's state of one master (empty for a forward-only engine)."""
+    if engine.optimizer is None:
+        return {}
+    state: Mapping[str, Any] = engine.optimizer.state.get(master, {})
+    return state
+
+
+def scalar_value(v: Any) -> float:
+    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+
+
+def param_groups(engine: ZeroEngine, keys: Mapping[int, str]) -> list[dict[str, Any]]:
+    """The optimizer's param groups with masters replaced by their parameter keys."""
+    if engine.optimizer is None:
+        return []
+    out = []
+    for g in engine.optimizer.param_groups:
+        entry = {k: v for k, v in g.items() if k != "params"}
+        entry["params"] = [keys[id(p)] for p in g["params"]]
+        out.append(entry)
+    return out
+
+
+def restore_param_groups(
+    engine: ZeroEngine, saved: list[dict[str, Any]], keys: Mapping[int, str]
+) -> None:
+    """Write saved hyperparameters (lr, betas, a fused optimizer's group ``step``...) back.
+
+    :raises CheckpointError: the groups differ in number or membership.
+    """
+    groups = engine.optimizer.param_groups
+    if len(groups) != len(saved):
+        raise CheckpointError(
+            f"the optimizer has {len(groups)} param groups, the checkpoint {len(saved)}; build "
+            "the optimizer with the same groups, or pass load_optimizer_states=False"
+        )
+    for i, (g, s) in enumerate(zip(groups, saved, strict=True)):
+        ours = [keys[id(p)] for p in g["params"]]
+        theirs = [str(n) for n in s["params"]]
+        if ours != theirs:
+            diff = next((a, b) for a, b in zip([*ours, ""], [*theirs, ""], strict=False) if a != b)
+            raise CheckpointError(
+                f"optimizer param group {i} holds {len(ours)} parameters, the checkpoint's "
+                f"{len(theirs)} (first difference, model vs checkpoint: {diff})"
+            )
+        for k, v in s.items():
+            if k != "params":
+                g[k] = v.clone() if isinstance(v, torch.Tensor) else v
+
+
+# -- RNG ------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's Python, NumPy, torch CPU and accelerator RNG states (plain containers)."""
+    name, keys, pos, has_gauss, cached = cast(
+        "tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state(legacy=True)
+    )
+    return {
+        "python": random.getstate(),
+        "numpy": [
+            name,
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
+        "torch": torch.get_rng_state(),
+        "accelerator": get_accelerator().get_rng_state(),
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore :func:`rng_state`."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    get_accelerator().set_rng_state(state["accelerator"])
+
+
+def loader_state(engine: ZeroEngine) -> dict[str, Any] | None:
+    """The position of ``engine.training_dataloader`` when it keeps one (a
+    :class:`~ds_core.checkpoint.loader.ResumableLoader`), else ``None``."""
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is None or not hasattr(loader, "state_dict"):
+        return None
+    state: dict[str, Any] = loader.state_dict()
+    return state
+
+
+def set_loader_state(engine: ZeroEngine, state: dict[str, Any] | None) -> None:
+    loader = getattr(engine, "training_dataloader", None)
+    if state is None or loader is None:
+        return
+    if not hasattr(loader, "load_state_dict"):
+        log.warning("the checkpoint holds a data position, but the engine's loader cannot take it")
+        return
+    loader.load_state_dict(state)
+
+
+# -- meta -----------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    try:
+        ds = md.version("ds-core")
+    except md.PackageNotFoundError:
+        ds = "unknown"
+    return {"ds_core": ds, "torch": str(torch.__version__), "python": platform.python_version()}
+
+
+def param_table(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, dict[str, Any]]:
+    """Per parameter key: name, full shape, dtype, trainable, layout it was saved from.
+
+    An expert parameter gets one key per expert-parallel rank (see :func:`param_key`).
+    """
+    table: dict[str, dict[str, Any]] = {}
+    for zp in engine.zparams.values():
+        info = {
+            "name": zp.name,
+            "shape": list(zp.shape),
+            "numel": zp.numel,
+            "dtype": str(zp.dtype).removeprefix("torch."),
+            "trainable": zp.trainable,
+            "saved": zp.trainable or not exclude_frozen,
+            "mode": zp.mode.value,
+            "ep_size": zp.expert_ep_size or 1,
+        }
+        for ep_rank in range(zp.expert_ep_size or 1):
+            table[param_key(zp, ep_rank)] = dict(info)
+    return table
+
+
+def module_aliases(engine: ZeroEngine) -> dict[str, str]:
+    """``state_dict`` names of tied parameters -> the name the parameter is stored under."""
+    by_id = {id(zp.param): zp.name for zp in engine.zparams.values()}
+    return {
+        name: by_id[id(p)]
+        for name, p in engine.module.named_parameters(remove_duplicate=False)
+        if id(p) in by_id and by_id[id(p)] != name
+    }
+
+
+def module_buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """Persistent buffers by ``state_dict`` name, as host tensors."""
+    params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    return {
+        k: v.detach().to("cpu").clone()
+        for k, v in engine.module.state_dict(keep_vars=True).items()
+        if k not in params and isinstance(v, torch.Tensor)
+    }
+
+
+def build_meta(
+    engine: ZeroEngine,
+    fmt: str,
+    tag: str,
+    checkpoint_id: str,
+    client_state: Mapping[str, Any],
+    keys: Mapping[int, str],
+    exclude_frozen: bool,
+) -> dict[str, Any]:
+    """Rank 0's ``meta.pt``: layout, counters, scheduler, scaler, groups, config, versions."""
+    sched = engine.lr_scheduler
+    scaler = engine.loss_scaler
+    return {
+        "format": fmt,
+        "format_version": FORMAT_VERSION,
+        "checkpoint_id": checkpoint_id,
+        "tag": tag,
+        "world_size": engine.world,
+        "stage": engine.stage,
+        "dtype": str(engine.model_dtype or torch.float32).removeprefix("torch."),
+        "versions": versions(),
+        "config_json": json.dumps(engine.config.model_dump(mode="json")),
+        "counters": {
+            "global_steps": int(engine.global_steps),
+            "micro_steps": int(engine.micro_steps),
+            "skipped_steps": int(engine.skipped_steps),
+            "global_samples": global_samples(engine),
+        },
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "lr_scheduler": sched.state_dict()
+        if sched is not None and hasattr(sched, "state_dict")
+        else None,
+        "optimizer": {
+            "type": None if engine.optimizer is None else type(engine.optimizer).__name__,
+            "param_groups": param_groups(engine, keys),
+        },
+        "params": param_table(engine, exclude_frozen),
+        "aliases": module_aliases(engine),
+        "buffers": module_buffers(engine),
+        "client_state": dict(client_state),
+    }
+
+
+def restore_counters(engine: ZeroEngine, meta: Mapping[str, Any], load_lr: bool) -> None:
+    """Counters, loss scale and LR scheduler from ``meta``."""
+    c = meta["counters"]
+    engine.global_steps = int(c["global_steps"])
+    engine.micro_steps = int(c["micro_steps"])
+    engine.skipped_steps = int(c["skipped_steps"])
+    if hasattr(engine, "global_samples"):
+        engine.global_samples = int(c["global_samples"])
+    else:
+        setattr(engine, _SAMPLES_BASE, (engine.global_steps, int(c["global_samples"])))
+    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    elif engine.loss_scaler is not None:
+        log.warning("the checkpoint has no loss-scaler state (saved without fp16); keeping ours")
+    if load_lr and engine.lr_scheduler is not None:
+        if meta["lr_scheduler"] is None:
+            log.warning("the checkpoint has no LR scheduler state; the scheduler starts fresh")
+        else:
+            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])

@@ -1,0 +1,132 @@
+"""The ``params`` of the config's ``optimizer`` and ``scheduler`` sections, with DeepSpeed's
+names, validated when the config loads so errors name the field before training starts."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
+
+from ds_core.zero.config_types import FROZEN as _FROZEN
+from ds_core.zero.config_types import Bool, Float, Int, as_float
+
+
+class AdamParams(BaseModel):
+    """Parameters of ``Adam`` / ``AdamW`` (DeepSpeed's FusedAdam names and defaults)."""
+
+    model_config = _FROZEN
+
+    lr: Float = Field(default=1e-3, ge=0)
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(default=1e-8, gt=0)
+    weight_decay: Float = Field(default=0.0, ge=0)
+    adam_w_mode: Bool = True
+    """Decoupled weight decay (AdamW). DeepSpeed's ``Adam`` is AdamW unless this is false."""
+    bias_correction: Bool = True
+    """Correct the moments' initial bias (torch's Adam); false uses
+    :class:`~ds_core.zero.adam.AdamNoBiasCorrection`, as DeepSpeed's FusedAdam. (Default: true)"""
+    amsgrad: Bool = False
+    torch_adam: Bool = False
+    """Accepted for compatibility: this engine always uses torch's Adam/AdamW."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AdamParams:
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
+        if self.amsgrad:
+            raise ValueError("amsgrad: true is not supported yet")
+        return self
+
+
+def _as_lrs(value: Any) -> Any:
+    # DeepSpeed takes one learning rate or one per parameter group.
+    if isinstance(value, (list, tuple)):
+        return [_nonneg(as_float(v)) for v in value]
+    return _nonneg(as_float(value))
+
+
+def _nonneg(value: float) -> float:
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+    return value
+
+
+LearningRates = Annotated[float | list[float], BeforeValidator(_as_lrs)]
+
+
+class WarmupLRParams(BaseModel):
+    """``WarmupLR``: warm up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold."""
+
+    model_config = _FROZEN
+
+    warmup_min_lr: LearningRates = 0.0
+    warmup_max_lr: LearningRates | None = None
+    """None means the optimizer's lr (DeepSpeed's current default)."""
+    warmup_num_steps: Int = Field(default=1000, ge=0)
+    """Steps of warm-up; DeepSpeed warms up over at least 2."""
+    warmup_type: Literal["log", "linear"] = "log"
+    last_batch_iteration: Int = Field(default=-1, ge=-1)
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """``WarmupDecayLR``: WarmupLR, then linear decay to 0 at ``total_num_steps``."""
+
+    warmup_max_lr: LearningRates | None = 0.001
+    total_num_steps: Int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _check_total(self) -> WarmupDecayLRParams:
+        _check_total_steps(self.total_num_steps, self.warmup_num_steps)
+        return self
+
+
+class WarmupCosineLRParams(BaseModel):
+    """``WarmupCosineLR``: warm up a ratio of the optimizer's lr, then cosine-decay it."""
+
+    model_config = _FROZEN
+
+    total_num_steps: Int = Field(gt=0)
+    warmup_min_ratio: Float = Field(default=0.0, ge=0, le=1)
+    warmup_num_steps: Int = Field(default=1000, ge=0)
+    cos_min_ratio: Float = Field(default=0.0001, ge=0, le=1)
+    warmup_type: Literal["log", "linear"] = "log"
+    last_batch_iteration: Int = Field(default=-1, ge=-1)
+
+    @model_validator(mode="after")
+    def _check_total(self) -> WarmupCosineLRParams:
+        _check_total_steps(self.total_num_steps, self.warmup_num_steps)
+        return self
+
+
+class LRRangeTestParams(BaseModel):
+    """``LRRangeTest``: grow the lr from ``lr_range_test_min_lr`` by ``step_rate`` per
+    ``step_size`` steps (continuously or as a staircase), to find a good lr range."""
+
+    model_config = _FROZEN
+
+    lr_range_test_min_lr: LearningRates = 0.001
+    lr_range_test_step_size: Int = Field(default=2000, gt=0)
+    lr_range_test_step_rate: Float = Field(default=1.0, ge=0)
+    lr_range_test_staircase: Bool = False
+    last_batch_iteration: Int = Field(default=-1, ge=-1)
+
+
+def _check_total_steps(total: int, warmup: int) -> None:
+    effective = max(2, warmup)
+    if total <= effective:
+        raise ValueError(
+            f"total_num_steps ({total}) must be greater than warmup_num_steps ({warmup}"
+            + (", raised to 2: warm-up lasts at least 2 steps)" if effective != warmup else ")")
+        )
+
+
+#: canonical optimizer name -> params model
+OPTIMIZER_TYPES: dict[str, type[BaseModel]] = {"Adam": AdamParams, "AdamW": AdamParams}
+#: canonical scheduler name -> params model
+SCHEDULER_TYPES: dict[str, type[BaseModel]] = {
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+    "LRRangeTest": LRRangeTestParams,
+}

@@ -1,0 +1,78 @@
+"""Run rank-worker suites once per test session; ``*_load`` suites first run their ``*_save``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: suite -> (world size, suite that must run first)
+SUITES: dict[str, tuple[int, str | None]] = {
+    "resume_save": (2, None),
+    "resume_load": (2, "resume_save"),
+    "reshard_save": (4, None),
+    "reshard_w2": (2, "reshard_save"),
+    "reshard_w1": (1, "reshard_save"),
+}
+
+
+class SuiteResults:
+    def __init__(self, outdir: Path, world: int, ckroot: Path) -> None:
+        self.outdir, self.world, self.ckroot = outdir, world, ckroot
+
+    def ranks(self, job: str) -> list[dict[str, Any]]:
+        return [
+            torch.load(self.outdir / f"{job}.rank{r}.pt", weights_only=False)
+            for r in range(self.world)
+        ]
+
+
+def worker_env() -> dict[str, str]:
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="session")
+def ckroot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ckroot")
+
+
+@pytest.fixture(scope="session")
+def suite(tmp_path_factory: pytest.TempPathFactory, ckroot: Path) -> Callable[[str], SuiteResults]:
+    cache: dict[str, SuiteResults] = {}
+
+    def get(name: str) -> SuiteResults:
+        if name in cache:
+            return cache[name]
+        world, before = SUITES[name]
+        if before is not None:
+            get(before)
+        outdir = tmp_path_factory.mktemp(name)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.checkpoint._worker",
+                name,
+                str(world),
+                str(outdir),
+                str(ckroot),
+            ],
+            cwd=ROOT,
+            env=worker_env(),
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise AssertionError(f"worker suite {name} failed:\n{proc.stderr[-6000:]}")
+        cache[name] = SuiteResults(outdir, world, ckroot)
+        return cache[name]
+
+    return get
