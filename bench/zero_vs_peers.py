@@ -70,6 +70,7 @@ PEERS = ("ddp", "zero_opt", "fsdp2")
 DS_STAGES = ("ds0", "ds1", "ds2", "ds3")
 OFFLOAD = ("ds1_off", "ds2_off", "ds3_off")
 LR, CLIP, SEED = 3e-4, 1.0, 1234
+REDUCE_BUCKET = 6_000_000  # elements: 23 MiB of fp32 gradients, like DDP's 25 MiB buckets
 # collectives with fewer elements are bookkeeping (norms, flags), left out of byte counts
 MIN_NUMEL = 1024
 
@@ -284,7 +285,13 @@ def ds_config(
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
         "bf16": {"enabled": bf16},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            # DDP's default bucket is 25 MiB; a bucket the size of the model would make every
+            # gradient wait for the end of backward
+            "reduce_bucket_size": REDUCE_BUCKET,
+        },
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "steps_per_print": 10**9,
         "log_level": "warning",

@@ -186,6 +186,12 @@ class FlatUnit:
         if mode is Mode.PARTITIONED:
             self.shard = torch.empty(self.part, dtype=self.dtype, device=device)
             self.shard[self._owned_tail() :].zero_()
+            # One gather buffer for the unit's life whose storage is freed (resized to 0)
+            # on release and refilled on gather: tensors autograd saved in forward view this
+            # storage, so backward's re-gather makes them valid again instead of keeping
+            # every gathered unit alive from forward to backward (FSDP2's technique).
+            self.flat = torch.empty(self.padded, dtype=self.dtype, device=device)
+            self.flat.untyped_storage().resize_(0)
         else:
             self.flat = torch.empty(self.padded, dtype=self.dtype, device=device)
             self.flat[self.numel :].zero_()
@@ -234,14 +240,14 @@ class FlatUnit:
 
     def gather(self, async_op: bool = False) -> None:
         """PARTITIONED: start (or with ``async_op`` false, finish) gathering the full unit."""
-        if self.flat is not None or self.inflight is not None:
+        if self.gathered or self.inflight is not None:
             if not async_op:
                 self.wait_gather()
             return
-        assert self.shard is not None
-        out = torch.empty(self.padded, dtype=self.dtype, device=self.device)
-        handle = get_accelerator().all_gather(out, self.shard, self.group, async_op)
-        self.inflight = (handle, out)
+        assert self.shard is not None and self.flat is not None
+        self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
+        handle = get_accelerator().all_gather(self.flat, self.shard, self.group, async_op)
+        self.inflight = (handle, self.flat)
         if not async_op:
             self.wait_gather()
 
@@ -252,24 +258,31 @@ class FlatUnit:
         handle, out = self.inflight
         handle.wait()
         self.inflight = None
-        self.flat = out
         for zp in self.zparams:
             zp.param.data = out[zp.offset : zp.offset + zp.numel].view(zp.shape)
 
     def release(self) -> None:
-        """PARTITIONED: drop the gathered buffer (after any gather in flight finishes)."""
+        """PARTITIONED: free the gathered storage (after any gather in flight finishes); the
+        parameters become empty placeholders."""
         if self.inflight is not None:
             self.inflight[0].wait()  # issued on every rank: it must complete
             self.inflight = None
         if self.mode is not Mode.PARTITIONED or self.flat is None:
             return
-        self.flat = None
         for zp in self.zparams:
             zp.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.flat.untyped_storage().resize_(0)
 
     @property
     def gathered(self) -> bool:
-        return self.flat is not None
+        """Whether the full unit is in memory (always, unless PARTITIONED)."""
+        if self.mode is not Mode.PARTITIONED:
+            return self.flat is not None
+        return (
+            self.flat is not None
+            and self.inflight is None
+            and self.flat.untyped_storage().nbytes() > 0
+        )
 
     def nbytes(self) -> int:
         """Bytes of the unit's persistent parameter storage (padding included)."""

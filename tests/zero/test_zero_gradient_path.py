@@ -52,6 +52,8 @@ def test_gradient_memory_during_backward_is_bounded_by_buckets_not_the_model(
         # reduce-scatter output; a path keeping full gradients until the end of backward would
         # grow by at least psi (8 layers' worth here)
         bound = 3 * got["largest"]
+        if stage == 3:  # plus the layer gathered for its backward and the one prefetched
+            bound += 2 * got["largest"]
         assert got["peak"] <= bound, (
             f"stage {stage}: resident grew {got['peak'] / 2**20:.1f} MiB during backward, "
             f"bound {bound / 2**20:.1f} MiB (full gradient {got['psi'] / 2**20:.1f} MiB)"
