@@ -1,7 +1,10 @@
 """ds_core's ZeRO stages against torch's own data-parallel engines, same GPT, same data, 2 ranks.
 
-Run: ``python bench/zero_vs_peers.py`` (about 10 minutes on a 2-core machine), or e.g.
+Run: ``python bench/zero_vs_peers.py`` (about 15 minutes on a quiet 2-core machine), or e.g.
 ``python bench/zero_vs_peers.py --rounds 2 --steps 4 --preset small`` for a quick look.
+``--preset`` takes a comma-separated list of ``name[:micro_batch]``; the default runs the
+``large`` GPT (model states dominate memory) and ``small:8`` (activations dominate) in one go,
+a table each.
 
 Configurations, each run ``--rounds`` times, interleaved (A B C ... A B C ...) with the order
 rotated every round, because this machine's speed drifts by up to 1.8× between phases:
@@ -10,12 +13,18 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
 - ``zero_opt``  torch ZeroRedundancyOptimizer(AdamW) + DDP (shards optimizer state)
 - ``fsdp2``     torch ``fully_shard`` per block and at the root (shards everything)
 - ``ds0``..``ds3`` ds_core stages 0-3 (``ds_core.initialize``), persistence threshold 0
+- ``ds1_off``..``ds3_off`` the same with ``offload_optimizer: {"device": "cpu"}`` (not in the
+  default set: ``--configs ds2,ds2_off,ds3,ds3_off``); their ``state MiB`` is what stays on the
+  device, the host side is printed below the table, and ``time/peer`` compares with the same
+  stage without offload
 
 All use fp32, gradient clipping at 1.0 (scale-sensitive, so a wrong gradient average shows
 in the loss) and AdamW(lr 3e-4, no weight decay). Per configuration it prints: median step
 time and its spread (10th-90th percentile, all measured steps of all rounds, wall time of the
 slowest rank), tokens/s, CPU seconds per step, peak resident memory per rank above the
-baseline taken before the model is built, model-state bytes per rank (parameters + gradients
+baseline taken before the model is built (the kernel's high-water mark, reset before the
+measured steps, so it is the peak *during* them: inside backward, inside the step) and its
+ratio over the ZeRO formula for the stage, model-state bytes per rank (parameters + gradients
 + optimizer state, counted from the tensors; for ds_core from the engine) against the ZeRO
 formula, logical bytes communicated per step per rank (DESIGN.md §3: all-reduce 2×buffer,
 reduce-scatter 1×input, all-gather 1×output, broadcast 1×buffer; ds_core counted at its
@@ -59,6 +68,7 @@ from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E40
 
 PEERS = ("ddp", "zero_opt", "fsdp2")
 DS_STAGES = ("ds0", "ds1", "ds2", "ds3")
+OFFLOAD = ("ds1_off", "ds2_off", "ds3_off")
 LR, CLIP, SEED = 3e-4, 1.0, 1234
 # collectives with fewer elements are bookkeeping (norms, flags), left out of byte counts
 MIN_NUMEL = 1024
@@ -265,9 +275,11 @@ def build_fsdp2(model: torch.nn.Module) -> Trainer:
     )
 
 
-def ds_config(stage: int, micro_batch: int, bf16: bool = False) -> dict[str, Any]:
+def ds_config(
+    stage: int, micro_batch: int, bf16: bool = False, offload: bool = False
+) -> dict[str, Any]:
     """The DeepSpeed-style config of a ds_core run in these benchmarks."""
-    return {
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
@@ -277,6 +289,9 @@ def ds_config(stage: int, micro_batch: int, bf16: bool = False) -> dict[str, Any
         "steps_per_print": 10**9,
         "log_level": "warning",
     }
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return cfg
 
 
 def ds_state_bytes(engine: Any) -> int | None:
@@ -291,14 +306,21 @@ def ds_state_bytes(engine: Any) -> int | None:
     return None
 
 
-def build_ds(model: torch.nn.Module, stage: int, micro_batch: int) -> Trainer:
+HOST_BYTES: dict[str, int] = {}  # offload runs: host-side model-state bytes, this rank
+
+
+def build_ds(
+    model: torch.nn.Module, stage: int, micro_batch: int, offload: bool = False
+) -> Trainer:
     import ds_core
     from ds_core.comm.counting import CommCounter
 
     counter = CommCounter()
     ds_core.register_plugin(counter)
     engine, _, _, _ = ds_core.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(stage, micro_batch)
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(stage, micro_batch, offload=offload),
     )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -308,6 +330,8 @@ def build_ds(model: torch.nn.Module, stage: int, micro_batch: int) -> Trainer:
         return loss.detach()  # type: ignore[no-any-return]
 
     def close() -> None:
+        if offload:
+            HOST_BYTES[f"ds{stage}_off"] = engine.model_state_bytes().get("host_total", 0)
         ds_core.unregister_plugin(counter)
         destroy = getattr(engine, "destroy", None)
         if callable(destroy):  # free the engine's buffers before the next configuration
@@ -367,7 +391,9 @@ def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
         return build_fsdp2(model)
     if name in DS_STAGES:
         return build_ds(model, int(name[2]), micro_batch)
-    raise ValueError(f"unknown configuration {name!r}; choose from {PEERS + DS_STAGES}")
+    if name in OFFLOAD:
+        return build_ds(model, int(name[2]), micro_batch, offload=True)
+    raise ValueError(f"unknown configuration {name!r}; choose from {PEERS + DS_STAGES + OFFLOAD}")
 
 
 def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunResult:
@@ -489,7 +515,7 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
     lines = []
     head = (
         f"{'config':<9} {'step ms':>8} {'p10-p90 ms':>13} {'cpu ms':>7} {'tok/s':>7} "
-        f"{'peak MiB/rank':>14} {'state MiB':>9} {'formula':>8} {'st/form':>7} "
+        f"{'peak MiB/rank':>14} {'pk/form':>7} {'state MiB':>9} {'formula':>8} {'st/form':>7} "
         f"{'comm MiB':>8} {'/ideal':>6} {'wire MiB':>8} {'loss':>9} {'Δ vs DDP':>9}"
     )
     lines += [head, "-" * len(head)]
@@ -506,6 +532,7 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
             f"{name:<9} {r['median_s'] * 1e3:>8.1f} "
             f"{r['p10_s'] * 1e3:>6.0f}-{r['p90_s'] * 1e3:<6.0f} {r['cpu_s'] * 1e3:>7.1f} "
             f"{r['tok_s']:>7.0f} {'/'.join(f'{m:.0f}' for m in r['peak_mib']):>14} "
+            f"{max(r['peak_mib']) * MiB / formula:>7.2f} "
             f"{r['state'] / MiB:>9.1f} {formula / MiB:>8.1f} {r['state'] / formula:>7.2f} "
             f"{r['logical'] / MiB:>8.1f} {r['logical'] / ideal:>6.2f} {r['wire'] / MiB:>8.1f} "
             f"{r['loss']:>9.5f} {dloss:>9}"
@@ -513,6 +540,7 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
     lines.append("")
     lines.append(
         "formula: ZeRO fp32 model states per rank (zero_opt as stage 1, fsdp2 as stage 3); "
+        "pk/form: peak during the measured steps over it; "
         "/ideal: logical bytes over 2Ψ (stages 0-2) or 3Ψ (stage 3)"
     )
     best_peer = {0: "ddp", 1: "zero_opt", 2: "zero_opt", 3: "fsdp2"}
@@ -522,12 +550,22 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
         if "error" in r or "median_s" not in ddp:
             continue
         peer = best_peer[r["stage"]] if name in DS_STAGES else name
+        if name in OFFLOAD:
+            peer = name[:3]  # the same stage without offload
         pr = rows.get(peer, {})
         vs_peer = f"{r['median_s'] / pr['median_s']:.2f}" if "median_s" in pr else "n/a"
         lines.append(
             f"{name:<9} {r['median_s'] / ddp['median_s']:>9.2f} {vs_peer:>10} {peer:>9} "
             f"{r['cpu_s'] / ddp['cpu_s']:>8.2f}"
         )
+    for name in OFFLOAD:
+        if name in rows and "state" in rows[name] and name[:3] in rows and name in HOST_BYTES:
+            dev, base = rows[name]["state"], rows[name[:3]].get("state", 0)
+            lines.append(
+                f"{name}: device model states {dev / MiB:.1f} MiB vs {base / MiB:.1f} MiB "
+                f"without offload ({(base - dev) / MiB:.1f} MiB saved, {dev / base:.2f}x); "
+                f"host {HOST_BYTES[name] / MiB:.1f} MiB (rank 0)"
+            )
     return "\n".join(lines)
 
 
@@ -549,6 +587,24 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     ds_core.init_distributed(timeout=600)
     tokens = encode(make_corpus())
     configs = args.configs.split(",")
+    payload: dict[str, Any] = {}
+    for spec in args.preset.split(","):
+        preset, _, mb = spec.partition(":")
+        run_args = argparse.Namespace(**{**vars(args), "preset": preset})
+        if mb:
+            run_args.micro_batch = int(mb)
+        runs = run_preset(run_args, configs, tokens)
+        payload[spec] = {k: [asdict(r) for r in v] for k, v in runs.items()}
+    if rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+    dist.destroy_process_group()
+
+
+def run_preset(
+    args: argparse.Namespace, configs: list[str], tokens: torch.Tensor
+) -> dict[str, list[RunResult]]:
+    """Every configuration on one preset, interleaved over rounds; rank 0 prints the table."""
+    rank = dist.get_rank()
     runs: dict[str, list[RunResult]] = {c: [] for c in configs}
     t_start = time.perf_counter()
     for round_ in range(args.rounds):
@@ -559,8 +615,8 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             if rank == 0:
                 status = result.error or f"median {statistics.median(result.step_s) * 1e3:.0f} ms"
                 print(
-                    f"[{time.perf_counter() - t_start:5.0f}s] round {round_ + 1}/{args.rounds} "
-                    f"{name}: {status}",
+                    f"[{time.perf_counter() - t_start:5.0f}s] {args.preset} round "
+                    f"{round_ + 1}/{args.rounds} {name}: {status}",
                     flush=True,
                 )
     if rank == 0:
@@ -573,10 +629,8 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             f"{args.steps} measured steps (after {args.warmup} warm-up), torch {torch.__version__}"
         )
         print(summarize(runs, args, n_params))
-        if args.json:
-            payload = {k: [asdict(r) for r in v] for k, v in runs.items()}
-            Path(args.json).write_text(json.dumps(payload, indent=1))
-    dist.destroy_process_group()
+        print(flush=True)
+    return runs
 
 
 def free_port() -> int:
@@ -587,7 +641,11 @@ def free_port() -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="large", choices=sorted(PRESETS))
+    p.add_argument(
+        "--preset",
+        default="large,small:8",
+        help=f"comma-separated name[:micro_batch], names from {sorted(PRESETS)}",
+    )
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)

@@ -6,8 +6,7 @@ backend is selected at the first :func:`get_accelerator` (see DESIGN.md §4).
 
 from __future__ import annotations
 
-from typing import Any
-
+from ds_core import checkpointing  # deepspeed.checkpointing's place
 from ds_core.accelerator import (
     Accelerator,
     get_accelerator,
@@ -16,6 +15,7 @@ from ds_core.accelerator import (
     set_accelerator,
     unregister_plugin,
 )
+from ds_core.comm import destroy_distributed, init_distributed
 from ds_core.errors import (
     BackendSelectionError,
     BackendValidationError,
@@ -24,32 +24,9 @@ from ds_core.errors import (
     NotSupportedError,
 )
 from ds_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
+from ds_core.zero import add_config_arguments, initialize
 
 __version__ = "0.1.0"
-
-
-def init_distributed(*args: Any, **kwargs: Any) -> None:
-    """Initialise ``torch.distributed`` for the selected backend; see :func:`ds_core.comm.init_distributed`."""
-    from ds_core.comm import init_distributed as _init
-
-    _init(*args, **kwargs)
-
-
-def destroy_distributed() -> None:
-    """Tear down ds_core's and torch's process groups; see :func:`ds_core.comm.destroy_distributed`."""
-    from ds_core.comm import destroy_distributed as _destroy
-
-    _destroy()
-
-
-def initialize(*args: Any, **kwargs: Any) -> Any:
-    """Wrap a model for ZeRO training: ``engine, optimizer, dataloader, lr_scheduler``.
-
-    See :func:`ds_core.zero.initialize` for the arguments, units and errors.
-    """
-    from ds_core.zero import initialize as _initialize
-
-    return _initialize(*args, **kwargs)
 
 
 __all__ = [
@@ -61,6 +38,8 @@ __all__ = [
     "DSCoreError",
     "NotSupportedError",
     "__version__",
+    "add_config_arguments",
+    "checkpointing",
     "destroy_distributed",
     "get_accelerator",
     "hookimpl",

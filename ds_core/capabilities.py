@@ -27,6 +27,16 @@ CAPABILITIES: Final[dict[str, tuple[str, str]]] = {
     ),
     "graph_capture": ("graph", "ds_graph_create returns a capturable, replayable graph"),
     "determinism": ("determinism", "ds_determinism_apply makes repeated runs bitwise equal"),
+    # DeepSpeed's execution-model flags, for asynchronous devices whose runtime does the work
+    # itself (Gaudi's graph compiler does both). A synchronous device implies both.
+    "resolves_data_dependency": (
+        "stream",
+        "the runtime orders work across streams itself, so explicit stream waits may be skipped",
+    ),
+    "handles_memory_backpressure": (
+        "memory",
+        "the runtime throttles allocation itself, so callers need not synchronise to free memory",
+    ),
     "fp16": ("dtype", "derived: torch.float16 is in ds_dtype_supported"),
     "bf16": ("dtype", "derived: torch.bfloat16 is in ds_dtype_supported"),
     "fp64": ("dtype", "derived: torch.float64 is in ds_dtype_supported"),

@@ -87,7 +87,15 @@ def collect_report() -> tuple[dict[str, Any], list[str]]:
     ops = []
     for provider in acc.op_providers():
         ok, why = provider.is_compatible()
-        ops.append({"name": provider.name, "compatible": ok, "reason": why})
+        status = getattr(provider, "status", None)
+        ops.append(
+            {
+                "name": provider.name,
+                "compatible": ok,
+                "reason": why,
+                "status": str(status()) if callable(status) else "",
+            }
+        )
     report["selected"] = {
         "name": acc.name,
         "how": f"{ENV_ACCELERATOR}={requested}"
@@ -145,6 +153,8 @@ def format_report(report: dict[str, Any]) -> str:
     for op in sel["op_providers"] or [{"name": "none", "compatible": False, "reason": ""}]:
         mark = "compatible" if op["compatible"] else "incompatible"
         lines.append(f"    {op['name']:<14} {mark:<12} {op['reason']}")
+        if op.get("status"):
+            lines.append(f"    {'':<14} {'status':<12} {op['status']}")
     return "\n".join(lines)
 
 

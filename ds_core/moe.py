@@ -6,22 +6,35 @@ split over ``E`` consecutive ranks (an *EP group*), each holding ``num_experts /
 Ranks holding the same experts form the *expert-data-parallel* (EDP) group
 ``{j, j + E, j + 2E, ...}``. The ZeRO engine partitions and reduces an expert parameter over
 its EDP group, divides its gradient by the full data-parallel world size (every rank's loss
-reached it through the all-to-all), and counts it once in the gradient norm.
+reached it through the all-to-all), and counts it once in the gradient norm. The groups
+themselves are made and cached by :func:`ds_core.comm.groups.expert_groups` (re-exported here),
+so tearing down ``torch.distributed`` releases them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from ds_core import comm
+from ds_core.accelerator import get_accelerator
+from ds_core.comm.groups import ExpertGroups, expert_groups, reset_expert_groups
 
 #: attribute naming an expert parameter; its value is the expert-parallel size (an int ≥ 1).
 EXPERT_ATTR = "ds_expert_parallel_size"
+
+__all__ = [
+    "EXPERT_ATTR",
+    "Expert",
+    "ExpertGroups",
+    "MoE",
+    "expert_groups",
+    "expert_parallel_size",
+    "mark_expert",
+    "reset_expert_groups",
+]
 
 
 def mark_expert(param: torch.Tensor, ep_size: int) -> None:
@@ -40,77 +53,11 @@ def expert_parallel_size(param: torch.Tensor) -> int | None:
     return int(value) if value is not None else None
 
 
-@dataclass(frozen=True, slots=True)
-class ExpertGroups:
-    """Process groups for one expert-parallel size.
-
-    :param ep_size: ranks an expert layer is split over.
-    :param ep_group: this rank's EP group (``None`` when ``ep_size`` is 1: no exchange).
-    :param edp_group: this rank's expert-data-parallel group (``None`` = the world).
-    :param ep_rank: this rank's index in its EP group.
-    :param edp_world: ranks in the EDP group.
-    """
-
-    ep_size: int
-    ep_group: Any
-    edp_group: Any
-    ep_rank: int
-    edp_world: int
-
-
-_groups: dict[int, ExpertGroups] = {}
-
-
-def expert_groups(ep_size: int) -> ExpertGroups:
-    """The (cached) groups for ``ep_size``; the first call is collective on every rank.
-
-    :raises ValueError: when the world size is not a multiple of ``ep_size``.
-    """
-    cached = _groups.get(ep_size)
-    if cached is not None:
-        return cached
-    world, rank = comm.get_world_size(), comm.get_rank()
-    if world % ep_size:
-        raise ValueError(
-            f"expert-parallel size {ep_size} does not divide the world size {world}; "
-            "choose an ep_size that divides the number of ranks"
-        )
-    if ep_size == 1:
-        groups = ExpertGroups(1, None, None, 0, world)
-    else:
-        # Every rank creates every group in the same order, as torch.distributed requires.
-        ep_group = edp_group = None
-        for k in range(world // ep_size):
-            ranks = list(range(k * ep_size, (k + 1) * ep_size))
-            g = comm.new_group(ranks)
-            if rank in ranks:
-                ep_group = g
-        edp_world = world // ep_size
-        if edp_world == world:
-            edp_group = None
-        else:
-            for j in range(ep_size):
-                ranks = list(range(j, world, ep_size))
-                g = comm.new_group(ranks)
-                if rank in ranks:
-                    edp_group = g
-        groups = ExpertGroups(ep_size, ep_group, edp_group, rank % ep_size, edp_world)
-    _groups[ep_size] = groups
-    return groups
-
-
-def reset_expert_groups() -> None:
-    """Forget cached groups (after ``destroy_process_group``)."""
-    _groups.clear()
-
-
 class _AllToAll(torch.autograd.Function):
     """Equal-split all-to-all along dim 0; its gradient is the same exchange reversed."""
 
     @staticmethod
     def forward(ctx: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
-        from ds_core.accelerator import get_accelerator
-
         ctx.group = group
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -119,8 +66,6 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        from ds_core.accelerator import get_accelerator
-
         grad = grad.contiguous()
         out = torch.empty_like(grad)
         get_accelerator().all_to_all(out, grad, None, None, ctx.group)

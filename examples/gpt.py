@@ -158,15 +158,25 @@ class Batches:
     """Random (input, target) windows of a token stream, the same on every run for a seed.
 
     Each rank draws its own batches (``seed`` is offset by ``rank``), so data-parallel ranks
-    see different samples, as a distributed sampler would give them.
+    see different samples, as a distributed sampler would give them; they are returned on
+    ``device`` (the accelerator's).
     """
 
-    def __init__(self, tokens: torch.Tensor, batch: int, seq: int, seed: int, rank: int = 0):
-        self.tokens, self.batch, self.seq = tokens, batch, seq
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        batch: int,
+        seq: int,
+        seed: int,
+        rank: int = 0,
+        device: torch.device | str = "cpu",
+    ):
+        self.tokens, self.batch, self.seq, self.device = tokens, batch, seq, torch.device(device)
         self.gen = torch.Generator().manual_seed(seed * 1000 + rank)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(len(self.tokens) - self.seq - 1, (self.batch,), generator=self.gen)
         x_BT = torch.stack([self.tokens[s : s + self.seq] for s in starts.tolist()])
         y_BT = torch.stack([self.tokens[s + 1 : s + 1 + self.seq] for s in starts.tolist()])
-        return x_BT, y_BT
+        # drawn on the host (the same stream on every backend), then moved to the device
+        return x_BT.to(self.device), y_BT.to(self.device)

@@ -1,6 +1,9 @@
-"""Train a small GPT with ds_core's ZeRO engine on 2 CPU ranks: the README's main job.
+"""Train a small GPT with ds_core's ZeRO engine on 2 ranks: the README's main job.
 
-Launch (the CPU backend is the default; nothing to install beyond ds-core, nothing to set):
+The same command runs on any backend: the accelerator is selected as ds_core always selects it
+(``DS_ACCELERATOR``, else the one available backend of highest priority; with only the CPU
+backend installed, the CPU), batches go to its device, and the log's loss is averaged through
+``ds_core.comm``. Launch:
 
     torchrun --nproc_per_node 2 examples/train_gpt.py                 # ZeRO stage 2, fp32
     python examples/train_gpt.py                                      # same: starts torchrun
@@ -9,8 +12,8 @@ Launch (the CPU backend is the default; nothing to install beyond ds-core, nothi
 
 Flags or a DeepSpeed-style JSON config (``--config``); flags given explicitly override the
 file. 100 steps of a 3.2 M-parameter GPT on 8 × 64 characters per rank take about 45 seconds
-on a 2-core machine, start-up included, the loss falling from 3.6 to about 1.2. Rank 0 shows a progress bar (step, loss, tokens/s, memory from the memory
-hooks), prints a summary (final loss, time, peak memory per rank, bytes communicated per
+on a 2-core machine, start-up included, the loss falling from 3.6 to about 1.2. Rank 0 shows
+a tqdm progress bar (step, loss, tokens/s, memory from the memory hooks), prints a summary (final loss, time, peak memory per rank, bytes communicated per
 step), and writes ``train_log.csv`` and ``train_gpt.png`` (loss and memory per step) to
 ``--out`` (default ``out/train_gpt``).
 """
@@ -31,9 +34,10 @@ if str(ROOT) not in sys.path:  # run as a script, examples/ is on sys.path but n
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import ds_core  # noqa: E402
+from ds_core import comm  # noqa: E402
 from ds_core.comm.counting import CommCounter  # noqa: E402
 from ds_core.zero.config import load_config  # noqa: E402
 from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
@@ -109,25 +113,18 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-class ProgressBar:
-    """One line, redrawn in place on a terminal; a line every 10% of the run otherwise."""
-
-    def __init__(self, total: int, width: int = 24) -> None:
-        self.total, self.width = total, width
-        self.tty = sys.stderr.isatty()
-        self.every = max(1, total // 10)
-
-    def update(self, step: int, **fields: str) -> None:
-        done = int(self.width * step / self.total)
-        bar = "█" * done + "·" * (self.width - done)
-        text = f"step {step:>{len(str(self.total))}}/{self.total} |{bar}| " + " | ".join(
-            f"{k} {v}" for k, v in fields.items()
-        )
-        if self.tty:
-            sys.stderr.write("\r" + text + ("\n" if step == self.total else ""))
-            sys.stderr.flush()
-        elif step % self.every == 0 or step in (1, self.total):
-            print(text, file=sys.stderr, flush=True)
+def progress_bar(total: int) -> tqdm:  # type: ignore[type-arg]
+    """tqdm on stderr: redrawn in place on a terminal; otherwise (a log file, CI) plain ASCII
+    redrawn at most every 30 s, so the log stays short."""
+    tty = sys.stderr.isatty()
+    return tqdm(
+        total=total,
+        file=sys.stderr,
+        bar_format="step {n_fmt}/{total_fmt} |{bar:24}| {postfix}",
+        mininterval=0.1 if tty else 30.0,
+        ascii=not tty,
+        dynamic_ncols=tty,
+    )
 
 
 def write_plot(path: Path, rows: list[dict[str, float]], mem_by_rank: list[list[float]]) -> None:
@@ -158,19 +155,18 @@ def main(argv: list[str] | None = None) -> None:
         except ds_core.ConfigError as exc:
             sys.exit(f"train_gpt: {exc}")
         relaunch_under_torchrun(args)
-    # the embedded default: the CPU backend, one thread per rank, unless asked otherwise
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # one thread per rank on the host, unless asked otherwise
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     # init distributed
     ds_core.init_distributed(timeout=300)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = comm.get_rank(), comm.get_world_size()
     acc = ds_core.get_accelerator()
     try:
         train(args, rank, world, acc)
         # leave together: a gloo rank that tears down while a peer is still busy (rank 0
         # writing the plot) can abort at exit
-        dist.barrier()
+        comm.barrier()
     except ds_core.ConfigError as exc:
         if rank == 0:
             print(f"train_gpt: {exc}", file=sys.stderr)
@@ -186,7 +182,8 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
     # build data: the same generated corpus on every rank, a different sample stream per rank
     tokens = encode(make_corpus(seed=args.seed))
     micro = config.train_micro_batch_size_per_gpu
-    data = Batches(tokens, micro, args.seq, seed=args.seed, rank=rank)
+    device = acc.device()
+    data = Batches(tokens, micro, args.seq, seed=args.seed, rank=rank, device=device)
 
     # build model: same seed everywhere (the engine also broadcasts rank 0's weights)
     torch.manual_seed(args.seed)
@@ -209,14 +206,14 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
         )
 
     # train
-    bar = ProgressBar(args.steps) if rank == 0 else None
+    bar = progress_bar(args.steps) if rank == 0 else None
     rows: list[dict[str, float]] = []
     mem_mib: list[float] = []
     tokens_per_step = micro * args.seq * accum * world
     t_start = time.perf_counter()
     for step in range(1, args.steps + 1):
         t0, bytes0 = time.perf_counter(), counter.total_bytes()
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=device)
         for _ in range(accum):  # DeepSpeed's contract: step() every micro-batch
             x, y = data.next()
             loss = engine(x, y)
@@ -224,31 +221,33 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
             engine.step()
             loss_sum += loss.detach().float()
         dt = time.perf_counter() - t0
-        comm = counter.total_bytes() - bytes0
-        # the mean loss over ranks, for the log only (outside ds_core.comm, so not counted)
+        comm_bytes = counter.total_bytes() - bytes0
+        # the mean loss over ranks, for the log only (after comm_bytes was read, so not counted)
         mean_loss = loss_sum / accum
-        dist.all_reduce(mean_loss)
-        mean_loss /= world
+        comm.all_reduce(mean_loss, op="avg")
         mem_mib.append(acc.memory_allocated() / MiB)
         rows.append(
-            {"step": step, "loss": float(mean_loss), "seconds": dt, "comm_bytes": comm,
+            {"step": step, "loss": float(mean_loss), "seconds": dt, "comm_bytes": comm_bytes,
              "tokens_per_s": tokens_per_step / dt, "memory_mib_rank0": mem_mib[-1]}
         )  # fmt: skip
         if bar is not None:
-            bar.update(
-                step,
-                loss=f"{float(mean_loss):.3f}",
-                **{"tok/s": f"{tokens_per_step / dt:,.0f}"},
-                mem=f"{mem_mib[-1]:.0f} MiB",
+            bar.set_postfix_str(
+                f"loss {float(mean_loss):.3f} | tok/s {tokens_per_step / dt:,.0f} | "
+                f"mem {mem_mib[-1]:.0f} MiB",
+                refresh=False,
             )
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     elapsed = time.perf_counter() - t_start
     # finish collectives still in flight (stage-3 prefetches) before the process group goes
     engine.destroy()
 
     # summary: peak memory and memory curves from every rank
-    mine = {"peak": acc.max_memory_allocated() / MiB, "mem": mem_mib}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine)
+    mine = torch.tensor([acc.max_memory_allocated() / MiB, *mem_mib], device=device)
+    gathered = torch.empty(world * mine.numel(), device=device)
+    comm.all_gather(gathered, mine)
+    everyone = [{"peak": float(r[0]), "mem": r[1:].tolist()} for r in gathered.view(world, -1)]
     ds_core.unregister_plugin(counter)
     if rank != 0:
         return

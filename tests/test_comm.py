@@ -109,12 +109,15 @@ def _ranks(rank: int, port: int, errors: mp.Queue) -> None:  # type: ignore[type
         assert acc.barrier()
 
         # teardown releases ds_core's cached groups too, and may be called twice
-        from ds_core import moe
+        from ds_core.comm import groups
 
-        moe.expert_groups(2)
-        assert moe._groups
+        released: list[bool] = []
+        groups.on_destroy(lambda: released.append(True))
+        groups.expert_groups(2)
+        assert groups._expert_groups
         ds_core.destroy_distributed()
-        assert not moe._groups and not torch.distributed.is_initialized()
+        assert not groups._expert_groups and not torch.distributed.is_initialized()
+        assert released == [True]
         ds_core.destroy_distributed()
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")

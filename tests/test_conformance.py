@@ -17,7 +17,7 @@ from ds_core.hookspecs import HOOKSPEC_VERSION
 
 CATEGORIES = {
     "backend", "comm", "determinism", "device", "dtype", "graph",
-    "hygiene", "launcher", "memory", "op", "rng", "stream", "zero",
+    "hygiene", "launcher", "memory", "op", "profiler", "rng", "stream", "zero",
 }  # fmt: skip
 
 

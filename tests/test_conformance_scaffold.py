@@ -25,7 +25,7 @@ def test_writes_a_complete_package(tmp_path: Path) -> None:
         "ds_backend_acme/plugin.py",
         "pyproject.toml",
     ]
-    assert 'acme = "ds_backend_acme.plugin"' in (root / "pyproject.toml").read_text()
+    assert 'acme = "ds_backend_acme.plugin:hooks"' in (root / "pyproject.toml").read_text()
     assert "ds-core conformance --backend acme" in (root / "README.md").read_text()
     plugin = (root / "ds_backend_acme/plugin.py").read_text()
     assert "TODO" not in plugin and "NotImplementedError" not in plugin
@@ -64,7 +64,9 @@ def test_device_template_delegates_to_the_torch_device_module(tmp_path: Path) ->
     root = write_backend("chip", "privateuseone", tmp_path)
     plugin = (root / "ds_backend_chip/plugin.py").read_text()
     compile(plugin, "plugin.py", "exec")
-    assert 'DEVICE_TYPE = "privateuseone"' in plugin and "_mod().mem_get_info" in plugin
+    assert (
+        'DEVICE_TYPE = "privateuseone"' in plugin and "class ChipHooks(TorchStyleHooks)" in plugin
+    )
     assert 'VISIBLE_DEVICES_ENV = "PRIVATEUSEONE_VISIBLE_DEVICES"' in plugin
 
 

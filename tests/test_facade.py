@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -13,6 +14,7 @@ from ds_backend_cpu import plugin as cpu
 import ds_core
 from ds_core import NotSupportedError, hookimpl
 from ds_core.accelerator import DIRECT
+from ds_core.facade import DEFAULTED
 
 
 @pytest.fixture
@@ -48,12 +50,52 @@ def test_hot_hooks_are_bound_to_the_implementation_itself(acc: ds_core.Accelerat
     assert acc.binding()["ds_memory_allocated"] == "direct"
 
 
+def test_no_facade_method_is_shadowed_by_a_bound_hook(acc: ds_core.Accelerator) -> None:
+    # A hook bound as an instance attribute must not hide a class attribute of the same name:
+    # that method's body would never run. Bound hooks are declared by annotation only.
+    shadowed = [n for n in vars(acc) if inspect.getattr_static(ds_core.Accelerator, n, None)]
+    assert not shadowed, f"instance attributes hide facade methods: {shadowed}"
+    annotations = inspect.get_annotations(ds_core.Accelerator)
+    for name in [*DIRECT, *DEFAULTED]:
+        assert name in annotations and name in vars(acc)
+        assert name not in vars(ds_core.Accelerator)
+    ds_core.register_plugin(counter := CallCounter())
+    try:
+        assert not [n for n in vars(acc) if inspect.getattr_static(ds_core.Accelerator, n, None)]
+    finally:
+        ds_core.unregister_plugin(counter)
+
+
+def test_defaulted_bindings_fill_in_deepspeeds_defaults(acc: ds_core.Accelerator) -> None:
+    assert acc.current_stream() is cpu.ds_stream_current(None)
+    assert acc.Stream().priority == 0 and acc.Stream(0, -1).priority == -1
+    state = acc.get_rng_state()
+    assert acc.set_rng_state(state) and torch.equal(acc.get_rng_state(0), state)
+    assert acc.Event().enable_timing is False and acc.Event(True).enable_timing is True
+    # callers pass the spec's names by keyword too
+    assert acc.Event(enable_timing=True).enable_timing is True
+    assert acc.Stream(index=0, priority=-1).priority == -1
+    assert acc.set_rng_state(state=state, index=0) and acc.memory_allocated(index=0) > 0
+    ds_core.register_plugin(counter := CallCounter())
+    try:
+        acc.memory_allocated()
+        acc.memory_allocated(0)
+        assert counter.calls == ["ds_memory_allocated(None)", "ds_memory_allocated(0)"]
+    finally:
+        ds_core.unregister_plugin(counter)
+
+
 def test_collectives_bind_to_the_backend_override_before_the_core_default(
     acc: ds_core.Accelerator,
 ) -> None:
-    # the cpu backend overrides reduce-scatter; barrier comes from the core default plugin
-    assert acc._h.ds_comm_reduce_scatter is cpu.ds_comm_reduce_scatter
-    assert acc._h.ds_comm_barrier.__qualname__ == "DefaultCollectives.ds_comm_barrier"
+    # the cpu backend overrides every collective (shared memory, gloo fallback); the core's
+    # default plugin still implements them, last in line
+    for hook in ("ds_comm_reduce_scatter", "ds_comm_barrier"):
+        bound = getattr(acc._h, hook)
+        assert bound is getattr(cpu, hook)
+        impls = getattr(acc._pm.hook, hook).get_hookimpls()
+        assert impls[0].function.__qualname__ == f"DefaultCollectives.{hook}"
+        assert bound is not impls[0].function
 
 
 def test_a_wrapper_plugin_sees_calls_and_unregistering_restores_direct_binding(
@@ -150,7 +192,7 @@ def test_op_providers_and_get_op(acc: ds_core.Accelerator) -> None:
 
 def test_execution_model_flags_derive_from_capabilities(acc: ds_core.Accelerator) -> None:
     assert acc.is_synchronized_device() and acc.resolves_data_dependency()
-    assert acc.use_host_timers()
+    assert acc.use_host_timers() and acc.handles_memory_backpressure()
     acc.manual_seed(1234)
     assert acc.initial_seed() == 1234
 

@@ -14,8 +14,15 @@ from ds_conformance.marks import capability, hooks, tier
 pytestmark = tier("basic")
 
 
+def _seed_all(acc: Any, seed: int) -> None:
+    """Seed every generator a module or its data may draw from: modules initialise from the
+    host generator even when moved to the device afterwards; device draws use the device's."""
+    torch.manual_seed(seed)
+    acc.manual_seed_all(seed)
+
+
 def _train(acc: Any) -> list[torch.Tensor]:
-    acc.manual_seed(0)
+    _seed_all(acc, 0)
     device = acc.device()
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)
@@ -182,3 +189,61 @@ def test_two_training_runs_are_bitwise_equal(acc: Any) -> None:
             "bitwise equal",
             "set_deterministic(True); train twice",
         )
+
+
+#: intra-op threads for the order-sensitive check: on the host, index backward with colliding
+#: indices then adds in parallel with atomics, so the summation order follows thread timing.
+_THREADS = 4
+_RUNS = 12
+_N = 1 << 17
+
+
+def _order_sensitive_step(acc: Any) -> list[torch.Tensor]:
+    """One training step whose result depends on summation order without determinism.
+
+    A gather from an 8-row table by 2^17 colliding indices: its backward scatters 2^17 rows
+    of widely ranging magnitude (1e-6 .. 1e6) into 8 rows of the gradient. Devices add them
+    with atomics (order = completion order) unless deterministic algorithms are on; torch's
+    host kernel does the same with several threads. Every generator is seeded first.
+    """
+    _seed_all(acc, 0)
+    device = acc.device()
+    table = torch.nn.Parameter(torch.randn(8, 16, device=device))
+    head = torch.nn.Linear(16, 1).to(device)  # initialised from the host generator
+    idx = torch.randint(0, 8, (_N,), device=device)
+    scale = torch.logspace(-6, 6, _N, device=device)[torch.randperm(_N, device=device)]
+    src = torch.randn(_N, 16, device=device) * scale[:, None]
+    opt = torch.optim.SGD([table, *head.parameters()], lr=1e-3)
+    head(table[idx] * src).sum().backward()
+    grad = table.grad.detach().cpu().clone() if table.grad is not None else torch.empty(0)
+    opt.step()
+    acc.synchronize()
+    return [
+        grad,
+        table.detach().cpu().clone(),
+        *(p.detach().cpu().clone() for p in head.parameters()),
+    ]
+
+
+@capability("determinism")
+@hooks("ds_determinism_apply", "ds_determinism_restore")
+def test_order_sensitive_training_is_bitwise_repeatable(acc: Any) -> None:
+    """Under the hook, twelve runs of an accumulation whose order is otherwise up to thread
+    or atomic timing give one result, bit for bit. A hook that sets nothing fails this: the
+    project's tests run it on such a backend (tests/broken_backends/determinism_noop.py)."""
+    threads = torch.get_num_threads()
+    record = acc.set_deterministic(True)
+    try:
+        torch.set_num_threads(_THREADS)
+        runs = [_order_sensitive_step(acc) for _ in range(_RUNS)]
+    finally:
+        torch.set_num_threads(threads)
+        acc.restore_determinism(record)
+    distinct = {tuple(bytes(t.contiguous().view(torch.uint8).numpy()) for t in run) for run in runs}
+    check(
+        len(distinct) == 1,
+        f"distinct results of {_RUNS} equal runs (gradient, parameters)",
+        len(distinct),
+        "1 (bitwise equal)",
+        f"set_deterministic(True); index backward with colliding indices, {_THREADS} threads",
+    )

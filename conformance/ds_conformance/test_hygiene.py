@@ -208,7 +208,9 @@ def test_keyboard_interrupt_in_op_check_or_build_propagates(acc: Any) -> None:
         for label, fn in steps:
             total, _ = _interrupt_at(0, fn)  # count the calls without interrupting
             for n in range(1, min(total, MAX_POINTS) + 1):
-                _, raised = _interrupt_at(n, fn)
+                ran, raised = _interrupt_at(n, fn)
+                if not raised and ran < n:
+                    break  # this call made fewer Python calls (a cache hit): nothing injected
                 check(
                     raised,
                     f"KeyboardInterrupt injected at Python call {n} of {label}",

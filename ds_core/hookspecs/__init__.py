@@ -32,6 +32,7 @@ from ds_core.hookspecs import (
     launcher,
     memory,
     op,
+    profiler,
     rng,
     stream,
 )
@@ -53,6 +54,7 @@ SPEC_MODULES: Final[tuple[ModuleType, ...]] = (
     op,
     determinism,
     launcher,
+    profiler,
 )
 
 #: Hooks a backend may leave unimplemented, and why it may.
@@ -67,6 +69,8 @@ OPTIONAL_HOOKS: Final[dict[str, str]] = {
     "ds_comm_barrier": "the core's default plugin implements it over torch.distributed",
     "ds_op_providers": "a backend without ops contributes none",
     "ds_launcher_env_prefixes": "a backend with nothing to forward contributes none",
+    "ds_profiler_range_push": "the core's default plugin opens a torch.profiler range",
+    "ds_profiler_range_pop": "the core's default plugin closes a torch.profiler range",
 }
 
 

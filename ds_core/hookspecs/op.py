@@ -15,7 +15,14 @@ def ds_op_providers() -> list[OpProvider]:
     and must let ``KeyboardInterrupt`` propagate out of any build it runs.
 
     Well-known names: ``"fused_adam"`` (a ``torch.optim.Optimizer`` class with AdamW's
-    arguments), ``"cpu_adam"`` (host Adam for optimizer offload).
+    arguments), ``"cpu_adam"`` (host Adam for optimizer offload: a ``torch.optim.Optimizer``
+    class with DeepSpeed's ``DeepSpeedCPUAdam`` arguments, AdamW by default).
+
+    Compiled ops are built through :mod:`ds_core.ops` (one per-user cache, lock, hash scheme
+    and toolchain probe); ``ds_core.ops.cpu_adam.cpu_adam_provider()`` is a ready provider
+    any backend can return. A provider may also have ``status() -> str`` saying which
+    implementation is active or would be and whether it is built; ``ds-core report`` shows it.
+    ``status`` may run the toolchain probe but must not build or touch a device.
 
     Device context: never (``load`` may create one).
 

@@ -10,11 +10,13 @@ Configuration lives in :mod:`ds_core.zero.config`, optimizer and schedule builde
 
 from __future__ import annotations
 
-from ds_core.zero.engine import ZeroEngine, initialize, needs_full_gradients
+from ds_core.zero.engine import ZeroEngine
+from ds_core.zero.entry import add_config_arguments, initialize
 from ds_core.zero.gathered import GatheredParameters
 from ds_core.zero.init import Init
 from ds_core.zero.partition import Mode, ZeroParam
 from ds_core.zero.precision import LossScaler
+from ds_core.zero.schedules import needs_full_gradients
 
 __all__ = [
     "GatheredParameters",
@@ -23,6 +25,7 @@ __all__ = [
     "Mode",
     "ZeroEngine",
     "ZeroParam",
+    "add_config_arguments",
     "initialize",
     "needs_full_gradients",
 ]

@@ -6,10 +6,10 @@ unknown key also names the closest known key. Three kinds of DeepSpeed keys are 
 
 - performance knobs that mean nothing in this design (``contiguous_gradients``,
   ``wall_clock_breakdown``, ...) are accepted and named in one warning;
-- keys that would change results but are not implemented (``offload_optimizer``,
+- keys that would change results but are not implemented (``offload_param``,
   ``activation_checkpointing``, ...) are errors saying "not supported yet";
 - result-changing keys set to their no-op value (``prescale_gradients: false``,
-  ``offload_optimizer.device: "none"``) are accepted with the knobs' warning.
+  ``offload_param.device: "none"``) are accepted with the knobs' warning.
 
 Batch sizes follow DeepSpeed: ``train_batch_size = train_micro_batch_size_per_gpu ×
 gradient_accumulation_steps × world_size``; any two determine the third. Deviation from
@@ -19,30 +19,38 @@ DeepSpeed: a config that sets neither batch size means micro-batch 1 (DeepSpeed 
 from __future__ import annotations
 
 import difflib
-import json
-import math
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
-    Strict,
     ValidationError,
     model_validator,
 )
 
 from ds_core.errors import ConfigError
+from ds_core.zero.config_errors import ConfigProblemsError, fail, messages, unknown_key_message
+from ds_core.zero.config_sections import (
+    ActivationCheckpointingConfig,
+    TorchAutocastConfig,
+    parse_config_text,
+)
+from ds_core.zero.config_types import FROZEN as _FROZEN
+from ds_core.zero.config_types import Bool, Float, Int, as_float, as_int
+from ds_core.zero.deepspeed_keys import NOT_YET, strip_known_extras
 
 __all__ = [
+    "TorchAutocastConfig",
+    "ActivationCheckpointingConfig",
     "AdamParams",
     "BF16Config",
     "DSConfig",
     "FP16Config",
+    "LRRangeTestParams",
     "OptimizerConfig",
     "SchedulerConfig",
     "WarmupCosineLRParams",
@@ -53,39 +61,6 @@ __all__ = [
     "OPTIMIZER_TYPES",
     "SCHEDULER_TYPES",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# value types: JSON numbers as DeepSpeed writes them (5e8 is an int), bools never count as numbers
-
-
-def _as_int(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError(f"must be an integer, not a bool ({value!r})")
-    if isinstance(value, float):
-        if not math.isfinite(value) or not value.is_integer():
-            raise ValueError(f"must be an integer, got {value!r}")
-        return int(value)
-    if not isinstance(value, int):
-        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _as_float(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError(f"must be a number, not a bool ({value!r})")
-    if not isinstance(value, (int, float)):
-        raise ValueError(f"must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"must be finite, got {value!r}")
-    return float(value)
-
-
-Int = Annotated[int, BeforeValidator(_as_int)]
-Float = Annotated[float, BeforeValidator(_as_float)]
-Bool = Annotated[bool, Strict()]
-
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +84,8 @@ class FP16Config(BaseModel):
     """Overflows tolerated before the scale halves. (Default: 2)"""
     min_loss_scale: Float = Field(default=1.0, gt=0)
     """Floor of the dynamic scale. (Default: 1)"""
+    auto_cast: Bool = False
+    """Cast floating-point inputs of ``engine(...)`` to float16. (Default: false)"""
 
 
 class BF16Config(BaseModel):
@@ -120,6 +97,56 @@ class BF16Config(BaseModel):
     """Train in bfloat16. (Default: false)"""
     check_grad_overflow: Bool = True
     """Skip a step whose gradients hold inf/NaN, keeping Adam state clean. (Default: true)"""
+
+
+class DeterministicConfig(BaseModel):
+    """``deterministic``: the opt-in deterministic policy (:mod:`ds_core.determinism`)."""
+
+    model_config = _FROZEN
+
+    enabled: Bool = False
+    """Seed every generator, use deterministic algorithms and the backend's determinism
+    knobs for the engine's lifetime. (Default: false)"""
+    seed: Int = Field(default=0, ge=0)
+    """Seed of every host and device generator, the same on every rank. (Default: 0)"""
+
+
+class OffloadOptimizerConfig(BaseModel):
+    """``zero_optimization.offload_optimizer``: fp32 masters and optimizer state on the host."""
+
+    model_config = _FROZEN
+
+    device: Literal["none", "cpu"] = "none"
+    """``cpu`` keeps the fp32 master shards and the optimizer state in host memory and steps
+    them there (cpu_adam); ``none`` turns offload off. (Default: none)"""
+    pin_memory: Bool = True
+    """Page-lock the host buffers where the backend declares ``pinned_memory``; elsewhere
+    the engine logs that it runs unpinned. (Default: true)"""
+    buffer_count: Int = Field(default=4, gt=0)
+    """DeepSpeed's NVMe buffer count; no effect with ``device: cpu``. (Default: 4)"""
+    fast_init: Bool = False
+    """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
+    ratio: Float = 1.0
+    """Fraction of the state to offload; only 1.0 (all) is supported. (Default: 1.0)"""
+    nvme_path: str | None = None
+    """DeepSpeed's NVMe folder; NVMe offload is not supported yet. (Default: none)"""
+    pipeline_read: Bool = False
+    """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
+    pipeline_write: Bool = False
+    """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nvme(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("device") == "nvme":
+            raise ValueError(f"device='nvme' is {NOT_YET}; use 'cpu' or 'none'")
+        return data
+
+    @model_validator(mode="after")
+    def _whole(self) -> OffloadOptimizerConfig:
+        if self.ratio != 1.0:
+            raise ValueError(f"ratio={self.ratio}: partial offload is {NOT_YET}; use 1.0")
+        return self
 
 
 class ZeroConfig(BaseModel):
@@ -141,7 +168,36 @@ class ZeroConfig(BaseModel):
     stage3_param_persistence_threshold: Int = Field(default=100_000, ge=0)
     """Parameters with fewer elements stay whole on every rank at stage 3. (Default: 1e5)"""
     stage3_max_live_parameters: Int = Field(default=1_000_000_000, gt=0)
-    """Most elements gathered at once at stage 3. (Default: 1e9)"""
+    """Most elements gathered at once at stage 3: prefetches that would exceed it wait until
+    their module runs. (Default: 1e9)"""
+    stage3_max_reuse_distance: Int = Field(default=1_000_000_000, ge=0)
+    """A stage-3 unit the forward uses again within this many elements is kept gathered
+    instead of released and gathered again; 0 always releases. (Default: 1e9)"""
+    offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    """Optimizer offload (stages 1-3). DeepSpeed's legacy ``cpu_offload: true`` (with
+    ``cpu_offload_use_pin_memory``) means ``{"device": "cpu"}``. (Default: off)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_cpu_offload(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "cpu_offload" not in data:
+            return data
+        data = dict(data)
+        legacy, pin = data.pop("cpu_offload"), data.pop("cpu_offload_use_pin_memory", False)
+        if legacy is True and "offload_optimizer" not in data:
+            data["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        elif legacy not in (True, False):
+            raise ValueError(f"cpu_offload must be true or false, got {legacy!r}")
+        return data
+
+    @model_validator(mode="after")
+    def _offload_stage(self) -> ZeroConfig:
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise ValueError(
+                "offload_optimizer.device='cpu' needs stage 1, 2 or 3 (stage 0 keeps no "
+                "partitioned optimizer state); set zero_optimization.stage"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -191,6 +247,8 @@ class AdamParams(BaseModel):
     adam_w_mode: Bool = True
     """Decoupled weight decay (AdamW). DeepSpeed's ``Adam`` is AdamW unless this is false."""
     bias_correction: Bool = True
+    """Correct the moments' initial bias (torch's Adam); false uses
+    :class:`~ds_core.zero.adam.AdamNoBiasCorrection`, as DeepSpeed's FusedAdam. (Default: true)"""
     amsgrad: Bool = False
     torch_adam: Bool = False
     """Accepted for compatibility: this engine always uses torch's Adam/AdamW."""
@@ -200,8 +258,6 @@ class AdamParams(BaseModel):
         for i, beta in enumerate(self.betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
-        if not self.bias_correction:
-            raise ValueError("bias_correction: false is not supported yet")
         if self.amsgrad:
             raise ValueError("amsgrad: true is not supported yet")
         return self
@@ -210,8 +266,8 @@ class AdamParams(BaseModel):
 def _as_lrs(value: Any) -> Any:
     # DeepSpeed takes one learning rate or one per parameter group.
     if isinstance(value, (list, tuple)):
-        return [_nonneg(_as_float(v)) for v in value]
-    return _nonneg(_as_float(value))
+        return [_nonneg(as_float(v)) for v in value]
+    return _nonneg(as_float(value))
 
 
 def _nonneg(value: float) -> float:
@@ -267,6 +323,19 @@ class WarmupCosineLRParams(BaseModel):
         return self
 
 
+class LRRangeTestParams(BaseModel):
+    """``LRRangeTest``: grow the lr from ``lr_range_test_min_lr`` by ``step_rate`` per
+    ``step_size`` steps (continuously or as a staircase), to find a good lr range."""
+
+    model_config = _FROZEN
+
+    lr_range_test_min_lr: LearningRates = 0.001
+    lr_range_test_step_size: Int = Field(default=2000, gt=0)
+    lr_range_test_step_rate: Float = Field(default=1.0, ge=0)
+    lr_range_test_staircase: Bool = False
+    last_batch_iteration: Int = Field(default=-1, ge=-1)
+
+
 def _check_total_steps(total: int, warmup: int) -> None:
     effective = max(2, warmup)
     if total <= effective:
@@ -283,9 +352,10 @@ SCHEDULER_TYPES: dict[str, type[BaseModel]] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 _NOT_YET_OPTIMIZERS = ("Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "SGD", "Lion")
-_NOT_YET_SCHEDULERS = ("OneCycle", "LRRangeTest", "WarmupCosineDecayLR")
+_NOT_YET_SCHEDULERS = ("OneCycle", "WarmupCosineDecayLR")
 
 
 class DSConfig(BaseModel):
@@ -299,8 +369,8 @@ class DSConfig(BaseModel):
     """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: Int = Field(gt=0)
     """Micro-batches per optimizer step. (Default: 1 when not derivable)"""
-    gradient_clipping: Float = Field(default=1.0, ge=0)
-    """Clip the global gradient norm to this value; 0 disables clipping. (Default: 1.0)"""
+    gradient_clipping: Float = Field(default=0.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping. (Default: 0, as in DeepSpeed)"""
     steps_per_print: Int = Field(default=10, gt=0)
     """Log every this many optimizer steps. (Default: 10)"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -308,10 +378,28 @@ class DSConfig(BaseModel):
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    deterministic: DeterministicConfig = Field(default_factory=DeterministicConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """dtype gradients are reduced in; they always accumulate in fp32. ``None`` reduces in
+    fp32 whatever the model's precision (DESIGN §3; DeepSpeed reduces in the model's dtype).
+    (Default: None)"""
+    prescale_gradients: Bool = False
+    """Divide gradients by the data-parallel size before reducing them instead of after.
+    (Default: false)"""
+    gradient_predivide_factor: Float = Field(default=1.0, gt=0)
+    """Without ``prescale_gradients``: divide by this before reducing and by
+    ``world / factor`` after, as DeepSpeed does (keeps fp16 sums in range). (Default: 1.0)"""
     accelerator: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-backend options, ``{"cpu": {...}}``, passed to ``get_accelerator().configure()``."""
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    dataloader_drop_last: Bool = False
+    """The loader ``initialize(training_data=...)`` returns drops a last short batch, as in
+    DeepSpeed. (Default: false)"""
 
     @model_validator(mode="after")
     def _one_precision(self) -> DSConfig:
@@ -319,6 +407,13 @@ class DSConfig(BaseModel):
             raise ValueError(
                 "fp16.enabled and bf16.enabled are both true; enable at most one precision"
             )
+        if self.torch_autocast.enabled and (self.fp16.enabled or self.bf16.enabled):
+            raise ValueError(
+                "torch_autocast.enabled with fp16/bf16 enabled: autocast keeps fp32 "
+                "parameters; enable one of them (DeepSpeed refuses both too)"
+            )
+        if self.fp16.auto_cast and not self.fp16.enabled:
+            raise ValueError("fp16.auto_cast needs fp16.enabled: true")
         return self
 
     @property
@@ -327,161 +422,6 @@ class DSConfig(BaseModel):
         if self.fp16.enabled:
             return "fp16"
         return "bf16" if self.bf16.enabled else "fp32"
-
-
-# ---------------------------------------------------------------------------------------------
-# keys that are not fields: performance knobs (warned), not-yet-implemented features (errors)
-
-#: section path -> knobs that change no result in this design; accepted with one warning
-_IGNORED: dict[tuple[str, ...], frozenset[str]] = {
-    (): frozenset(
-        {
-            "wall_clock_breakdown",
-            "memory_breakdown",
-            "dump_state",
-            "flops_profiler",
-            "tensorboard",
-            "wandb",
-            "csv_monitor",
-            "comet",
-            "comms_logger",
-            "zero_allow_untested_optimizer",
-            "zero_force_ds_cpu_optimizer",
-            "aio",
-            "disable_allgather",
-            "timers",
-        }
-    ),
-    ("zero_optimization",): frozenset(
-        {
-            "contiguous_gradients",
-            "reduce_scatter",
-            "round_robin_gradients",
-            "sub_group_size",
-            "allgather_partitions",
-            "load_from_fp32_weights",
-            "elastic_checkpoint",
-            "ignore_unused_parameters",
-            "stage3_max_reuse_distance",
-            "stage3_gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save",
-            "use_multi_rank_bucket_allreduce",
-            "memory_efficient_linear",
-            "stage3_module_granularity_threshold",
-            "stage3_use_all_reduce_for_fetch_params",
-            "legacy_stage1",
-            "log_trace_cache_warnings",
-        }
-    ),
-    ("fp16",): frozenset({"fp16_master_weights_and_grads"}),
-    ("bf16",): frozenset({"immediate_grad_update"}),
-}
-
-_NOT_YET = "not supported yet"
-
-#: section path -> keys that would change results and are not implemented
-_UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
-    (): frozenset(
-        {
-            "activation_checkpointing",
-            "amp",
-            "torch_autocast",
-            "data_types",
-            "communication_data_type",
-            "sparse_attention",
-            "sparse_gradients",
-            "pipeline",
-            "compression_training",
-            "quantize_training",
-            "curriculum_learning",
-            "data_efficiency",
-            "elasticity",
-            "autotuning",
-            "checkpoint",
-            "hybrid_engine",
-            "tensor_parallel",
-            "sequence_parallel_size",
-            "seq_parallel_communication_data_type",
-            "eigenvalue",
-            "progressive_layer_drop",
-            "nebula",
-            "gradient_allreduce_op",
-            "fp32_allreduce",
-            "prescale_gradients",
-            "gradient_predivide_factor",
-        }
-    ),
-    ("zero_optimization",): frozenset(
-        {
-            "offload_optimizer",
-            "offload_param",
-            "cpu_offload",
-            "cpu_offload_params",
-            "cpu_offload_use_pin_memory",
-            "zero_quantized_weights",
-            "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients",
-            "zero_hpz_partition_size",
-            "mics_shard_size",
-            "mics_hierarchical_params_gather",
-            "zeropp_loco_param",
-            "pipeline_loading_checkpoint",
-        }
-    ),
-    ("fp16",): frozenset({"consecutive_hysteresis", "auto_cast"}),
-}
-
-#: (section path, key) -> test that the value requests nothing (DeepSpeed's default / "off")
-_NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
-    ((), "prescale_gradients"): lambda v: v is False,
-    ((), "gradient_predivide_factor"): lambda v: v == 1.0 and not isinstance(v, bool),
-    ((), "fp32_allreduce"): lambda v: v is False,
-    ((), "sparse_gradients"): lambda v: v is False,
-    ((), "gradient_allreduce_op"): lambda v: v == "mean",
-    (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
-    (("fp16",), "auto_cast"): lambda v: v is False,
-    (("zero_optimization",), "offload_optimizer"): lambda v: _offload_off(v),
-    (("zero_optimization",), "offload_param"): lambda v: _offload_off(v),
-    (("zero_optimization",), "cpu_offload"): lambda v: v is False,
-    (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
-}
-
-
-def _offload_off(value: Any) -> bool:
-    return value is None or (
-        isinstance(value, dict) and value.get("device", "none") in ("none", None)
-    )
-
-
-def _dotted(path: tuple[str | int, ...]) -> str:
-    return ".".join(str(p) for p in path) or "<config>"
-
-
-def _strip_known_extras(
-    raw: dict[str, Any], path: tuple[str, ...], ignored: list[str], errors: list[str]
-) -> dict[str, Any]:
-    """Remove ignored knobs and no-op values from one section, recording them."""
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        here = (*path, key)
-        if key in _IGNORED.get(path, frozenset()):
-            ignored.append(_dotted(here))
-        elif key in _UNSUPPORTED.get(path, frozenset()):
-            no_op = _NO_OP_VALUES.get((path, key))
-            if no_op is not None and no_op(value):
-                ignored.append(_dotted(here))
-            else:
-                errors.append(
-                    f"{_dotted(here)}: {_NOT_YET} (this key would change training results "
-                    f"and ds_core does not implement it); remove it"
-                )
-        else:
-            out[key] = value
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# error messages
 
 
 def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
@@ -495,64 +435,6 @@ def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
             (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
         )
     return model
-
-
-def _known_keys(section: tuple[str | int, ...], model: type[BaseModel] | None) -> list[str]:
-    keys = list(model.model_fields) if model is not None else []
-    str_path = tuple(p for p in section if isinstance(p, str))
-    keys += sorted(_IGNORED.get(str_path, frozenset()) | _UNSUPPORTED.get(str_path, frozenset()))
-    return keys
-
-
-def _unknown_key_message(path: tuple[str | int, ...], model: type[BaseModel] | None) -> str:
-    key = str(path[-1])
-    known = _known_keys(path[:-1], model)
-    match = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"; did you mean '{_dotted((*path[:-1], match[0]))}'?" if match else ""
-    where = f"in '{_dotted(path[:-1])}'" if path[:-1] else "at the top level"
-    return f"{_dotted(path)}: unknown key {where}{hint}"
-
-
-_BOUNDS = {
-    "greater_than": ">",
-    "greater_than_equal": ">=",
-    "less_than": "<",
-    "less_than_equal": "<=",
-}
-
-
-def _messages(
-    exc: ValidationError,
-    prefix: tuple[str | int, ...] = (),
-    model_for: Callable[[tuple[str | int, ...]], type[BaseModel] | None] = _section_model,
-) -> list[str]:
-    lines = []
-    for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
-        path = (*prefix, *loc)
-        if err["type"] == "extra_forbidden":
-            lines.append(_unknown_key_message(path, model_for(loc[:-1])))
-            continue
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        if err["type"] == "missing":
-            msg = "is required"
-        elif err["type"] == "model_type" or err["type"] == "dict_type":
-            msg = f"must be an object, got {type(err['input']).__name__} {err['input']!r}"
-        elif err["type"] in _BOUNDS:
-            bound = next(iter(err.get("ctx", {}).values()), "?")
-            if isinstance(bound, float) and bound.is_integer():
-                bound = int(bound)
-            msg = f"must be {_BOUNDS[err['type']]} {bound}, got {err['input']!r}"
-        elif "input" in err and err["type"] not in ("value_error",):
-            msg = f"{msg[0].lower()}{msg[1:]} (got {err['input']!r})"
-        lines.append(f"{_dotted(path)}: {msg}" if path else msg)
-    return lines
-
-
-def _fail(lines: list[str]) -> ConfigError:
-    if len(lines) == 1:
-        return ConfigError(f"invalid ds_core config: {lines[0]}")
-    return ConfigError("invalid ds_core config:\n" + "\n".join(f"  - {line}" for line in lines))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,7 +453,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
             values[key] = None
             continue
         try:
-            number = _as_int(value)
+            number = as_int(value)
         except ValueError as exc:
             problems.append(f"{key}: {exc}")
             continue
@@ -579,7 +461,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
             problems.append(f"{key}: must be > 0, got {number}")
         values[key] = number
     if problems:
-        raise _fail(problems)
+        raise fail(problems)
     tb, mb, gas = (values[k] for k in _BATCH_KEYS)
     ws = world_size
     facts = (
@@ -588,7 +470,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
     )
     if tb is not None and mb is not None and gas is not None:
         if tb != mb * gas * ws:
-            raise _fail(
+            raise fail(
                 [
                     f"train_batch_size ({tb}) must equal train_micro_batch_size_per_gpu ({mb}) "
                     f"× gradient_accumulation_steps ({gas}) × world_size ({ws}) = {mb * gas * ws}"
@@ -597,7 +479,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
         return tb, mb, gas
     if tb is not None and mb is not None:
         if tb % (mb * ws):
-            raise _fail(
+            raise fail(
                 [
                     f"train_batch_size ({tb}) is not divisible by train_micro_batch_size_per_gpu "
                     f"({mb}) × world_size ({ws}) = {mb * ws}, so gradient_accumulation_steps "
@@ -608,7 +490,7 @@ def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
     if tb is not None:
         gas = 1 if gas is None else gas
         if tb % (gas * ws):
-            raise _fail(
+            raise fail(
                 [
                     f"train_batch_size ({tb}) is not divisible by gradient_accumulation_steps "
                     f"({gas}) × world_size ({ws}) = {gas * ws}, so "
@@ -634,16 +516,12 @@ def _read(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str
         path = os.fspath(config)
         try:
             with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+                text = f.read()
+            data = parse_config_text(text, path)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
         except OSError as exc:
             raise ConfigError(f"config file {path!r} cannot be read: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"config file {path!r} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                f"column {exc.colno}"
-            ) from None
         if not isinstance(data, dict):
             raise ConfigError(
                 f"config file {path!r} must hold a JSON object, got {type(data).__name__}"
@@ -669,7 +547,7 @@ def _typed_section(
     canonical = {t.lower(): t for t in types}.get(name.lower())
     if canonical is None:
         if name.lower() in {t.lower() for t in not_yet}:
-            return None, [f"{key}.type: '{name}' is {_NOT_YET}; use one of {', '.join(types)}"]
+            return None, [f"{key}.type: '{name}' is {NOT_YET}; use one of {', '.join(types)}"]
         match = difflib.get_close_matches(name, list(types), n=1, cutoff=0.5)
         hint = f"; did you mean '{match[0]}'?" if match else ""
         return None, [f"{key}.type: unknown type '{name}' (one of {', '.join(types)}){hint}"]
@@ -677,7 +555,7 @@ def _typed_section(
     if not isinstance(params, dict):
         return None, [f"{key}.params: must be an object, got {type(params).__name__}"]
     errors = [
-        _unknown_key_message((key, extra), None)
+        unknown_key_message((key, extra), None)
         + f" (section keys: {', '.join(sorted(('type', 'params')))})"
         for extra in section
         if extra not in ("type", "params")
@@ -686,7 +564,7 @@ def _typed_section(
     try:
         parsed = model.model_validate(params)
     except ValidationError as exc:
-        return None, errors + _messages(exc, (key, "params"), lambda _loc: model)
+        return None, errors + messages(exc, (key, "params"), lambda _loc: model)
     if key == "optimizer" and canonical == "AdamW" and not params.get("adam_w_mode", True):
         errors.append("optimizer.params.adam_w_mode: must be true for AdamW (use type Adam)")
     return {"type": canonical, "params": parsed.model_dump()}, errors
@@ -709,18 +587,22 @@ def load_config(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     raw = _read(config)
+    legacy_zero = raw.get("zero_optimization")
+    if isinstance(legacy_zero, bool) or isinstance(legacy_zero, int):
+        # DeepSpeed's legacy forms: ``true`` is stage 1, an integer is the stage.
+        raw["zero_optimization"] = {"stage": int(legacy_zero)}
     if "bfloat16" in raw:
         # DeepSpeed's alias for the bf16 section.
         if "bf16" in raw:
-            raise _fail(["bfloat16: is DeepSpeed's alias of bf16; give only one of them"])
+            raise fail(["bfloat16: is DeepSpeed's alias of bf16; give only one of them"])
         raw["bf16"] = raw.pop("bfloat16")
 
     ignored: list[str] = []
     errors: list[str] = []
-    raw = _strip_known_extras(raw, (), ignored, errors)
+    raw = strip_known_extras(raw, (), ignored, errors)
     for section in ("zero_optimization", "fp16", "bf16"):
         if isinstance(raw.get(section), dict):
-            raw[section] = _strip_known_extras(raw[section], (section,), ignored, errors)
+            raw[section] = strip_known_extras(raw[section], (section,), ignored, errors)
 
     for key, types, not_yet in (
         ("optimizer", OPTIMIZER_TYPES, _NOT_YET_OPTIMIZERS),
@@ -735,8 +617,8 @@ def load_config(
 
     try:
         tb, mb, gas = _batch_sizes(raw, world_size)
-    except ConfigError as exc:
-        errors.append(str(exc).removeprefix("invalid ds_core config: "))
+    except ConfigProblemsError as exc:
+        errors += exc.problems
         tb, mb, gas = 1, 1, 1
     raw.update(
         train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas
@@ -745,10 +627,10 @@ def load_config(
     try:
         cfg = DSConfig.model_validate(raw)
     except ValidationError as exc:
-        errors += _messages(exc)
+        errors += messages(exc, (), _section_model)
         cfg = None
     if errors:
-        raise _fail(errors)
+        raise fail(errors)
     if ignored:
         warnings.warn(
             "ds_core ignores these DeepSpeed config keys, which change nothing in this design: "
@@ -757,5 +639,5 @@ def load_config(
             stacklevel=2,
         )
     if cfg is None:  # unreachable: errors is non-empty whenever validation failed
-        raise _fail(["validation failed"])
+        raise fail(["validation failed"])
     return cfg

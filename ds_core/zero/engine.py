@@ -1,90 +1,73 @@
-"""The ZeRO engine: stages 0–3 over per-parameter shards, reaching devices only through hooks.
+"""The ZeRO engine: stages 0–3 over flat units, reaching devices only through hooks.
 
-Per step (one optimizer update, ``gradient_accumulation_steps`` micro-batches):
+Per step (one optimizer update, ``gradient_accumulation_steps`` micro-batches), with Ψ the
+bytes of one full gradient:
 
-- stage 0: gradients accumulate in a full fp32 buffer; at the boundary one all-reduce (2Ψ);
-- stage 1: the same accumulation; at the boundary a reduce-scatter (Ψ) leaves each rank the
-  gradient of the master shard it owns; after the update an all-gather (Ψ) rebuilds the
-  parameters: 2Ψ per step;
-- stage 2: each micro-batch's gradients are reduce-scattered (Ψ per micro-batch) and added to
-  the owned shard; the all-gather after the update as in stage 1;
+- stage 0: gradients accumulate in a full fp32 buffer; the window's last backward all-reduces
+  each bucket as soon as its gradients are in (2Ψ);
+- stage 1: the same accumulation, reduce-scattered instead (Ψ), each rank keeping the gradient
+  of the range it owns; after the update an all-gather (Ψ) rebuilds the parameters: 2Ψ. Without
+  accumulation it reduces every backward like stage 2;
+- stage 2: each micro-batch's gradients are reduce-scattered during backward (Ψ per
+  micro-batch) and added to the owned range; the all-gather after the update as in stage 1;
 - stage 3: parameters are partitioned too and gathered around each module's forward (Ψ) and
   backward (Ψ); gradients reduce-scattered per micro-batch (Ψ): 3Ψ per micro-batch.
 
-Gradients are averaged (mean) over data-parallel ranks; ``backward`` divides the loss by the
-accumulation steps; ``step`` is called every micro-batch and updates at the boundary. The
-global gradient norm: each bucket's fp32 norm, squared and summed in fp64 where the backend has it (else fp32) over every
-unique shard, each partition and expert counted once, summed (never averaged) across ranks.
+The gradient path is :class:`~ds_core.zero.reducer.GradReducer`; the layout is
+:class:`~ds_core.zero.partition.FlatUnit`; stage 3's gathering is
+:class:`~ds_core.zero.stage3.ParamCoordinator`. Gradients are averaged (mean) over
+data-parallel ranks; ``backward`` divides the loss by the accumulation steps; ``step`` is
+called every micro-batch and updates at the boundary. The step keeps the global norm, the clip
+coefficient and the scaling on the device: the host reads a value only to print a log line,
+when the caller asks (:meth:`ZeroEngine.get_global_grad_norm`), or to decide an fp16 / bf16
+overflow skip (one flag per step, as DeepSpeed's loss scaler does).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ds_core import comm
+from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
-from ds_core.zero.buckets import GradBucket, gather_params
+from ds_core.zero import capture as _capture
+from ds_core.zero.accounting import model_state_bytes
+from ds_core.zero.api import DeepSpeedEngineAPI
+from ds_core.zero.config import DSConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
-from ds_core.zero.partition import ZERO_PARAM_ATTR, Mode, ZeroParam, bucketize
+from ds_core.zero.offload import OptimizerOffload
+from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
 from ds_core.zero.precision import LossScaler
+from ds_core.zero.reducer import GradReducer
+from ds_core.zero.schedules import bind_optimizer, bind_scheduler
 from ds_core.zero.stage3 import ParamCoordinator
+from ds_core.zero.throughput import ThroughputTimer
 
-if TYPE_CHECKING:
-    from ds_core.zero.config import DSConfig
+_COMM_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp16": torch.float16}
+_COMM_DTYPES["bf16"] = torch.bfloat16
 
 log = logging.getLogger("ds_core.zero")
 
-#: names of optimizers known to need whole (unpartitioned) gradients.
-_FULL_GRADIENT_OPTIMIZERS = frozenset({"Muon"})
 
-
-def needs_full_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` must see whole gradients: its class sets
-    ``requires_full_gradients = True`` or is named ``Muon``."""
-    return bool(getattr(optimizer, "requires_full_gradients", False)) or any(
-        cls.__name__ in _FULL_GRADIENT_OPTIMIZERS for cls in type(optimizer).__mro__
-    )
-
-
-#: elements per fp32 partial norm in :func:`_sum_of_squares`.
-_NORM_CHUNK = 1 << 16
-
-
-def _sum_of_squares(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Sum of squares of ``buf``'s elements, accumulated in ``dtype``.
-
-    fp32 norms of 64 Ki-element chunks, their squares summed in ``dtype``: one fp32 norm over
-    a whole-model buffer drifts (4e-3 relative at 57 M elements on one CPU thread), and a
-    ``dtype=float64`` norm copies the buffer to float64 first (8 bytes an element, ~30x the
-    time; bench/README.md). Chunking keeps fp32 speed with ~1e-7 relative error.
-    """
-    flat = buf.reshape(-1)
-    whole = flat.numel() // _NORM_CHUNK * _NORM_CHUNK
-    partial = torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_CHUNK), 2, dim=1)
-    total: torch.Tensor = partial.to(dtype).square().sum()
-    if whole < flat.numel():
-        total = total + torch.linalg.vector_norm(flat[whole:], 2).to(dtype).square()
-    return total
-
-
-class ZeroEngine:
+class ZeroEngine(DeepSpeedEngineAPI):
     """Trains a module with ZeRO; build it with :func:`ds_core.initialize`.
+
+    DeepSpeed's engine members (``local_rank``, ``train_batch_size()``, ``state_dict()``,
+    ``no_sync()``, ...) come from :class:`~ds_core.zero.api.DeepSpeedEngineAPI`. Without an
+    optimizer (none passed, no ``optimizer`` section) the engine runs forward only.
 
     Public state: ``module`` (the wrapped model), ``optimizer`` (stepping the fp32 masters),
     ``lr_scheduler``, ``global_steps`` (boundaries seen, skipped ones included),
-    ``skipped_steps``, ``micro_steps``, ``zparams`` (one :class:`ZeroParam` per unique
-    parameter, by name), ``loss_scaler`` (fp16) and ``last_grad_norm`` (the last step's global
-    gradient norm before clipping, unscaled; ``None`` when neither clipping nor an overflow
-    check needed it).
+    ``global_samples``, ``skipped_steps``, ``micro_steps``, ``zparams`` (one
+    :class:`ZeroParam` per unique parameter, by name), ``units`` (the flat units they live in),
+    ``reducer`` (the gradient path), ``loss_scaler`` (fp16) and ``last_grad_norm``.
     """
 
     def __init__(
@@ -104,6 +87,9 @@ class ZeroEngine:
         log.setLevel(config.log_level.upper())
 
         # - device and groups
+        #: the deterministic policy in force for this engine's lifetime, or ``None``; applied
+        #: before the process group exists, as vendors read some knobs at communicator creation.
+        self.determinism = determinism.from_config(config.deterministic)
         comm.init_distributed()
         self.acc: Accelerator = get_accelerator()
         self.acc.configure(config.accelerator)
@@ -122,43 +108,53 @@ class ZeroEngine:
         )
         self.check_overflow = self.fp16 or (self.bf16 and bool(config.bf16.check_grad_overflow))
         self.loss_scaler = LossScaler.from_config(config.fp16) if self.fp16 else None
+        #: host side of optimizer offload (see [Note: offload data path]), or ``None``.
+        self.offload: OptimizerOffload | None = None
+        if zcfg.offload_optimizer.device == "cpu":
+            self.offload = OptimizerOffload(self.acc, zcfg.offload_optimizer.pin_memory)
 
-        # - module
-        self.module = model.to(self.device)
-        if self.model_dtype is not None:
-            self.module.to(self.model_dtype)
-        self._broadcast_module()
-
-        # - partitioning
+        # - module, partitioned as it is placed: one full parameter on the device at a time
+        self.module = model
         self.zparams: dict[str, ZeroParam] = {}
         self._by_param: dict[int, ZeroParam] = {}
-        for name, p in self.module.named_parameters():
+        for name, p in model.named_parameters():
             zp = self._make_zparam(name, p)
             self.zparams[name] = zp
             self._by_param[id(p)] = zp
+        self.units: list[FlatUnit] = self._build_units(model)
+        self._place_module()
         self._trainable = [zp for zp in self.zparams.values() if zp.trainable]
-        self.buckets: list[GradBucket] = [
-            GradBucket(b, self.stage, self.device)
-            for b in bucketize(self._trainable, zcfg.reduce_bucket_size, by_dtype=False)
-        ]
-        self._bucket_of: dict[int, GradBucket] = {
-            id(zp): b for b in self.buckets for zp in b.zparams
-        }
-        self._gather_after_step = [zp for zp in self._trainable if zp.mode is Mode.SHARDED_STATE]
-        self._gather_buckets = bucketize(
-            self._gather_after_step, zcfg.allgather_bucket_size, by_dtype=True
+        self._make_masters()
+
+        # - gradient path and stage-3 gathering
+        self.reducer = GradReducer(
+            # Backward produces gradients roughly in reverse order of registration.
+            list(reversed(self.units)),
+            self.world,
+            self.stage,
+            self.gas,
+            self.acc,
+            _COMM_DTYPES[config.communication_data_type],
+            bool(config.prescale_gradients),
+            float(config.gradient_predivide_factor),
+            self.overlap_comm,
         )
+        if self.offload is not None:
+            # Stages 2/3 (and 1 without accumulation) sum each micro-batch on the host.
+            self.reducer.attach_host(self.offload)
         self._hooks: list[RemovableHandle] = [
             zp.param.register_post_accumulate_grad_hook(self._grad_hook(zp))  # type: ignore[no-untyped-call]
             for zp in self._trainable
         ]
+        self._gathered_after_step = [u for u in self.units if u.mode is Mode.SHARDED_STATE]
         self.coordinator: ParamCoordinator | None = None
         if self.stage == 3:
             self.coordinator = ParamCoordinator(
                 self.module,
                 {k: v for k, v in self._by_param.items() if v.mode is Mode.PARTITIONED},
-                self.device,
                 zcfg.stage3_prefetch_bucket_size,
+                zcfg.stage3_max_live_parameters,
+                zcfg.stage3_max_reuse_distance,
             )
 
         # - optimizer and schedule
@@ -167,40 +163,23 @@ class ZeroEngine:
 
         # - counters
         self.global_steps = 0
+        self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self.last_grad_norm: float | None = None
+        self._last_norm: torch.Tensor | None = None
         self._boundary_override: bool | None = None
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._last_loss_t: torch.Tensor | None = None
+        #: inside this engine's own backward (gradients outside it are not this step's).
+        self._in_backward = False
+        self._no_sync = False
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
 
     # ------------------------------------------------------------------ Initialization #
 
-    def _broadcast_module(self) -> None:
-        """Make every rank start equal: parameters and buffers from rank 0 (experts from the
-        first rank of their expert-data-parallel group)."""
-        if self.world == 1:
-            return
-        with torch.no_grad():
-            for p in self.module.parameters():
-                if hasattr(p, INIT_ATTR):
-                    continue  # zero.Init broadcast it from rank 0 before partitioning
-                ep = expert_parallel_size(p)
-                if ep is not None and ep > 1:
-                    g = expert_groups(ep)
-                    if g.edp_world > 1:
-                        self.acc.broadcast(p.data, self.rank % ep, g.edp_group)
-                else:
-                    self.acc.broadcast(p.data, 0, None)
-            for b in self.module.buffers():
-                self.acc.broadcast(b.data, 0, None)
-
     def _make_zparam(self, name: str, p: nn.Parameter) -> ZeroParam:
         zcfg = self.config.zero_optimization
-        # Built under zero.Init: rebuild this one parameter (the others stay shards) and
-        # partition it for this stage below.
-        restore_full(p, self.device, self.model_dtype)
         ep = expert_parallel_size(p)
         if ep is not None and ep > 1:
             groups = expert_groups(ep)
@@ -208,136 +187,138 @@ class ZeroEngine:
             grank = comm.get_rank(group) if group is not None else self.rank
         else:
             group, gworld, grank = None, self.world, self.rank
-        if self.stage == 0:
-            mode = Mode.REPLICATED
-        elif self.stage == 3 and p.numel() > zcfg.stage3_param_persistence_threshold:
+        numel = getattr(p, INIT_ATTR)[2] if hasattr(p, INIT_ATTR) else p.numel()
+        if self.stage == 3 and numel > zcfg.stage3_param_persistence_threshold:
             mode = Mode.PARTITIONED
-        else:
+        elif self.stage in (1, 2, 3) and p.requires_grad:
             mode = Mode.SHARDED_STATE
+        else:
+            mode = Mode.REPLICATED
         zp = ZeroParam(name, p, mode, group, gworld, grank, ep)
+        if hasattr(p, INIT_ATTR):
+            # Built under zero.Init: the parameter is a placeholder until placed.
+            _, zp.shape, zp.numel = getattr(p, INIT_ATTR)
+            zp.hi = zp.numel
+        if self.model_dtype is not None and zp.dtype.is_floating_point:
+            zp.dtype = self.model_dtype
         setattr(p, ZERO_PARAM_ATTR, zp)
-        with torch.no_grad():
-            if mode is Mode.REPLICATED:
-                if zp.trainable:
-                    master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float())
-                    zp.master = master
-            else:
-                flat = torch.zeros(zp.padded_numel, dtype=p.dtype, device=self.device)
-                flat[: zp.numel].copy_(p.detach().reshape(-1))
-                owned = flat[zp.owned_slice()]
-                if mode is Mode.SHARDED_STATE:
-                    zp.full = flat
-                    p.data = flat[: zp.numel].view(zp.shape)
-                    src = owned
-                else:
-                    zp.shard = owned.clone()
-                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-                    src = zp.shard
-                if zp.trainable:
-                    # fp32 parameters are their own masters: the optimizer steps the shard in
-                    # place (a view of the full parameter in stages 1/2), so no copy exists.
-                    zp.master = nn.Parameter(src if p.dtype == torch.float32 else src.float())
-                    if zp.shard is not None and p.dtype == torch.float32:
-                        zp.shard = zp.master.data
         return zp
 
+    def _build_units(self, model: nn.Module) -> list[FlatUnit]:
+        """Group parameters into units (see [Note: shard layout]): reduce buckets of
+        ``reduce_bucket_size`` elements, and at stage 3 one unit per module's own parameters."""
+        limit = self.config.zero_optimization.reduce_bucket_size
+        units: list[FlatUnit] = []
+        if self.stage == 3:
+            seen: set[int] = set()
+            for sub in model.modules():
+                own = [
+                    self._by_param[id(p)]
+                    for p in sub._parameters.values()
+                    if p is not None and id(p) not in seen and id(p) in self._by_param
+                ]
+                own = [zp for zp in own if zp.mode is Mode.PARTITIONED]
+                seen.update(id(zp.param) for zp in own)
+                for part in bucketize(own, limit):
+                    units.append(FlatUnit(part, Mode.PARTITIONED, self.device))
+        for mode in (Mode.REPLICATED, Mode.SHARDED_STATE):
+            members = [zp for zp in self.zparams.values() if zp.mode is mode and zp.trainable]
+            for part in bucketize(members, limit):
+                units.append(FlatUnit(part, mode, self.device))
+        return units
+
+    def _place_module(self) -> None:
+        """Move the module onto the device one parameter at a time, equal on every rank
+        (broadcast from rank 0; experts from the first rank of their group), keeping only
+        what this rank holds."""
+        with torch.no_grad():
+            for zp in self.zparams.values():
+                p = zp.param
+                if hasattr(p, INIT_ATTR):
+                    # zero.Init broadcast it from rank 0 before partitioning; rebuild it here.
+                    restore_full(p, self.device, zp.dtype)
+                    full = p.data
+                else:
+                    full = p.data.to(self.device, zp.dtype)
+                    self._broadcast(full, zp)
+                if zp.unit is not None:
+                    zp.unit.place(zp, full)
+                else:
+                    p.data = full
+            for sub in self.module.modules():
+                for key, b in sub._buffers.items():
+                    if b is None:
+                        continue
+                    dtype = self.model_dtype if b.is_floating_point() and self.model_dtype else None
+                    moved = b.to(self.device, dtype)
+                    self._broadcast(moved, None)
+                    sub._buffers[key] = moved
+
+    def _broadcast(self, t: torch.Tensor, zp: ZeroParam | None) -> None:
+        if self.world == 1:
+            return
+        ep = zp.expert_ep_size if zp is not None else None
+        if ep is not None and ep > 1:
+            g = expert_groups(ep)
+            if g.edp_world > 1:
+                self.acc.broadcast(t, self.rank % ep, g.edp_group)
+        else:
+            self.acc.broadcast(t, 0, None)
+
+    def _make_masters(self) -> None:
+        """fp32 masters of each trainable parameter's piece; fp32 parameters are their own
+        masters (the optimizer steps the unit's storage in place, so no copy exists)."""
+        if self.offload is not None:
+            self.offload.make_masters(
+                [u for u in self.units if u.trainable and u.mode is not Mode.REPLICATED]
+            )
+        with torch.no_grad():
+            for zp in self._trainable:
+                if self.offload is not None and self.offload.holds(zp.unit):
+                    continue
+                if zp.mode is Mode.REPLICATED:
+                    p = zp.param
+                    zp.master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float())
+                    continue
+                assert zp.unit is not None
+                piece = zp.unit.piece(zp)
+                zp.master = nn.Parameter(piece if piece.dtype == torch.float32 else piece.float())
+
     def _grad_hook(self, zp: ZeroParam) -> Callable[[torch.Tensor], None]:
-        stage = self.stage
+        reducer = self.reducer
 
         def hook(p: torch.Tensor) -> None:
-            grad = p.grad
-            p.grad = None
-            if grad is None:
+            if not self._in_backward:
+                # Another backward (a GAN's generator loss through this discriminator): the
+                # gradient stays on ``p.grad`` as in plain torch; zero_grad() discards it, and
+                # if kept autograd adds it to this engine's next backward.
                 return
-            if stage <= 1:
-                self._bucket_of[id(zp)].accumulate(zp, grad)
-            elif zp.pending is None:
-                zp.pending = grad
-            else:
-                zp.pending = zp.pending + grad
+            grad = p.grad
+            p.grad = None  # the reducer's copy is the only one kept
+            if grad is not None:
+                reducer.on_grad(zp, grad)
 
         return hook
 
-    def _master_groups(self, params: Iterable[Any] | None) -> list[dict[str, Any]]:
-        items = list(params) if params is not None else [zp.param for zp in self._trainable]
-        if items and isinstance(items[0], dict):
-            groups = [dict(g) for g in items]
-        else:
-            groups = [{"params": items}]
-        out: list[dict[str, Any]] = []
-        for g in groups:
-            masters = []
-            for p in g["params"]:
-                zp = self._by_param.get(id(p))
-                if zp is None:
-                    raise ConfigError(
-                        "model_parameters/optimizer holds a tensor that is not a parameter of "
-                        "the model; pass the model's own parameters"
-                    )
-                if zp.master is not None:
-                    masters.append(zp.master)
-            out.append({**g, "params": masters})
-        return out
-
-    def _build_optimizer(
-        self, optimizer: Any, model_parameters: Iterable[Any] | None
-    ) -> torch.optim.Optimizer:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if optimizer.state:
-                raise ConfigError(
-                    "the optimizer passed to initialize() has already stepped; pass a fresh "
-                    "optimizer (the engine moves it onto the fp32 master shards)"
-                )
-            self._reject_full_gradient_optimizer(optimizer)
-            # Re-point the caller's optimizer at the masters so schedulers bound to it still work.
-            for group in optimizer.param_groups:
-                group["params"] = self._master_groups([{"params": group["params"]}])[0]["params"]
-            return optimizer
-        if optimizer is not None and callable(optimizer):
-            built = optimizer(self._master_groups(model_parameters))
-            if not isinstance(built, torch.optim.Optimizer):
-                raise ConfigError("the optimizer callable must return a torch.optim.Optimizer")
-            self._reject_full_gradient_optimizer(built)
-            return built
-        if self.config.optimizer is None:
-            raise ConfigError(
-                "no optimizer: pass optimizer= to initialize() or add an 'optimizer' section "
-                'to the config (e.g. {"type": "AdamW", "params": {"lr": 1e-3}})'
-            )
-        from ds_core.zero.schedules import build_optimizer
-
-        built = build_optimizer(self.config.optimizer, self._master_groups(model_parameters))
-        self._reject_full_gradient_optimizer(built)
-        return built
-
-    def _reject_full_gradient_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.stage >= 1 and needs_full_gradients(optimizer):
-            raise ConfigError(
-                f"optimizer {type(optimizer).__name__} needs whole gradients (Muon-style "
-                "optimizers orthogonalise each full weight matrix), but ZeRO stage "
-                f"{self.stage} partitions every gradient so each rank holds only a flat shard "
-                "of it. Use zero_optimization."
-                "stage 0 with this optimizer, or an element-wise optimizer (AdamW, SGD) with "
-                "stages 1-3."
-            )
+    def _build_optimizer(self, optimizer: Any, model_parameters: Iterable[Any] | None) -> Any:
+        if optimizer is None and self.config.optimizer is None:
+            return None  # forward only: step() and backward() say so
+        return bind_optimizer(
+            optimizer,
+            model_parameters,
+            self.config.optimizer,
+            {k: zp.master for k, zp in self._by_param.items()},
+            [zp.param for zp in self._trainable],
+            self.stage,
+            host_adam=self.offload is not None,
+        )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:
-        if lr_scheduler is not None:
-            if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-                if lr_scheduler.optimizer is not self.optimizer:
-                    raise ConfigError(
-                        "lr_scheduler is bound to another optimizer; pass a callable "
-                        "(optimizer -> scheduler) or build it on the optimizer you pass"
-                    )
-                return lr_scheduler
-            if callable(lr_scheduler):
-                return lr_scheduler(self.optimizer)
-            raise ConfigError("lr_scheduler must be an LRScheduler or a callable")
-        if self.config.scheduler is not None:
-            from ds_core.zero.schedules import build_scheduler
-
-            return build_scheduler(self.config.scheduler, self.optimizer)
-        return None
+        if self.optimizer is None:
+            if lr_scheduler is not None or self.config.scheduler is not None:
+                raise ConfigError("a learning-rate scheduler needs an optimizer; pass one")
+            return None
+        return bind_scheduler(lr_scheduler, self.config.scheduler, self.optimizer)
 
     # ------------------------------------------------------------------------- Runtime #
 
@@ -345,37 +326,47 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module (stage 3 gathers and releases each module's parameters)."""
-        if self.coordinator is None:
-            return self.module(*args, **kwargs)
-        self.coordinator.begin_forward()
-        try:
-            return self.module(*args, **kwargs)
-        finally:
-            self.coordinator.end_forward()
+        """Run the module (stage 3 gathers and releases each module's parameters), with
+        ``fp16.auto_cast`` / ``torch_autocast`` applied (see :class:`DeepSpeedEngineAPI`)."""
+        args, kwargs = self._cast_inputs(args, kwargs)
+        self.tput_timer.start()
+        with self._autocast():
+            if self.coordinator is None:
+                return self.module(*args, **kwargs)
+            self.coordinator.begin_forward()
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                self.coordinator.end_forward()
+
+    def capture(self, fn: Callable[..., Any], *static_inputs: Any, **kw: Any) -> Any:
+        """Capture ``fn(*static_inputs)`` for replay: :func:`ds_core.zero.capture.capture`."""
+        return _capture.capture(self, fn, *static_inputs, **kw)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Back-propagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
 
-        Stages 2/3 reduce-scatter this micro-batch's gradients into the owned shards before
-        returning; stages 0/1 add them to the local accumulator.
+        Gradients are reduced while backward runs (see [Note: streaming reduction]); with
+        ``overlap_comm`` the last collectives may still be in flight when this returns.
         """
+        self._require_optimizer("backward")
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
         scaled = loss / self.gas
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
+        self.reducer.begin_backward(self.is_gradient_accumulation_boundary() and not self._no_sync)
+        if self.coordinator is not None:
+            self.coordinator.begin_backward()
+        self._in_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
         finally:
+            self._in_backward = False
             if self.coordinator is not None:
                 self.coordinator.release_all()
-        if self.stage >= 2:
-            # With overlap_comm the reduce-scatters run while the caller computes the next
-            # micro-batch; each bucket finishes its own before reusing or reading its shard.
-            for b in self.buckets:
-                b.reduce_pending(self.overlap_comm)
+        self.reducer.end_backward()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` updates: every ``gradient_accumulation_steps``
@@ -390,51 +381,55 @@ class ZeroEngine:
         self._boundary_override = bool(is_boundary)
 
     def step(self) -> None:
-        """Call after every micro-batch's backward; updates the parameters at the boundary."""
+        """Call after every micro-batch's backward; updates the parameters at the boundary.
+
+        :raises RuntimeError: no optimizer (a forward-only engine), inside ``no_sync()``, or
+            gradients on the parameters from a backward the engine did not run and none
+            from its own (they would be silently ignored).
+        """
+        self._require_optimizer("step")
+        if self._no_sync:
+            raise RuntimeError("step() inside no_sync() is not allowed (DeepSpeed forbids it)")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._loss_count == 0:
+            self._check_no_stray_gradients()
         self.micro_steps += 1
         if boundary:
             self._boundary_step()
+        self.tput_timer.stop(global_step=boundary, report_speed=False)
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (the engine also does this after each update)."""
-        for b in self.buckets:
-            b.zero()
+        self.reducer.zero()
         for zp in self._trainable:
             if zp.master is not None:
                 zp.master.grad = None
             zp.param.grad = None
 
-    def train(self, mode: bool = True) -> ZeroEngine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> ZeroEngine:
-        self.module.eval()
-        return self
-
-    def get_lr(self) -> list[float]:
-        """Learning rate of each optimizer group."""
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping, unscaled (reads the device);
+        ``None`` when neither clipping nor an overflow check needed it."""
+        return None if self._last_norm is None else float(self._last_norm.item())
 
     def get_global_grad_norm(self) -> float | None:
+        """DeepSpeed's name for :attr:`last_grad_norm`."""
         return self.last_grad_norm
 
     # -- the update --------------------------------------------------------------------------
 
     def _boundary_step(self) -> None:
-        if self.stage <= 1:
-            for b in self.buckets:
-                b.reduce_boundary()
+        self.reducer.finish()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # Sums over ranks become means; the loss scale comes off in the same multiply.
-        coef = 1.0 / (self.world * scale)
-        norm: float | None = None
+        coef = self.reducer.post_scale / scale
+        norm: torch.Tensor | None = None
         if self.clip > 0 or self.check_overflow:
-            norm = self._global_norm() * coef
-        overflow = norm is not None and not math.isfinite(norm)
-        self.last_grad_norm = norm
-        if overflow and self.check_overflow:
+            norm = self.reducer.global_norm(self.norm_dtype) * coef
+        self._last_norm = norm
+        # The one host read of a step, and only where an overflow can skip it.
+        overflow = self.check_overflow and norm is not None and not bool(norm.isfinite())
+        if overflow:
             self.skipped_steps += 1
             log.info(
                 "step %d skipped: non-finite gradient (loss scale %s)",
@@ -442,15 +437,19 @@ class ZeroEngine:
                 f"{scale:g}" if self.loss_scaler else "n/a",
             )
         else:
-            mult = coef
-            if self.clip > 0 and norm is not None and norm > self.clip:
-                mult *= self.clip / (norm + 1e-6)
-            for b in self.buckets:
-                b.grad_buffer().mul_(mult)
-                for zp in b.zparams:
+            mult: float | torch.Tensor = coef
+            if self.clip > 0 and norm is not None:
+                # torch's clip_grad_norm_ coefficient, kept on the device.
+                clip_coef = (self.clip / (norm + 1e-6)).clamp(max=1.0)
+                mult = (clip_coef * coef).to(torch.float32)
+            if self.offload is not None:
+                self._offloaded_update(mult)
+            else:
+                self.reducer.scale_(mult)
+                for zp in self._trainable:
                     if zp.master is not None:
-                        zp.master.grad = b.owned_grad(zp)
-            self.optimizer.step()
+                        zp.master.grad = self.reducer.grad(zp)
+                self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self._publish_params()
@@ -458,48 +457,50 @@ class ZeroEngine:
             self.loss_scaler.update(overflow)
         self.zero_grad()
         self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
         if self._loss_sum is not None and self._loss_count:
             self._last_loss_t = self._loss_sum / self._loss_count
         self._loss_sum, self._loss_count = None, 0
         if self.global_steps % self.config.steps_per_print == 0:
             self._log_step()
 
-    def _global_norm(self) -> float:
-        """Unscaled-by-``coef`` global L2 norm of the reduced gradients (one all-reduce)."""
-        total = torch.zeros((), dtype=self.norm_dtype, device=self.device)
-        for b in self.buckets:
-            if b.counts_in_norm():
-                total += _sum_of_squares(b.grad_buffer(), self.norm_dtype)
-        if self.world > 1:
-            # Every shard and expert is held by exactly one rank (replicas are counted on the
-            # group's first rank only), so the sum over the world counts each once.
-            self.acc.all_reduce(total, "sum", None)
-        return float(total.sqrt().item())
+    def _offloaded_update(self, mult: float | torch.Tensor) -> None:
+        """The optimizer step with masters on the host (see [Note: offload data path])."""
+        assert self.offload is not None
+        fused = self.offload.uses_fused_scale(self.optimizer)
+        on_host = self.reducer.host is not None  # the window was summed on the host already
+        if not fused and not on_host:
+            self.reducer.scale_(mult)  # on the device, before the copy
+        self.offload.gradients_to_host(self.reducer.reduced_ranges())
+        # The host reads the multiplier once: it needs the gradients on the host anyway.
+        self.offload.step(self.optimizer, float(mult) if fused or on_host else None)
 
     def _publish_params(self) -> None:
-        """Move updated masters back into the parameters the module computes with."""
+        """Move updated masters into the parameters the module computes with: each rank
+        writes its own range, then one all-gather per stage-1/2 unit rebuilds the rest."""
         with torch.no_grad():
+            if self.offload is not None:
+                self.offload.publish()
             for zp in self._trainable:
-                if zp.master is None:
+                master = zp.master
+                if master is None or (self.offload is not None and self.offload.holds(zp.unit)):
                     continue
-                if zp.mode is Mode.REPLICATED and zp.master is not zp.param:
-                    zp.param.data.copy_(zp.master.detach())
-                elif zp.mode is Mode.PARTITIONED and zp.shard is not None:
-                    if zp.shard.data_ptr() != zp.master.data_ptr():
-                        zp.shard.copy_(zp.master.detach())
-            for bucket in self._gather_buckets:
-                first = bucket[0]
-                _, out, offsets, total = gather_params(
-                    bucket, first.rows, first.group, first.dtype, self.device
-                )
-                out_rs = out.view(first.rows, total)
-                for zp in bucket:
-                    if zp.full is None:
-                        raise AssertionError(f"{zp.name} has no full buffer")
-                    off = offsets[id(zp)]
-                    zp.full.view(zp.rows, zp.shard_numel).copy_(
-                        out_rs[:, off : off + zp.shard_numel]
-                    )
+                if zp.mode is Mode.REPLICATED:
+                    if master is not zp.param:
+                        zp.param.data.copy_(master.detach())
+                    continue
+                assert zp.unit is not None
+                piece = zp.unit.piece(zp)
+                if piece.data_ptr() != master.data_ptr():
+                    piece.copy_(master.detach())
+            handles = [u.all_gather(self.overlap_comm) for u in self._gathered_after_step]
+            for h in handles:
+                h.wait()
+
+    def sync_params_from_masters(self) -> None:
+        """Rebuild the module's parameters (and stage-3 ranges) from the fp32 masters, in the
+        model's dtype. Collective: every rank calls it (after loading masters, say)."""
+        self._publish_params()
 
     def _log_step(self) -> None:
         if self.rank != 0:
@@ -515,6 +516,7 @@ class ZeroEngine:
         norm = self.last_grad_norm
         parts.append(f"grad_norm={norm:.6g}" if norm is not None else "grad_norm=n/a")
         parts.append(f"skipped={self.skipped_steps}")
+        parts.append(f"samples_per_sec={self.tput_timer.avg_samples_per_sec():.6g}")
         parts.append(f"mem_allocated={self.acc.memory_allocated() / 2**20:.1f}MiB")
         parts.append(f"mem_peak={self.acc.max_memory_allocated() / 2**20:.1f}MiB")
         log.info(" ".join(parts))
@@ -522,83 +524,35 @@ class ZeroEngine:
     # ----------------------------------------------------------------------- Utilities #
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of this rank's model states, summed over the engine's own buffers.
-
-        Keys: ``params`` (full or partitioned parameters, padding included), ``master`` (fp32
-        masters that are separate copies; 0 when parameters are fp32 and serve as their own),
-        ``grads`` (persistent gradient accumulators), ``optimizer`` (optimizer state tensors),
-        ``total``. Gathered stage-3 parameters are transient and not counted.
-        """
-        seen: set[int] = set()
-
-        def size(t: torch.Tensor | None) -> int:
-            if t is None or t.numel() == 0:
-                return 0
-            key = t.untyped_storage().data_ptr()
-            if key in seen:
-                return 0
-            seen.add(key)
-            return t.untyped_storage().nbytes()
-
-        params = 0
-        for zp in self.zparams.values():
-            if zp.mode is Mode.PARTITIONED:
-                params += size(zp.shard)
-            elif zp.full is not None:
-                params += size(zp.full)
-            else:
-                params += size(zp.param.data)
-        master = sum(size(zp.master.data) for zp in self._trainable if zp.master is not None)
-        grads = sum(b.nbytes() for b in self.buckets)
-        opt = 0
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.numel() > 1:
-                    opt += size(v)
-        return {
-            "params": params,
-            "master": master,
-            "grads": grads,
-            "optimizer": opt,
-            "total": params + master + grads + opt,
-        }
-
-    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full copies of every parameter by name (collective: every rank must call it).
-
-        Stage-3 partitioned parameters are all-gathered; the others are copied. Expert
-        parameters are this rank's local experts.
-        """
-        out: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for name, zp in self.zparams.items():
-                if zp.mode is Mode.PARTITIONED:
-                    _, buf, _, _ = gather_params([zp], zp.rows, zp.group, zp.dtype, self.device)
-                    out[name] = buf[: zp.numel].view(zp.shape).clone()
-                else:
-                    out[name] = zp.param.detach().clone()
-        return out
+        """Bytes of this rank's model states from the engine's own buffers (see
+        :func:`ds_core.zero.accounting.model_state_bytes` for the keys)."""
+        return model_state_bytes(self)
 
     def destroy(self) -> None:
         """Release every buffer and hook the engine owns; the engine is unusable after."""
+        if self.determinism is not None and self.determinism.active:
+            self.determinism.disable()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         if self.coordinator is not None:
             self.coordinator.remove()
             self.coordinator = None
-        self.optimizer.state.clear()
-        for g in self.optimizer.param_groups:
-            g["params"] = []
-        for b in self.buckets:
-            b.finish()
-            b.full = b.shard = None
-        self.buckets.clear()
-        self._bucket_of.clear()
-        self._gather_buckets.clear()
-        self._gather_after_step.clear()
+        self.reducer.release()
+        if self.offload is not None:
+            self.offload.release()
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+            for g in self.optimizer.param_groups:
+                g["params"] = []
+        for unit in self.units:
+            unit.release()
+            unit.flat = unit.shard = None
+        self.units.clear()
+        self._gathered_after_step.clear()
         for zp in self.zparams.values():
-            zp.master = zp.full = zp.shard = zp.pending = None
+            zp.master = None
+            zp.unit = None
             zp.param.data = torch.empty(0, dtype=zp.dtype, device=self.device)
             zp.param.grad = None
             if getattr(zp.param, ZERO_PARAM_ATTR, None) is zp:
@@ -606,47 +560,3 @@ class ZeroEngine:
         self.zparams.clear()
         self._by_param.clear()
         self._trainable.clear()
-
-
-def initialize(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
-    model_parameters: Iterable[Any] | None = None,
-    config: Mapping[str, Any] | str | Any = None,
-    training_data: Any = None,
-    lr_scheduler: Any = None,
-) -> tuple[ZeroEngine, torch.optim.Optimizer, Any, Any]:
-    """Wrap ``model`` for ZeRO training; DeepSpeed's ``deepspeed.initialize`` shape.
-
-    :param model: the module; moved to the current device (and cast to fp16/bf16 when the
-        config enables them). Every rank must build the same model; rank 0's values win.
-    :param optimizer: a fresh ``torch.optim`` optimizer over the model's parameters (it is
-        re-pointed at the fp32 master shards), a callable ``param_groups -> optimizer``, or
-        ``None`` to build the config's ``optimizer`` section.
-    :param model_parameters: parameters or parameter groups for a built optimizer.
-    :param config: a dict, a JSON file path, or a loaded ``DSConfig``.
-    :param training_data: a ``torch.utils.data.Dataset``; when given, a loader over this rank's
-        share with ``train_micro_batch_size_per_gpu`` samples per batch is returned.
-    :param lr_scheduler: an ``LRScheduler`` on ``optimizer``, or a callable
-        ``optimizer -> scheduler``; else the config's ``scheduler`` section, if any.
-    :returns: ``(engine, optimizer, dataloader or None, lr_scheduler or None)``.
-    :raises ds_core.ConfigError: invalid config, no optimizer, or an optimizer that needs
-        whole gradients with stages 1-3.
-    """
-    from ds_core.zero.config import DSConfig, load_config
-
-    comm.init_distributed()
-    cfg = config if isinstance(config, DSConfig) else load_config(config, comm.get_world_size())
-    engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
-    loader = None
-    if training_data is not None:
-        from torch.utils.data import DataLoader
-        from torch.utils.data.distributed import DistributedSampler
-
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            training_data, num_replicas=engine.world, rank=engine.rank, shuffle=False
-        )
-        loader = DataLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler
-        )
-    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -18,8 +18,7 @@ from types import TracebackType
 import torch
 
 from ds_core.accelerator import get_accelerator
-from ds_core.zero.buckets import gather_params
-from ds_core.zero.partition import Mode, ZeroParam, zero_param_of
+from ds_core.zero.partition import FlatUnit, Mode, ZeroParam, zero_param_of
 
 
 class GatheredParameters:
@@ -47,23 +46,19 @@ class GatheredParameters:
                 self.zparams.append(zp)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._gathered: list[ZeroParam] = []
+        self._units: list[FlatUnit] = []
 
     def __enter__(self) -> None:
         if not self.enabled:
             return
-        todo = [
-            zp
-            for zp in self.zparams
-            if zp.mode is Mode.PARTITIONED and zp.param.numel() != zp.numel
-        ]
-        for zp in todo:  # one parameter per collective: this is an inspection path
-            _, out, _, _ = gather_params([zp], zp.rows, zp.group, zp.dtype, zp.param.device)
-            zp.param.data = out[: zp.numel].view(zp.shape)
+        units: list[FlatUnit] = []
         for zp in self.zparams:
-            if zp.mode is Mode.PARTITIONED:
-                zp.gather_count += 1
-        self._gathered = todo
+            if zp.mode is Mode.PARTITIONED and zp.unit is not None and zp.unit not in units:
+                units.append(zp.unit)
+        for unit in units:  # the whole unit comes with each parameter: one collective each
+            unit.gather()
+            unit.gather_count += 1
+        self._units = units
 
     def __exit__(
         self,
@@ -79,27 +74,25 @@ class GatheredParameters:
                 for zp in self.zparams:
                     acc.broadcast(zp.param.data, self.modifier_rank, zp.group)
                     _write_back(zp)
-        for zp in self.zparams:
-            if zp.mode is Mode.PARTITIONED:
-                zp.gather_count -= 1
-                if zp.gather_count == 0:
-                    zp.param.data = torch.empty(0, dtype=zp.dtype, device=zp.param.device)
-        self._gathered = []
+        for unit in self._units:
+            unit.gather_count -= 1
+            if unit.gather_count == 0:
+                unit.release()
+        self._units = []
 
 
 def _write_back(zp: ZeroParam) -> None:
-    """Copy a full parameter's owned part into its shard and fp32 master."""
+    """Copy a full parameter's owned piece into its unit's range and its fp32 master (a
+    stage-1/2 parameter is a view of its unit, so its range already holds the value)."""
     flat = zp.param.data.reshape(-1)
-    owned = zp.owned_slice()
-    padded = torch.zeros(zp.padded_numel, dtype=zp.dtype, device=flat.device)
-    padded[: zp.numel].copy_(flat)
-    if zp.mode is Mode.PARTITIONED and zp.shard is not None:
-        zp.shard.copy_(padded[owned])
-    if zp.full is not None and zp.full.data_ptr() != flat.data_ptr():
-        zp.full.copy_(padded)
-    if zp.master is not None:
-        if zp.mode is Mode.REPLICATED:
-            if zp.master is not zp.param:
-                zp.master.data.copy_(zp.param.data)
-        elif zp.master.data_ptr() != (zp.shard.data_ptr() if zp.shard is not None else -1):
-            zp.master.data.copy_(padded[owned])
+    own = flat[zp.lo : zp.hi]
+    if zp.mode is Mode.PARTITIONED and zp.unit is not None and zp.unit.shard is not None:
+        zp.unit.shard[zp.shard_offset : zp.shard_offset + zp.shard_numel].copy_(own)
+    if zp.master is None or zp.master is zp.param:
+        return
+    if zp.mode is Mode.REPLICATED:
+        zp.master.data.copy_(zp.param.data)
+    elif zp.master.data_ptr() != own.data_ptr() and (
+        zp.unit is None or zp.master.data_ptr() != zp.unit.piece(zp).data_ptr()
+    ):
+        zp.master.data.copy_(own)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ds_core import comm
+from ds_core.accelerator import get_accelerator
 
 #: attribute holding ``(shard, shape, numel)`` of a parameter partitioned at construction.
 INIT_ATTR = "ds_init_partition"
@@ -42,29 +43,31 @@ def _all_subclasses(cls: type) -> list[type]:
 
 
 def _partition(module: nn.Module) -> None:
-    from ds_core.accelerator import get_accelerator
-
     acc = get_accelerator()
+    device = acc.device()
     world, rank = comm.get_world_size(), comm.get_rank()
     with torch.no_grad():
         for p in module._parameters.values():
             if p is None or hasattr(p, INIT_ATTR):
                 continue
+            # One full parameter on the device at a time: broadcast there (a device-only
+            # process group cannot move host tensors), keep this rank's shard.
+            full = p.data.to(device)
             if world > 1:
-                acc.broadcast(p.data, 0, None)  # every rank must hold the same values
+                acc.broadcast(full, 0, None)  # every rank must hold the same values
             numel = p.numel()
             s = -(-numel // world)
-            flat = torch.zeros(s * world, dtype=p.dtype, device=p.device)
-            flat[:numel].copy_(p.data.reshape(-1))
-            shard = flat[rank * s : (rank + 1) * s].clone()
+            shard = torch.zeros(s, dtype=p.dtype, device=device)
+            lo = min(rank * s, numel)
+            hi = min(lo + s, numel)
+            shard[: hi - lo].copy_(full.reshape(-1)[lo:hi])
             setattr(p, INIT_ATTR, (shard, p.shape, numel))
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            del full
 
 
 def restore_full(p: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> None:
     """Rebuild a parameter partitioned by :class:`Init` (collective over the world)."""
-    from ds_core.accelerator import get_accelerator
-
     state = getattr(p, INIT_ATTR, None)
     if state is None:
         return

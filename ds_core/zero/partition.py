@@ -1,24 +1,31 @@
-"""Per-parameter shards (FSDP2's lesson): one :class:`ZeroParam` per unique parameter.
+"""Per-parameter state and the flat units parameters are laid out in.
 
 [Note: shard layout]
-A parameter of ``numel`` elements partitioned over a group of ``world`` ranks is padded to
-``world × s`` elements, ``s = ceil(numel / world)``, and rank ``r`` owns elements
-``[r·s, (r+1)·s)`` of the padded flat tensor. Stage 0 does not partition: ``world`` is taken
-as 1 for the layout, so the "shard" is the whole parameter. Collectives over several parameters
-(a *bucket*) lay their buffers out as ``(world, S)`` with ``S = Σ s``: row ``r`` is the
-concatenation of every parameter's rank-``r`` shard, so a reduce-scatter leaves each rank its
-own shards side by side, and an all-gather of the side-by-side shards rebuilds every
-parameter. Shards, fp32 masters and optimizer state are addressable per parameter by its
-stable name (``ZeroParam.name``), which is what checkpoints and optimizer offload key on.
+Parameters that are reduced and gathered together (a *unit*: one bucket of up to
+``reduce_bucket_size`` elements at stages 0-2, one module's parameters at stage 3) are laid out
+back to back in one flat buffer of ``numel`` elements, padded to ``world × part`` with
+``part = ceil(numel / world)``; rank ``r`` owns the contiguous range ``[r·part, (r+1)·part)``.
+A reduce-scatter of the unit's gradient buffer therefore leaves each rank exactly the gradient
+of its own range, and an all-gather of the ranges writes straight into the buffer the
+parameters are views of: no zero-fill, no strided copy-out. Stage 0 does not partition (the
+layout's ``world`` is 1) but reduces over the whole group.
+
+A rank's range covers a contiguous piece ``[lo, hi)`` of each parameter's flattened elements
+(possibly empty); :attr:`ZeroParam.master` is that piece in fp32, which is what the optimizer
+steps, what checkpoints save by parameter name and what offload moves to the host.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from typing import Any
 
 import torch
 from torch import nn
+
+from ds_core.accelerator import get_accelerator
+from ds_core.types import Work
 
 #: attribute set on each parameter an engine manages, holding its :class:`ZeroParam`.
 ZERO_PARAM_ATTR = "ds_zero_param"
@@ -33,42 +40,41 @@ def zero_param_of(param: torch.Tensor) -> ZeroParam | None:
 class Mode(enum.Enum):
     """How a parameter is held."""
 
-    #: stage 0: full parameter on every rank, full fp32 master, gradients all-reduced.
+    #: stage 0 (and frozen parameters below stage 3): the full parameter on every rank.
     REPLICATED = "replicated"
     #: stages 1/2 and stage-3 persistent parameters: full parameter on every rank, fp32 master
-    #: and gradient partitioned; the parameter is all-gathered after each optimizer step.
+    #: and gradient partitioned; the unit is all-gathered after each optimizer step.
     SHARDED_STATE = "sharded_state"
-    #: stage 3: only this rank's shard is held; gathered around each module's forward and
-    #: backward and released after.
+    #: stage 3: only this rank's range is held; the unit is gathered around the forward and
+    #: backward of the modules using it and released after.
     PARTITIONED = "partitioned"
 
 
 class ZeroParam:
-    """One parameter's shard metadata, storage and views.
+    """One parameter: where it lives in its unit, which piece this rank owns, its fp32 master.
 
-    Built by the engine; the attributes are public so that offload and checkpoints can address
-    a parameter's master and optimizer state without a second code path.
+    The attributes are public so that checkpoints and offload address a parameter's master and
+    optimizer state (``engine.optimizer.state[zp.master]``) without a second code path.
     """
 
     __slots__ = (
         "dtype",
         "expert_ep_size",
-        "full",
-        "gather_count",
         "group",
         "group_rank",
         "group_world",
+        "hi",
+        "lo",
         "master",
         "mode",
         "name",
         "numel",
+        "offset",
         "param",
-        "pending",
-        "rows",
         "shape",
-        "shard",
-        "shard_numel",
+        "shard_offset",
         "trainable",
+        "unit",
     )
 
     def __init__(
@@ -76,7 +82,7 @@ class ZeroParam:
         name: str,
         param: nn.Parameter,
         mode: Mode,
-        group: object,
+        group: Any,
         group_world: int,
         group_rank: int,
         expert_ep_size: int | None,
@@ -94,75 +100,203 @@ class ZeroParam:
         self.group = group
         self.group_world = group_world
         self.group_rank = group_rank
-        #: rows of the bucket layout: 1 when not partitioned (stage 0), else ``group_world``.
-        self.rows = 1 if mode is Mode.REPLICATED else group_world
-        self.shard_numel = math.ceil(self.numel / self.rows) if self.numel else 0
-        #: padded flat storage of the full parameter (REPLICATED / SHARDED_STATE); ``param.data``
-        #: is a view of its first ``numel`` elements.
-        self.full: torch.Tensor | None = None
-        #: this rank's shard in the parameter's dtype (PARTITIONED only).
-        self.shard: torch.Tensor | None = None
-        #: the fp32 tensor the optimizer steps (trainable parameters only). It aliases the
-        #: parameter's own storage when the parameter is already fp32.
+        #: the unit holding the parameter (``None``: a frozen parameter left whole).
+        self.unit: FlatUnit | None = None
+        #: first element of the parameter in its unit's flat buffer.
+        self.offset = 0
+        #: this rank's piece of the flattened parameter: elements ``[lo, hi)``.
+        self.lo = 0
+        self.hi = self.numel
+        #: where that piece starts inside this rank's range of the unit.
+        self.shard_offset = 0
+        #: the fp32 tensor the optimizer steps (trainable parameters only): full-shaped for
+        #: REPLICATED, else the flat piece ``[lo, hi)``. Aliases the parameter's own storage
+        #: when the parameter is already fp32.
         self.master: nn.Parameter | None = None
-        #: this micro-batch's gradient, taken from autograd (stages 2/3) until reduced.
-        self.pending: torch.Tensor | None = None
-        #: how many gathers of a PARTITIONED parameter are live (tied weights share one).
-        self.gather_count = 0
 
     @property
-    def padded_numel(self) -> int:
-        return self.shard_numel * self.rows
+    def shard_numel(self) -> int:
+        """Elements of this rank's piece (``hi - lo``; 0 when the rank owns none of it)."""
+        return self.hi - self.lo
 
     def owned_slice(self) -> slice:
-        """This rank's elements of the padded flat parameter."""
-        r = 0 if self.mode is Mode.REPLICATED else self.group_rank
-        return slice(r * self.shard_numel, (r + 1) * self.shard_numel)
+        """This rank's piece of the flattened (unpadded) parameter."""
+        return slice(self.lo, self.hi)
+
+    def shard_bounds(self, rank: int) -> tuple[int, int]:
+        """``(lo, hi)`` of group rank ``rank``'s piece of the flattened parameter."""
+        if self.unit is None or self.mode is Mode.REPLICATED:
+            return (0, self.numel)
+        start, end = rank * self.unit.part, (rank + 1) * self.unit.part
+        lo = min(max(start - self.offset, 0), self.numel)
+        hi = min(max(end - self.offset, 0), self.numel)
+        return (lo, hi)
 
     def __repr__(self) -> str:
         return (
             f"ZeroParam({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"mode={self.mode.value}, shard={self.shard_numel}x{self.rows})"
+            f"mode={self.mode.value}, piece=[{self.lo}, {self.hi}))"
         )
 
 
-def copy_into_rows(dst_rs: torch.Tensor, src: torch.Tensor, add: bool = False) -> None:
-    """Write (or add) a flat tensor into a ``(rows, s)`` view in padded row-major order.
+class FlatUnit:
+    """Parameters of one group and dtype in one flat buffer (see [Note: shard layout]).
 
-    ``dst_rs`` may be a strided column block of a bucket; elements past ``src.numel()`` (the
-    padding) are left alone.
+    Owns the parameters' storage: ``flat`` (the padded full buffer the parameters are views of;
+    for PARTITIONED units only while gathered) and ``shard`` (PARTITIONED: this rank's range).
     """
-    s = dst_rs.shape[1]
-    flat = src.reshape(-1)
-    q, rem = divmod(flat.numel(), s)
-    if q:
-        block = flat[: q * s].view(q, s)
-        if add:
-            dst_rs[:q].add_(block)
+
+    def __init__(
+        self,
+        zparams: list[ZeroParam],
+        mode: Mode,
+        device: torch.device,
+    ) -> None:
+        first = zparams[0]
+        self.zparams = zparams
+        self.mode = mode
+        self.device = device
+        self.dtype = first.dtype
+        self.group = first.group
+        self.group_world = first.group_world
+        self.group_rank = first.group_rank
+        #: ranks the layout is cut into (1 when replicated).
+        self.world = 1 if mode is Mode.REPLICATED else first.group_world
+        self.rank = 0 if mode is Mode.REPLICATED else first.group_rank
+        offset = 0
+        for zp in zparams:
+            zp.unit = self
+            zp.mode = mode
+            zp.offset = offset
+            offset += zp.numel
+        self.numel = offset
+        self.part = math.ceil(self.numel / self.world) if self.numel else 0
+        self.padded = self.part * self.world
+        start = self.rank * self.part
+        for zp in zparams:
+            zp.lo, zp.hi = zp.shard_bounds(self.rank)
+            zp.shard_offset = max(zp.offset - start, 0) if zp.hi > zp.lo else 0
+        self.trainable = [zp for zp in zparams if zp.trainable]
+        self.flat: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+        #: live users of a gathered PARTITIONED unit (modules, GatheredParameters).
+        self.gather_count = 0
+        #: an all-gather in flight (prefetch): its handle and output buffer.
+        self.inflight: tuple[Work, torch.Tensor] | None = None
+        if mode is Mode.PARTITIONED:
+            self.shard = torch.empty(self.part, dtype=self.dtype, device=device)
+            self.shard[self._owned_tail() :].zero_()
         else:
-            dst_rs[:q].copy_(block)
-    if rem:
-        tail = flat[q * s :]
-        if add:
-            dst_rs[q, :rem].add_(tail)
+            self.flat = torch.empty(self.padded, dtype=self.dtype, device=device)
+            self.flat[self.numel :].zero_()
+
+    def _owned_tail(self) -> int:
+        """Elements of this rank's range that hold parameters (the rest is padding)."""
+        return max(0, min(self.part, self.numel - self.rank * self.part))
+
+    # -- placement ---------------------------------------------------------------------------
+
+    def place(self, zp: ZeroParam, full: torch.Tensor) -> None:
+        """Store ``zp``'s full value (any device, any dtype) into the unit, keeping only what
+        this rank holds; the parameter becomes a view of ``flat`` or an empty placeholder."""
+        src = full.detach().reshape(-1)
+        if self.shard is not None:
+            self.shard[zp.shard_offset : zp.shard_offset + zp.shard_numel].copy_(src[zp.lo : zp.hi])
+            zp.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
         else:
-            dst_rs[q, :rem].copy_(tail)
+            assert self.flat is not None
+            view = self.flat[zp.offset : zp.offset + zp.numel]
+            view.copy_(src)
+            zp.param.data = view.view(zp.shape)
+
+    def owned(self) -> torch.Tensor:
+        """This rank's range of the unit in the parameters' dtype (``part`` elements)."""
+        if self.shard is not None:
+            return self.shard
+        assert self.flat is not None
+        start = self.rank * self.part
+        return self.flat[start : start + self.part]
+
+    def piece(self, zp: ZeroParam) -> torch.Tensor:
+        """``zp``'s piece of this rank's range, flat, in the parameters' dtype."""
+        return self.owned()[zp.shard_offset : zp.shard_offset + zp.shard_numel]
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def all_gather(self, async_op: bool) -> Work:
+        """SHARDED_STATE: rebuild every rank's range in ``flat`` from the owners (after a step).
+
+        The input is a copy of this rank's range, so the collective never reads a buffer it is
+        writing (backends differ on in-place all-gathers).
+        """
+        assert self.flat is not None
+        return get_accelerator().all_gather(self.flat, self.owned().clone(), self.group, async_op)
+
+    def gather(self, async_op: bool = False) -> None:
+        """PARTITIONED: start (or with ``async_op`` false, finish) gathering the full unit."""
+        if self.flat is not None or self.inflight is not None:
+            if not async_op:
+                self.wait_gather()
+            return
+        assert self.shard is not None
+        out = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        handle = get_accelerator().all_gather(out, self.shard, self.group, async_op)
+        self.inflight = (handle, out)
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        """Finish an in-flight gather and point the parameters at the gathered buffer."""
+        if self.inflight is None:
+            return
+        handle, out = self.inflight
+        handle.wait()
+        self.inflight = None
+        self.flat = out
+        for zp in self.zparams:
+            zp.param.data = out[zp.offset : zp.offset + zp.numel].view(zp.shape)
+
+    def release(self) -> None:
+        """PARTITIONED: drop the gathered buffer (after any gather in flight finishes)."""
+        if self.inflight is not None:
+            self.inflight[0].wait()  # issued on every rank: it must complete
+            self.inflight = None
+        if self.mode is not Mode.PARTITIONED or self.flat is None:
+            return
+        self.flat = None
+        for zp in self.zparams:
+            zp.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    @property
+    def gathered(self) -> bool:
+        return self.flat is not None
+
+    def nbytes(self) -> int:
+        """Bytes of the unit's persistent parameter storage (padding included)."""
+        buf = self.shard if self.mode is Mode.PARTITIONED else self.flat
+        return 0 if buf is None else buf.numel() * buf.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatUnit({len(self.zparams)} params, {self.numel} elements, "
+            f"{self.world}x{self.part}, {self.mode.value})"
+        )
 
 
-def bucketize(zparams: list[ZeroParam], limit_numel: int, by_dtype: bool) -> list[list[ZeroParam]]:
-    """Split ``zparams`` (in order) into buckets of one group (and one dtype when ``by_dtype``),
-    each up to ``limit_numel`` padded elements; a larger parameter gets a bucket of its own."""
+def bucketize(zparams: list[ZeroParam], limit_numel: int) -> list[list[ZeroParam]]:
+    """Split ``zparams`` (in order) into buckets of one group and dtype, each up to
+    ``limit_numel`` elements; a larger parameter gets a bucket of its own."""
     buckets: list[list[ZeroParam]] = []
-    keyed: dict[tuple[int, torch.dtype | None], int] = {}
+    open_: dict[tuple[int, torch.dtype], int] = {}
     sizes: dict[int, int] = {}
     for zp in zparams:
-        key = (id(zp.group), zp.dtype if by_dtype else None)
-        idx = keyed.get(key)
-        if idx is None or sizes[idx] + zp.padded_numel > limit_numel:
+        key = (id(zp.group), zp.dtype)
+        idx = open_.get(key)
+        if idx is None or sizes[idx] + zp.numel > limit_numel:
             buckets.append([])
             idx = len(buckets) - 1
-            keyed[key] = idx
+            open_[key] = idx
             sizes[idx] = 0
         buckets[idx].append(zp)
-        sizes[idx] += zp.padded_numel
+        sizes[idx] += zp.numel
     return buckets

@@ -18,24 +18,31 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from ds_core.errors import ConfigError
+from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
+from ds_core.zero.adam import AdamNoBiasCorrection
 from ds_core.zero.config import (
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
     AdamParams,
+    LRRangeTestParams,
     OptimizerConfig,
     SchedulerConfig,
     WarmupCosineLRParams,
     WarmupDecayLRParams,
     WarmupLRParams,
-    _messages,
 )
+from ds_core.zero.config_errors import messages
 
 __all__ = [
+    "LRRangeTest",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
+    "bind_optimizer",
+    "bind_scheduler",
     "build_optimizer",
     "build_scheduler",
+    "needs_full_gradients",
 ]
 
 
@@ -49,7 +56,7 @@ def _validated(
     try:
         return canonical, model.model_validate(params)
     except ValidationError as exc:
-        lines = _messages(exc, (section, "params"), lambda _loc: model)
+        lines = messages(exc, (section, "params"), lambda _loc: model)
         raise ConfigError("invalid ds_core config: " + "; ".join(lines)) from None
 
 
@@ -63,7 +70,9 @@ def _cpu_floating(groups: list[dict[str, Any]]) -> bool:
 
 
 def build_optimizer(
-    cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter] | list[dict[str, Any]]
+    cfg: OptimizerConfig,
+    params: Iterable[torch.nn.Parameter] | list[dict[str, Any]],
+    host_adam: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the torch optimizer a config's ``optimizer`` section describes.
 
@@ -75,6 +84,8 @@ def build_optimizer(
 
     :param cfg: the ``optimizer`` section (type and params, DeepSpeed names).
     :param params: parameters, or parameter groups as dicts (each may override ``lr`` etc.).
+    :param host_adam: build :class:`~ds_core.ops.cpu_adam.DeepSpeedCPUAdam` (optimizer offload:
+        DeepSpeed's ``zero_force_ds_cpu_optimizer``), same hyper-parameters and mode.
     :returns: the optimizer; learning rate in the units of the loss's gradient, as torch's.
     :raises ConfigError: unknown type or invalid params, naming the field.
     """
@@ -94,6 +105,20 @@ def build_optimizer(
     if not groups:
         raise ConfigError("build_optimizer: got no parameters to optimize")
     decoupled = name == "AdamW" or parsed.adam_w_mode
+    if host_adam:
+        return DeepSpeedCPUAdam(
+            groups,
+            lr=parsed.lr,
+            bias_correction=parsed.bias_correction,
+            betas=parsed.betas,
+            eps=parsed.eps,
+            weight_decay=parsed.weight_decay,
+            adamw_mode=decoupled,
+        )
+    if not parsed.bias_correction:
+        return AdamNoBiasCorrection(
+            groups, parsed.lr, parsed.betas, parsed.eps, parsed.weight_decay, decoupled
+        )
     cls: type[torch.optim.AdamW] | type[torch.optim.Adam]
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     kwargs: dict[str, Any] = {
@@ -272,7 +297,35 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         return [lr * ratio for lr in self.org_lrs]
 
 
+class LRRangeTest(_DeepSpeedSchedule):
+    """DeepSpeed's ``LRRangeTest``: ``lr(i) = min_lr · (1 + step_rate · x)`` with
+    ``x = (i + 1) / step_size``, floored when ``staircase``; ``lr(−1) = min_lr``."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_range_test_min_lr: float | list[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        n = len(optimizer.param_groups)
+        self.min_lrs = _per_group(lr_range_test_min_lr, n, "lr_range_test_min_lr")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        super().__init__(optimizer, last_batch_iteration)
+
+    def lr_at(self, it: int) -> list[float]:
+        x = (it + 1) / self.step_size
+        if self.staircase:
+            x = math.floor(x)
+        return [lo * (1 + self.step_rate * x) for lo in self.min_lrs]
+
+
 _SCHEDULE_CLASSES: dict[str, type[_DeepSpeedSchedule]] = {
+    "LRRangeTest": LRRangeTest,
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
@@ -291,7 +344,133 @@ def build_scheduler(
     :raises ConfigError: unknown type, invalid params, or a per-group list of the wrong length.
     """
     name, parsed = _validated("scheduler", cfg.type, SCHEDULER_TYPES, cfg.params)
-    if not isinstance(parsed, (WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams)):
+    if not isinstance(
+        parsed, (WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams, LRRangeTestParams)
+    ):
         raise ConfigError(f"scheduler.type: '{name}' has no builder")
     kwargs: dict[str, Any] = parsed.model_dump()
     return _SCHEDULE_CLASSES[name](optimizer, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# binding the caller's optimizer and schedule to the engine's fp32 masters
+
+#: names of optimizers known to need whole (unpartitioned) gradients.
+_FULL_GRADIENT_OPTIMIZERS = frozenset({"Muon"})
+
+
+def needs_full_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` must see whole gradients: its class sets
+    ``requires_full_gradients = True`` or is named ``Muon``."""
+    return bool(getattr(optimizer, "requires_full_gradients", False)) or any(
+        cls.__name__ in _FULL_GRADIENT_OPTIMIZERS for cls in type(optimizer).__mro__
+    )
+
+
+def _master_groups(
+    params: Iterable[Any] | None, masters: dict[int, Any], default: list[Any]
+) -> list[dict[str, Any]]:
+    """Parameter groups with each model parameter replaced by its fp32 master (frozen ones,
+    mapped to ``None``, are dropped)."""
+    items = list(params) if params is not None else list(default)
+    groups = (
+        [dict(g) for g in items] if items and isinstance(items[0], dict) else [{"params": items}]
+    )
+    out: list[dict[str, Any]] = []
+    for g in groups:
+        chosen = []
+        for p in g["params"]:
+            if id(p) not in masters:
+                raise ConfigError(
+                    "model_parameters/optimizer holds a tensor that is not a parameter of "
+                    "the model; pass the model's own parameters"
+                )
+            if masters[id(p)] is not None:
+                chosen.append(masters[id(p)])
+        out.append({**g, "params": chosen})
+    return out
+
+
+def _reject_full_gradient_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    if stage >= 1 and needs_full_gradients(optimizer):
+        raise ConfigError(
+            f"optimizer {type(optimizer).__name__} needs whole gradients (Muon-style "
+            "optimizers orthogonalise each full weight matrix), but ZeRO stage "
+            f"{stage} partitions every gradient so each rank holds only a flat shard "
+            "of it. Use zero_optimization.stage 0 with this optimizer, or an element-wise "
+            "optimizer (AdamW, SGD) with stages 1-3."
+        )
+
+
+def bind_optimizer(
+    optimizer: Any,
+    model_parameters: Iterable[Any] | None,
+    config: OptimizerConfig | None,
+    masters: dict[int, Any],
+    trainable: list[Any],
+    stage: int,
+    host_adam: bool = False,
+) -> torch.optim.Optimizer:
+    """The optimizer stepping the engine's fp32 masters.
+
+    :param optimizer: a fresh ``torch.optim`` optimizer over the model's parameters (re-pointed
+        at the masters, so schedulers built on it keep working), a callable
+        ``param_groups -> optimizer``, or ``None`` to build ``config``.
+    :param model_parameters: parameters or groups for a built optimizer (default: ``trainable``).
+    :param masters: ``id(model parameter) -> fp32 master`` (``None`` for frozen parameters).
+    :param host_adam: the masters live on the host (optimizer offload): build Adam as
+        cpu_adam (see :func:`build_optimizer`).
+    :raises ConfigError: a stepped optimizer, a foreign tensor, no optimizer at all, or one
+        that needs whole gradients at stages 1-3.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ConfigError(
+                "the optimizer passed to initialize() has already stepped; pass a fresh "
+                "optimizer (the engine moves it onto the fp32 master shards)"
+            )
+        _reject_full_gradient_optimizer(optimizer, stage)
+        for group in optimizer.param_groups:
+            group["params"] = _master_groups([{"params": group["params"]}], masters, [])[0][
+                "params"
+            ]
+        return optimizer
+    if optimizer is not None and callable(optimizer):
+        built = optimizer(_master_groups(model_parameters, masters, trainable))
+        if not isinstance(built, torch.optim.Optimizer):
+            raise ConfigError("the optimizer callable must return a torch.optim.Optimizer")
+    elif config is None:
+        raise ConfigError(
+            "no optimizer: pass optimizer= to initialize() or add an 'optimizer' section "
+            'to the config (e.g. {"type": "AdamW", "params": {"lr": 1e-3}})'
+        )
+    else:
+        built = build_optimizer(
+            config, _master_groups(model_parameters, masters, trainable), host_adam=host_adam
+        )
+    _reject_full_gradient_optimizer(built, stage)
+    return built
+
+
+def bind_scheduler(
+    lr_scheduler: Any, config: SchedulerConfig | None, optimizer: torch.optim.Optimizer
+) -> Any:
+    """The learning-rate schedule: the caller's (an ``LRScheduler`` on ``optimizer``, or a
+    callable ``optimizer -> scheduler``), else ``config``'s, else ``None``.
+
+    :raises ConfigError: a scheduler bound to another optimizer, or not a scheduler at all.
+    """
+    if lr_scheduler is not None:
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+            if lr_scheduler.optimizer is not optimizer:
+                raise ConfigError(
+                    "lr_scheduler is bound to another optimizer; pass a callable "
+                    "(optimizer -> scheduler) or build it on the optimizer you pass"
+                )
+            return lr_scheduler
+        if callable(lr_scheduler):
+            return lr_scheduler(optimizer)
+        raise ConfigError("lr_scheduler must be an LRScheduler or a callable")
+    if config is not None:
+        return build_scheduler(config, optimizer)
+    return None

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ds_core.zero.buckets import gather_params
-from ds_core.zero.partition import ZeroParam
+from ds_core.zero.partition import FlatUnit, ZeroParam
 
 
 class _PreBackward(torch.autograd.Function):
@@ -94,39 +93,42 @@ def _through(fn: Callable[[], None]) -> Callable[[list[torch.Tensor]], list[torc
     return apply
 
 
-class _Inflight:
-    """A prefetch in flight: the collective handles and the buffers they write."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self) -> None:
-        self.parts: list[tuple[Any, torch.Tensor, dict[int, int], int, list[ZeroParam]]] = []
-
-
 class ParamCoordinator:
-    """Owns the stage-3 module hooks, gathered-parameter refcounts and the prefetch trace."""
+    """Owns the stage-3 module hooks, gathered-unit refcounts and the prefetch trace.
+
+    :param module: the root module.
+    :param by_param: ``id(param) -> ZeroParam`` of every PARTITIONED parameter.
+    :param prefetch_numel: ``stage3_prefetch_bucket_size``: elements gathered ahead at most.
+    :param max_live_numel: ``stage3_max_live_parameters``: gathered elements held at most
+        (prefetches that would exceed it are not issued; what a module needs is always gathered).
+    :param max_reuse_distance: ``stage3_max_reuse_distance``: a unit the trace uses again
+        within this many elements is kept gathered after its module instead of released.
+    """
 
     def __init__(
         self,
         module: nn.Module,
         by_param: dict[int, ZeroParam],
-        device: torch.device,
         prefetch_numel: int,
+        max_live_numel: int,
+        max_reuse_distance: int,
     ) -> None:
-        self.device = device
         self.prefetch_numel = prefetch_numel
-        #: module -> its partitioned parameters (direct ones only; a tied weight is in both).
-        self.module_params: dict[nn.Module, list[ZeroParam]] = {}
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        #: module -> the units of its direct partitioned parameters (a tied weight's unit is
+        #: in every module that uses it).
+        self.module_units: dict[nn.Module, list[FlatUnit]] = {}
         for sub in module.modules():
-            zps = [
-                by_param[id(p)]
-                for p in sub._parameters.values()
-                if p is not None and id(p) in by_param
-            ]
-            if zps:
-                self.module_params[sub] = zps
+            units: list[FlatUnit] = []
+            for p in sub._parameters.values():
+                zp = by_param.get(id(p)) if p is not None else None
+                if zp is not None and zp.unit is not None and zp.unit not in units:
+                    units.append(zp.unit)
+            if units:
+                self.module_units[sub] = units
         self.handles: list[RemovableHandle] = []
-        for sub in self.module_params:
+        for sub in self.module_units:
             self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
             self.handles.append(sub.register_forward_hook(self._post_forward))
         # - prefetch state
@@ -136,19 +138,27 @@ class ParamCoordinator:
         self.trace_done = False
         self.cursor = 0
         self.on_trace = True
-        self.inflight: dict[nn.Module, _Inflight] = {}
+        self.backward = False
+        #: gathered elements now (held or in flight), and the most seen since the last reset.
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self._live: set[int] = set()
 
     # -- forward bracketing (called by the engine) -------------------------------------------
 
     def begin_forward(self) -> None:
         self.cursor = 0
         self.on_trace = self.trace_done
+        self.backward = False
 
     def end_forward(self) -> None:
         if not self.trace_done:
             self.trace_done = True
             self.last_position = {m: i for i, m in enumerate(self.trace)}
-        self._drop_inflight()
+        self._drop_unused()
+
+    def begin_backward(self) -> None:
+        self.backward = True
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -168,7 +178,7 @@ class ParamCoordinator:
         return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        self.release(module)
+        self.release(module, self.cursor if self.on_trace else None)
         if torch.is_grad_enabled():
             return _map_tensors(output, _through(lambda: self._pre_backward(module)))
         return None
@@ -182,90 +192,83 @@ class ParamCoordinator:
 
     # -- gather / release --------------------------------------------------------------------
 
-    def gather(self, module: nn.Module) -> None:
-        """Make ``module``'s parameters full (one all-gather per group and dtype)."""
-        zps = self.module_params[module]
-        inflight = self.inflight.pop(module, None)
-        if inflight is not None:
-            for handle, out, offsets, total, covered in inflight.parts:
-                handle.wait()
-                self._copy_out([zp for zp in covered if zp.gather_count == 0], out, offsets, total)
-        missing = [zp for zp in zps if zp.gather_count == 0 and zp.param.numel() != zp.numel]
-        for part in _split(missing):
-            handle, out, offsets, total = gather_params(
-                part, part[0].rows, part[0].group, part[0].dtype, self.device
-            )
-            self._copy_out(part, out, offsets, total)
-        for zp in zps:
-            zp.gather_count += 1
+    def _track(self, unit: FlatUnit) -> None:
+        if id(unit) not in self._live:
+            self._live.add(id(unit))
+            self.live_numel += unit.padded
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
-    def release(self, module: nn.Module) -> None:
-        """Drop ``module``'s gathered parameters once no other user holds them."""
-        for zp in self.module_params[module]:
-            if zp.gather_count > 0:
-                zp.gather_count -= 1
-                if zp.gather_count == 0:
-                    _free(zp)
+    def _untrack(self, unit: FlatUnit) -> None:
+        if id(unit) in self._live:
+            self._live.discard(id(unit))
+            self.live_numel -= unit.padded
+
+    def gather(self, module: nn.Module) -> None:
+        """Make ``module``'s parameters full (one all-gather per unit, unless prefetched)."""
+        for unit in self.module_units[module]:
+            self._track(unit)
+            unit.gather()
+            unit.gather_count += 1
+
+    def release(self, module: nn.Module, cursor: int | None = None) -> None:
+        """Drop ``module``'s gathered units once no other user holds them; in forward, a unit
+        the trace reuses within ``max_reuse_distance`` elements (from ``cursor``) stays."""
+        for unit in self.module_units[module]:
+            if unit.gather_count > 0:
+                unit.gather_count -= 1
+                if unit.gather_count == 0 and not self._reused_soon(unit, cursor):
+                    self._free(unit)
+
+    def _reused_soon(self, unit: FlatUnit, cursor: int | None) -> bool:
+        if cursor is None or self.max_reuse_distance <= 0:
+            return False
+        distance = 0
+        for m in self.trace[cursor:]:
+            units = self.module_units[m]
+            if unit in units:
+                return self.live_numel <= self.max_live_numel
+            distance += sum(u.padded for u in units)
+            if distance > self.max_reuse_distance:
+                return False
+        return False
+
+    def _free(self, unit: FlatUnit) -> None:
+        unit.release()
+        self._untrack(unit)
 
     def release_all(self) -> None:
         """Release everything still gathered (end of backward; modules without a post hook)."""
-        self._drop_inflight()
-        for zps in self.module_params.values():
-            for zp in zps:
-                if zp.gather_count > 0:
-                    zp.gather_count = 0
-                    _free(zp)
+        for units in self.module_units.values():
+            for unit in units:
+                unit.gather_count = 0
+                if unit.gathered or unit.inflight is not None:
+                    self._free(unit)
+
+    def _drop_unused(self) -> None:
+        """After a forward: release units gathered ahead (prefetched or kept for reuse) that no
+        module holds now."""
+        for units in self.module_units.values():
+            for unit in units:
+                if unit.gather_count == 0 and (unit.gathered or unit.inflight is not None):
+                    self._free(unit)
 
     def _prefetch(self, module: nn.Module) -> None:
-        if module in self.inflight:
+        todo = [u for u in self.module_units[module] if not u.gathered and u.inflight is None]
+        need = sum(u.padded for u in todo)
+        if not todo or need > self.prefetch_numel:
             return
-        todo = [zp for zp in self.module_params[module] if zp.gather_count == 0]
-        if not todo or sum(zp.numel for zp in todo) > self.prefetch_numel:
+        if self.live_numel + need > self.max_live_numel:
             return
-        inflight = _Inflight()
-        for part in _split(todo):
-            handle, out, offsets, total = gather_params(
-                part, part[0].rows, part[0].group, part[0].dtype, self.device, async_op=True
-            )
-            inflight.parts.append((handle, out, offsets, total, part))
-        self.inflight[module] = inflight
-
-    def _drop_inflight(self) -> None:
-        for inflight in self.inflight.values():
-            for handle, *_ in inflight.parts:
-                handle.wait()  # the collective was issued on every rank; finish it
-        self.inflight.clear()
-
-    def _copy_out(
-        self, zps: list[ZeroParam], out: torch.Tensor, offsets: dict[int, int], total: int
-    ) -> None:
-        if not zps:
-            return
-        rows = zps[0].rows
-        out_rs = out.view(rows, total)
-        for zp in zps:
-            off = offsets[id(zp)]
-            block = out_rs[:, off : off + zp.shard_numel]
-            full = block.reshape(-1)[: zp.numel]  # a view when the bucket holds one parameter
-            zp.param.data = full.view(zp.shape)
+        for unit in todo:
+            self._track(unit)
+            unit.gather(async_op=True)
 
     def remove(self) -> None:
         """Remove every hook (engine teardown)."""
-        self._drop_inflight()
+        self.release_all()
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        self.module_params.clear()
+        self.module_units.clear()
         self.trace.clear()
         self.last_position.clear()
-
-
-def _split(zps: list[ZeroParam]) -> list[list[ZeroParam]]:
-    parts: dict[tuple[int, torch.dtype], list[ZeroParam]] = {}
-    for zp in zps:
-        parts.setdefault((id(zp.group), zp.dtype), []).append(zp)
-    return list(parts.values())
-
-
-def _free(zp: ZeroParam) -> None:
-    zp.param.data = torch.empty(0, dtype=zp.dtype, device=zp.param.device)

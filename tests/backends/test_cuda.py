@@ -570,3 +570,25 @@ def test_report_lists_the_installed_gpu_family_backends_as_unavailable_with_reas
         assert expected[name] in rows[name]["reason"]
         assert f"{name} (ds-core-{name} 0.1.0): " in report["selection_error"]
     assert "DS_ACCELERATOR=cpu" in report["selection_error"]
+
+
+def test_execution_model_flags_are_deepspeeds_for_cuda(gpu: FakeCuda) -> None:
+    # DeepSpeed's CUDA accelerator: every flag follows "synchronised device", which it is not.
+    acc: Any = accelerator_for(plugin.hooks, "cuda")
+    flags = (
+        acc.is_synchronized_device(),
+        acc.use_host_timers(),
+        acc.resolves_data_dependency(),
+        acc.handles_memory_backpressure(),
+    )
+    assert flags == (False, False, False, False)
+
+
+def test_profiler_ranges_go_to_nvtx_and_an_unmatched_pop_raises(gpu: FakeCuda) -> None:
+    acc: Any = accelerator_for(plugin.hooks, "cuda")
+    acc.range_push("ds::step")
+    acc.range_pop()
+    assert gpu.called("nvtx.range_push")[0][1] == ("ds::step",)
+    assert gpu.names().count("nvtx.range_pop") == 1
+    with pytest.raises(DSCoreError, match="range_pop"):
+        acc.range_pop()

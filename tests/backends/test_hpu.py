@@ -126,9 +126,32 @@ def test_registration_passes_and_graphs_need_lazy_mode(
     monkeypatch.setattr(plugin, "package_file_present", lambda *parts: True)
     info, caps = validate_backend("hpu", plugin.hooks)
     assert (info.name, info.device_type, info.priority) == ("hpu", "hpu", 100)
-    assert caps == {"async_streams", "device_timing", "pinned_memory"}
+    assert caps == {
+        "async_streams",
+        "device_timing",
+        "pinned_memory",
+        "resolves_data_dependency",
+        "handles_memory_backpressure",
+    }
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
     assert "graph_capture" in validate_backend("hpu", plugin.hooks)[1]
+
+
+def test_execution_model_flags_are_deepspeeds_for_gaudi(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DeepSpeed's HPU accelerator: not synchronised, device timers, yet the runtime resolves
+    # data dependencies and memory backpressure itself (F/F/T/T).
+    make_fake()
+    monkeypatch.setattr(plugin, "package_file_present", lambda *parts: True)
+    acc = _accelerator()
+    flags = (
+        acc.is_synchronized_device(),
+        acc.use_host_timers(),
+        acc.resolves_data_dependency(),
+        acc.handles_memory_backpressure(),
+    )
+    assert flags == (False, False, True, True)
 
 
 def _accelerator() -> Any:

@@ -143,7 +143,7 @@ def test_memory_info_is_device_wide(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 def test_events_are_host_timed_while_device_events_are_stubs(
     host: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(plugin._dev, "host_timers", True)
+    monkeypatch.setattr(plugin.hooks, "host_timers", True)
     assert "device_timing" not in plugin.hooks.ds_backend_capabilities()
     stream = plugin.hooks.ds_stream_create(0, 0)
     start = plugin.hooks.ds_stream_event_create(True)
@@ -165,7 +165,7 @@ def test_events_are_host_timed_while_device_events_are_stubs(
 def test_real_device_events_are_used_when_enabled(
     host: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(plugin._dev, "host_timers", False)
+    monkeypatch.setattr(plugin.hooks, "host_timers", False)
     assert "device_timing" in plugin.hooks.ds_backend_capabilities()
     assert not isinstance(plugin.hooks.ds_stream_event_create(True), HostTimedEvent)
 

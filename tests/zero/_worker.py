@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 
+from tests.zero import _gradpath
 from tests.zero._common import (
     IN,
     MICRO,
@@ -59,6 +60,11 @@ def stage_scenarios(world: int) -> dict[str, Scenario]:
         "s1_sometimes": Scenario(stage=1, world=2, sometimes=True, steps=4),
         "s2_sometimes": Scenario(stage=2, world=2, sometimes=True, steps=4),
         "s3_sometimes": Scenario(stage=3, world=2, sometimes=True, steps=4),
+        "s2_prescale": Scenario(stage=2, world=2, extra={"prescale_gradients": True}),
+        "s1_predivide": Scenario(stage=1, world=2, extra={"gradient_predivide_factor": 4.0}),
+        "s3_predivide": Scenario(
+            stage=3, world=2, overlap=True, extra={"gradient_predivide_factor": 2.0}
+        ),
     }
 
 
@@ -321,11 +327,12 @@ def api_checks() -> dict[str, Any]:
             except ds_core.ConfigError as exc:
                 out[f"{cls.__name__}_s{stage}"] = str(exc)
 
-    # no optimizer anywhere
+    # no optimizer anywhere: a forward-only engine (DeepSpeed's meaning); step() says why
+    fwd, _, _, _ = ds_core.initialize(model=MLP(8, 1), config=base)
     try:
-        ds_core.initialize(model=MLP(8, 1), config=base)
-        out["no_optimizer"] = "accepted"
-    except ds_core.ConfigError as exc:
+        fwd.step()
+        out["no_optimizer"] = "stepped"
+    except RuntimeError as exc:
         out["no_optimizer"] = str(exc)
 
     # the log line every steps_per_print steps (fp16: with the loss scale)
@@ -469,7 +476,11 @@ def resident() -> dict[str, Any]:
     for stage in range(4):
         engine = build(stage)
         train(engine, 2)
-        out[f"s{stage}"] = {"rss": rss() - base, "buffers": engine.model_state_bytes()["total"]}
+        out[f"s{stage}"] = {
+            "rss": rss() - base,
+            "buffers": engine.model_state_bytes()["total"],
+            "staging": engine.reducer.staging_bytes(),
+        }
         engine.destroy()
         del engine
     after_destroy = []
@@ -586,11 +597,22 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
             out[f"init_s{stage}"] = built_partitioned(stage)
         return out
     if suite == "resident":
-        return {"resident": resident}
+        return {"resident": resident, "grad_peak": _gradpath.grad_peak}
+    if suite == "gradpath":
+        scenarios = stage_scenarios(2)
+        out = {f"lazy_{n}": _gradpath.lazy(train, scenarios[n]) for n in _gradpath.LAZY}
+        out.update(host_reads=_gradpath.host_reads, limits=_gradpath.limits)
+        for name, sc in _gradpath.COMM_DTYPE.items():
+            out[name] = _gradpath.counted(train, sc)
+        return out
     if suite == "api":
         return {"api": api_checks}
     if suite == "accounting":
         return {"bytes": count_bytes, "memory": memory}
+    if suite == "offload":
+        from tests.zero import _offload
+
+        return _offload.jobs(world)
     raise SystemExit(f"unknown suite {suite}")
 
 

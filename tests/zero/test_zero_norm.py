@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_core.zero.engine import _sum_of_squares
+from ds_core.zero.reducer import _sum_of_squares
 
 
 def test_sum_of_squares_matches_a_float64_reference_on_a_large_buffer() -> None:

@@ -13,28 +13,24 @@ import contextlib
 import importlib.metadata as md
 import inspect
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ds_backend_cpu import memory
+from ds_backend_cpu import comm, memory, shm_groups, shm_sync
 from ds_core import hookimpl
-from ds_core.comm import DefaultCollectives, torch_reduce_op
+from ds_core.backend_kit import HostEvent, HostStream, HostStreams
 from ds_core.errors import ConfigError
 from ds_core.types import (
-    COMPLETED,
     BackendInfo,
     DeterminismRecord,
     DeviceProperties,
     MemoryInfo,
     ProbeResult,
     SimpleOpProvider,
-    Work,
 )
 
 NAME = "cpu"
@@ -50,14 +46,19 @@ def ds_backend_info() -> BackendInfo:
         priority=0,
         hookspec_version=1,
         vendor_version=md.version("torch"),
-        description="host CPU; collectives over gloo",
+        description="host CPU; collectives over shared memory within a host, gloo across hosts",
     )
 
 
 @hookimpl
 def ds_backend_probe() -> ProbeResult:
     cores = len(os.sched_getaffinity(0))
-    return ProbeResult(True, f"host CPU with {cores} usable cores", ds_device_count())
+    return ProbeResult(
+        True,
+        f"host CPU with {cores} usable cores; collectives over shared memory within a host "
+        f"({shm_groups.ENV_ENABLE}=0 disables), gloo across hosts",
+        ds_device_count(),
+    )
 
 
 @hookimpl
@@ -166,98 +167,29 @@ def ds_rng_default_generator(index: int | None) -> torch.Generator:
 # --------------------------------------------------------------------------- streams
 
 
-class HostEvent:
-    """An event on a synchronous device: recorded at a host clock reading."""
-
-    __slots__ = ("_t", "enable_timing")
-
-    def __init__(self, enable_timing: bool) -> None:
-        self.enable_timing = enable_timing
-        self._t: float | None = None
-
-    def record(self, stream: Any = None) -> None:
-        self._t = time.perf_counter()
-
-    def wait(self, stream: Any = None) -> None:
-        return None  # work before the record is already complete
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end_event: HostEvent) -> float:
-        """Milliseconds from this event's record to ``end_event``'s."""
-        if not (self.enable_timing and end_event.enable_timing):
-            raise RuntimeError("elapsed_time needs both events created with enable_timing=True")
-        if self._t is None or end_event._t is None:
-            raise RuntimeError("elapsed_time needs both events recorded first")
-        return (end_event._t - self._t) * 1000.0
-
-
-class HostStream:
-    """A work queue on a synchronous device: every wait is already satisfied."""
-
-    __slots__ = ("index", "priority")
-
-    def __init__(self, index: int, priority: int) -> None:
-        self.index, self.priority = index, priority
-
-    def wait_stream(self, stream: Any) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> None:
-        return None
-
-    def record_event(self, event: HostEvent | None = None) -> HostEvent:
-        event = event if event is not None else HostEvent(enable_timing=False)
-        event.record(self)
-        return event
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return f"HostStream(index={self.index}, priority={self.priority})"
-
-
-_default_stream = HostStream(0, 0)
-_local = threading.local()
+# One implementation for every synchronous device, in the kit (HostEvent and HostStream are
+# re-exported here for code that imported them from this module).
+_streams = HostStreams(ds_device_current)
 
 
 @hookimpl
 def ds_stream_create(index: int | None, priority: int) -> HostStream:
-    return HostStream(ds_device_current() if index is None else index, priority)
+    return _streams.create(index, priority)
 
 
 @hookimpl
 def ds_stream_current(index: int | None) -> HostStream:
-    stack: list[HostStream] = getattr(_local, "stack", [])
-    return stack[-1] if stack else _default_stream
+    return _streams.current(index)
 
 
 @hookimpl
 def ds_stream_default(index: int | None) -> HostStream:
-    return _default_stream
-
-
-@contextlib.contextmanager
-def _use(stream: HostStream) -> Iterator[HostStream]:
-    stack: list[HostStream] = _local.__dict__.setdefault("stack", [])
-    stack.append(stream)
-    try:
-        yield stream
-    finally:
-        stack.pop()
+    return _streams.default
 
 
 @hookimpl
 def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    return _use(stream)
+    return _streams.use(stream)
 
 
 @hookimpl
@@ -366,132 +298,14 @@ def ds_comm_prepare() -> bool:
     return True
 
 
-# Two measured facts about gloo shape the collective hooks below:
-# - its native reduce-scatter and all-gather each take longer than an all-reduce of the whole
-#   buffer (bench/gloo_collectives.py: 1.66x and 1.39x at 32 MiB, 2 ranks), so both run as an
-#   in-place all-reduce; bool tensors cannot be summed and keep the native all-gather;
-# - it has no int16 collectives at all ("Invalid scalar type"), so int16 tensors travel as int32
-#   and are narrowed on arrival. That is exact: narrowing wraps modulo 2**16 as int16 sums do.
-_WIDEN = {torch.int16: torch.int32}
-_DEFAULT = DefaultCollectives()
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when gloo carries its dtype, else a widened copy."""
-    return t.to(_WIDEN[t.dtype]) if t.dtype in _WIDEN else t
-
-
-def _world_and_rank(group: Any) -> tuple[int, int]:
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-class _ThenFinish:
-    """Handle of an all-reduce that still has a local step (copy a chunk, divide) on wait()."""
-
-    __slots__ = ("_finish", "_work")
-
-    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
-        self._work, self._finish = work, finish
-
-    def wait(self) -> bool:
-        if self._finish is not None:
-            self._work.wait()
-            self._finish()
-            self._finish = None
-        return True
-
-
-def _then(work: Any, async_op: bool, finish: Callable[[], None]) -> Work:
-    handle = _ThenFinish(work, finish)
-    if async_op:
-        return handle
-    handle.wait()
-    return COMPLETED
-
-
-@hookimpl
-def ds_comm_all_reduce(tensor: torch.Tensor, op: str, group: Any, async_op: bool) -> Work:
-    if tensor.dtype not in _WIDEN:
-        return _DEFAULT.ds_comm_all_reduce(tensor, op, group, async_op)
-    wide = _wide(tensor)
-    return _then(
-        _DEFAULT.ds_comm_all_reduce(wide, op, group, True), async_op, lambda: tensor.copy_(wide)
-    )
-
-
-@hookimpl
-def ds_comm_broadcast(tensor: torch.Tensor, src: int, group: Any, async_op: bool) -> Work:
-    if tensor.dtype not in _WIDEN:
-        return _DEFAULT.ds_comm_broadcast(tensor, src, group, async_op)
-    wide = _wide(tensor)
-    return _then(
-        _DEFAULT.ds_comm_broadcast(wide, src, group, True), async_op, lambda: tensor.copy_(wide)
-    )
-
-
-@hookimpl
-def ds_comm_all_to_all(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    output_split_sizes: list[int] | None,
-    input_split_sizes: list[int] | None,
-    group: Any,
-    async_op: bool,
-) -> Work:
-    if input.dtype not in _WIDEN:
-        return _DEFAULT.ds_comm_all_to_all(
-            output, input, output_split_sizes, input_split_sizes, group, async_op
-        )
-    wide_out = torch.empty_like(output, dtype=_WIDEN[output.dtype])
-    work = _DEFAULT.ds_comm_all_to_all(
-        wide_out, _wide(input), output_split_sizes, input_split_sizes, group, True
-    )
-    return _then(work, async_op, lambda: output.copy_(wide_out))
-
-
-@hookimpl
-def ds_comm_reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, op: str, group: Any, async_op: bool
-) -> Work:
-    """Reduce-scatter as an all-reduce of ``input`` in place, then a copy of this rank's chunk.
-
-    The spec lets ``input`` serve as scratch.
-    """
-    world, rank = _world_and_rank(group)
-    if input.numel() != output.numel() * world:
-        raise ValueError(
-            f"reduce_scatter input has {input.numel()} elements, expected {output.numel() * world}"
-        )
-    flat, n = _wide(input).view(-1), output.numel()
-
-    def finish() -> None:
-        output.view(-1).copy_(flat[rank * n : (rank + 1) * n])
-        if op == "avg":
-            output.div_(world)
-
-    torch_op = dist.ReduceOp.SUM if op == "avg" else torch_reduce_op(op)
-    return _then(dist.all_reduce(flat, torch_op, group=group, async_op=True), async_op, finish)
-
-
-@hookimpl
-def ds_comm_all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
-) -> Work:
-    """All-gather as a sum-all-reduce of a buffer zeroed except this rank's slot.
-
-    Adding zeros is exact, except that a gathered ``-0.0`` arrives as ``+0.0``.
-    """
-    world, rank = _world_and_rank(group)
-    n = input.numel()
-    if output.numel() != n * world:
-        raise ValueError(f"all_gather output has {output.numel()} elements, expected {n * world}")
-    if output.dtype == torch.bool:
-        return _DEFAULT.ds_comm_all_gather(output, input, group, async_op)
-    wide = output.dtype in _WIDEN
-    flat = torch.zeros(n * world, dtype=_WIDEN[output.dtype]) if wide else output.view(-1).zero_()
-    flat[rank * n : (rank + 1) * n].copy_(input.reshape(-1))
-    work = dist.all_reduce(flat, dist.ReduceOp.SUM, group=group, async_op=True)
-    return _then(work, async_op, (lambda: output.view(-1).copy_(flat)) if wide else (lambda: None))
+# The collective hooks live in ds_backend_cpu.comm (shared memory within a host, gloo
+# otherwise); pluggy finds them here, in the registered module.
+ds_comm_all_reduce = comm.ds_comm_all_reduce
+ds_comm_reduce_scatter = comm.ds_comm_reduce_scatter
+ds_comm_all_gather = comm.ds_comm_all_gather
+ds_comm_broadcast = comm.ds_comm_broadcast
+ds_comm_all_to_all = comm.ds_comm_all_to_all
+ds_comm_barrier = comm.ds_comm_barrier
 
 
 # --------------------------------------------------------------------------- ops
@@ -503,12 +317,35 @@ def _fused_adamw_check() -> tuple[bool, str]:
     return True, "torch.optim.AdamW(fused=True) runs on cpu in this torch"
 
 
+class _ShmSyncProvider:
+    """Listed so ``ds-core report`` says which synchronisation path the shared-memory
+    collectives take here (they load the helper themselves)."""
+
+    name = "shm_sync"
+
+    def is_compatible(self) -> tuple[bool, str]:
+        return shm_sync.compatibility()
+
+    def load(self) -> Any:
+        lib, why = shm_sync.build_helper()  # ds_core.ops keeps one loaded copy per process
+        if lib is None:
+            raise RuntimeError(f"op shm_sync: {why}")
+        return lib
+
+    def status(self) -> str:
+        return shm_sync.status()
+
+
 @hookimpl
-def ds_op_providers() -> list[SimpleOpProvider]:
+def ds_op_providers() -> list[Any]:
+    from ds_core.ops.cpu_adam import cpu_adam_provider
+
     return [
         SimpleOpProvider(
             "fused_adam", _fused_adamw_check, lambda: partial(torch.optim.AdamW, fused=True)
-        )
+        ),
+        cpu_adam_provider(),
+        _ShmSyncProvider(),
     ]
 
 

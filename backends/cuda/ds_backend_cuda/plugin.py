@@ -2,8 +2,7 @@
 
 The hooks are the methods of :class:`CudaHooks`, registered through the instance ``hooks``.
 Device, RNG, stream, memory and pinned-memory hooks are inherited from
-:class:`ds_core.backend_kit.TorchStyleHooks`, delegating to a
-:class:`~ds_core.backend_kit.TorchStyleDevice` over ``torch.cuda`` (device strings ``cuda`` and
+:class:`ds_core.backend_kit.TorchStyleHooks` over ``torch.cuda`` (device strings ``cuda`` and
 ``cuda:N``). What is NVIDIA-specific lives here: the probe's claim rules, dtypes by compute
 capability, CUDA graphs, NCCL, the cuBLAS/cuDNN/NCCL determinism knobs, and the launcher's
 variables.
@@ -26,7 +25,6 @@ from ds_core import hookimpl
 from ds_core.backend_kit import (
     DeterminismPolicy,
     ProbeCache,
-    TorchStyleDevice,
     TorchStyleGraph,
     TorchStyleHooks,
     attribute_setting,
@@ -36,8 +34,10 @@ from ds_core.backend_kit import (
     fused_adamw_provider,
     module_present,
     require_dist_backend,
+    torch_attr,
     torch_deterministic_algorithms,
 )
+from ds_core.errors import DSCoreError
 from ds_core.types import (
     BackendInfo,
     DeterminismRecord,
@@ -61,10 +61,6 @@ _CUDA_REDIRECTS = {
     "torch_npu.contrib.transfer_to_npu": "Ascend's transfer_to_npu",
     "habana_frameworks.torch.gpu_migration": "Habana's gpu_migration",
 }
-
-# The module is looked up on every call (not captured here) so that importing this plugin
-# initialises nothing and contract tests can swap in a recording fake.
-_dev = TorchStyleDevice(NAME, lambda: torch.cuda, api_name="torch.cuda")
 
 # --------------------------------------------------------------------------- backend
 
@@ -178,6 +174,9 @@ class CudaHooks(TorchStyleHooks):
     Device properties add ``compute_capability`` (``"major.minor"``) to the kit's extras.
     """
 
+    #: Profiler ranges pushed and not yet popped (NVTX has no count of its own).
+    open_ranges = 0
+
     # -- backend -------------------------------------------------------------------------------
 
     @hookimpl
@@ -212,7 +211,7 @@ class CudaHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_device_properties(self, index: int | None) -> DeviceProperties:
-        props = self.device.properties(index, ("major", "minor", "multi_processor_count"))
+        props = self.device_properties(index, ("major", "minor", "multi_processor_count"))
         extra = dict(props.extra)
         if "major" in extra and "minor" in extra:
             extra["compute_capability"] = f"{extra['major']}.{extra['minor']}"
@@ -271,6 +270,24 @@ class CudaHooks(TorchStyleHooks):
             )
         return record
 
+    # -- profiler ------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_profiler_range_push(self, msg: str) -> bool:
+        # NVTX ranges are what Nsight Systems shows (rocprof shows them too: ROCm builds route
+        # torch.cuda.nvtx to roctx). NVTX keeps no count, so unmatched pops are caught here.
+        self.vendor().nvtx.range_push(msg)
+        self.open_ranges += 1
+        return True
+
+    @hookimpl
+    def ds_profiler_range_pop(self) -> bool:
+        if not self.open_ranges:
+            raise DSCoreError("range_pop() without a matching range_push()")
+        self.vendor().nvtx.range_pop()
+        self.open_ranges -= 1
+        return True
+
     # -- launcher ------------------------------------------------------------------------------
 
     @hookimpl
@@ -291,4 +308,6 @@ class CudaHooks(TorchStyleHooks):
         ]
 
 
-hooks = CudaHooks(_dev, _determinism)
+# torch.cuda is looked up on every call (not captured here) so that importing this plugin
+# initialises nothing and contract tests can swap in a recording fake.
+hooks = CudaHooks(NAME, torch_attr("cuda"), api_name="torch.cuda", determinism=_determinism)

@@ -32,9 +32,9 @@ from ds_backend_hpu import probe as _probe
 from ds_core import hookimpl
 from ds_core.backend_kit import (
     DeterminismPolicy,
-    TorchStyleDevice,
     TorchStyleGraph,
     TorchStyleHooks,
+    VendorModule,
     adamw_compatible,
     attribute_setting,
     check_options,
@@ -64,11 +64,8 @@ LAZY_MODE_ENV = "PT_HPU_LAZY_MODE"
 VENDOR_DISTRIBUTIONS = ("habana-torch-plugin", "habana_torch_plugin")
 
 
-def _hpu() -> Any:
-    return importlib.import_module(HPU_MODULE)
-
-
-_device = TorchStyleDevice(DEVICE_TYPE, _hpu, api_name=HPU_MODULE)
+#: The bridge's device module, imported on first use (see VendorModule).
+_hpu = VendorModule(HPU_MODULE)
 
 
 def _lazy_mode() -> bool:
@@ -220,6 +217,9 @@ class HpuHooks(TorchStyleHooks):
         # "memory_limits" are not declared: no HCCL determinism knob and no per-process limit
         # getter are documented.
         caps = {"async_streams", "device_timing", "pinned_memory"}
+        # The bridge's graph compiler orders work and throttles allocation itself: DeepSpeed's
+        # HPU accelerator answers True to both flags while its device is asynchronous.
+        caps |= {"resolves_data_dependency", "handles_memory_backpressure"}
         if _graph_capture_available():
             caps.add("graph_capture")
         return frozenset(caps)
@@ -240,11 +240,11 @@ class HpuHooks(TorchStyleHooks):
     @hookimpl
     def ds_device_properties(self, index: int | None) -> DeviceProperties:
         hpu = _hpu()
-        i = self.device.resolve(index)
+        i = self.resolve(index)
         return DeviceProperties(
             name=str(hpu.get_device_name(i)),
             index=i,
-            total_memory=int(hpu.memory_stats(self.device.device(i))["Limit"]),
+            total_memory=int(hpu.memory_stats(self.device_str(i))["Limit"]),
             extra={
                 "properties": str(hpu.get_device_properties(i)),
                 "capability": str(hpu.get_device_capability()),
@@ -266,12 +266,12 @@ class HpuHooks(TorchStyleHooks):
     @hookimpl
     def ds_rng_get_state(self, index: int | None) -> torch.Tensor:
         # hpu.random keeps one generator per process and refuses indices other than 0.
-        state: torch.Tensor = _hpu().random.get_rng_state(self.device.device(index))
+        state: torch.Tensor = _hpu().random.get_rng_state(self.device_str(index))
         return state
 
     @hookimpl
     def ds_rng_set_state(self, state: torch.Tensor, index: int | None) -> bool:
-        _hpu().random.set_rng_state(state, self.device.device(index))
+        _hpu().random.set_rng_state(state, self.device_str(index))
         return True
 
     @hookimpl
@@ -290,13 +290,13 @@ class HpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_stream_event_create(self, enable_timing: bool) -> LazyFlushEvent:
-        return LazyFlushEvent(self.device.event_create(enable_timing))
+        return LazyFlushEvent(super().ds_stream_event_create(enable_timing))
 
     # -- memory --------------------------------------------------------------------------------
 
     @hookimpl
     def ds_memory_stats(self, index: int | None) -> dict[str, int]:
-        stats = self.device.stats(index)
+        stats = super().ds_memory_stats(index)
         for vendor_key, key in STATS_KEYS.items():
             if vendor_key in stats:
                 stats[key] = stats[vendor_key]
@@ -314,9 +314,9 @@ class HpuHooks(TorchStyleHooks):
     @hookimpl
     def ds_memory_info(self, index: int | None) -> MemoryInfo:
         if hasattr(_hpu(), "mem_get_info"):
-            return self.device.memory_info(index)
+            return super().ds_memory_info(index)
         # Older bridges: the same figures from the allocator statistics.
-        stats = self.device.stats(index)
+        stats = self.ds_memory_stats(index)
         return MemoryInfo(total=stats["Limit"], available=max(0, stats["Limit"] - stats["InUse"]))
 
     @hookimpl
@@ -389,4 +389,4 @@ class HpuHooks(TorchStyleHooks):
         return ["PT_HPU_", "HABANA_", "HCCL_"]
 
 
-hooks = HpuHooks(_device, _determinism)
+hooks = HpuHooks(DEVICE_TYPE, _hpu, api_name=HPU_MODULE, determinism=_determinism)

@@ -23,14 +23,15 @@ from typing import Any
 
 import torch
 
+from ds_backend_kunlunxin.stack import VENDOR_MODULE, activate
+from ds_core.backend_kit import module_present
+
 OP_NAMESPACE = "custom_ops"
 OP_NAME = "optimizer_AdamW"
 
 
 def kernel() -> Any:
     """Kunlunxin's fused AdamW op. :raises RuntimeError: when no Kunlunxin package defines it."""
-    from ds_backend_kunlunxin.plugin import activate
-
     activate()
     try:
         return getattr(getattr(torch.ops, OP_NAMESPACE), OP_NAME)
@@ -136,9 +137,6 @@ class FusedAdamProvider:
     name = "fused_adam"
 
     def is_compatible(self) -> tuple[bool, str]:
-        from ds_backend_kunlunxin.plugin import VENDOR_MODULE
-        from ds_core.backend_kit import module_present
-
         if not module_present(VENDOR_MODULE):
             return False, f"{VENDOR_MODULE} is not installed"
         if VENDOR_MODULE not in sys.modules:

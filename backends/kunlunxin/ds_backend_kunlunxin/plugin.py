@@ -4,8 +4,8 @@ Kunlunxin's PyTorch stack (torch_xmlir, "xpytorch", a Kunlunxin build of torch 2
 from the vendor's installers, not PyPI) runs in CUDA-compatibility mode: tensors live on device
 type ``cuda``, ``torch.cuda.*`` drives the XPUs, and the ``nccl`` process group runs over BKCL.
 So the device, RNG, stream and memory hooks of :class:`KunlunxinHooks` (registered through the
-instance ``hooks``) are inherited from :class:`ds_core.backend_kit.TorchStyleHooks`, delegating
-to a :class:`~ds_core.backend_kit.TorchStyleDevice` over ``torch.cuda``, after importing torch_xmlir
+instance ``hooks``) are inherited from :class:`ds_core.backend_kit.TorchStyleHooks` over
+``torch.cuda``, after importing torch_xmlir
 once (the import that switches torch.cuda to the XPUs; see :func:`activate`). What differs from
 NVIDIA lives here: the probe, host-timed events (Kunlunxin's device events return 0.0 unless
 ``XPU_EVENT_KL3_ENABLE=1``), graph capture only under ``XMLIR_FORCE_USE_XPU_GRAPH=1``, dtypes
@@ -19,20 +19,18 @@ The probe imports nothing from the vendor: it checks that torch_xmlir is install
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ds_backend_kunlunxin import fused_adam
+from ds_backend_kunlunxin.stack import VENDOR_MODULE, activate
 from ds_core import hookimpl
 from ds_core.backend_kit import (
     DeterminismPolicy,
     ProbeCache,
-    TorchStyleDevice,
     TorchStyleGraph,
     TorchStyleHooks,
     check_options,
@@ -53,7 +51,6 @@ from ds_core.types import (
 )
 
 NAME = "kunlunxin"
-VENDOR_MODULE = "torch_xmlir"
 #: UNCONFIRMED: the distribution name torch_xmlir is installed under (tried in order).
 VENDOR_DISTRIBUTIONS = ("torch_xmlir", "torch-xmlir", "xpytorch")
 
@@ -74,25 +71,6 @@ EVENT_ENV = "XPU_EVENT_KL3_ENABLE"
 DUMMY_EVENT_ENV = "XPU_DUMMY_EVENT"
 
 
-def activate() -> None:
-    """Import torch_xmlir once, which puts torch.cuda in Kunlunxin's CUDA-compatibility mode.
-
-    UNCONFIRMED: whether the import itself creates a device context; it happens only after this
-    backend is selected, never in the probe.
-
-    :raises RuntimeError: when torch_xmlir cannot be imported, with the way to reinstall it.
-    """
-    if VENDOR_MODULE in sys.modules:
-        return
-    try:
-        importlib.import_module(VENDOR_MODULE)
-    except ImportError as exc:
-        raise RuntimeError(
-            f"importing {VENDOR_MODULE} failed ({exc}); reinstall Kunlunxin's xpytorch from the "
-            f"vendor installer (see the ds-core-kunlunxin README)"
-        ) from exc
-
-
 def _cuda() -> Any:
     activate()
     return torch.cuda
@@ -101,11 +79,6 @@ def _cuda() -> Any:
 def _device_events_real() -> bool:
     return os.environ.get(EVENT_ENV) == "1" and DUMMY_EVENT_ENV not in os.environ
 
-
-# Read once at import, the same moment the capability is declared from, so the two agree.
-_dev = TorchStyleDevice(
-    "cuda", _cuda, api_name="torch.cuda (torch_xmlir)", host_timers=not _device_events_real()
-)
 
 # --------------------------------------------------------------------------- backend
 
@@ -164,7 +137,7 @@ class KunlunxinHooks(TorchStyleHooks):
     """The kunlunxin backend's hooks: the torch-style ones inherited, the Kunlunxin-specific here.
 
     Events come from the kit's device, which wraps them in host timers when Kunlunxin's device
-    events are stubs (``_dev.host_timers``).
+    events are stubs (``hooks.host_timers``).
     """
 
     property_extras = ("major", "minor", "multi_processor_count")
@@ -193,7 +166,7 @@ class KunlunxinHooks(TorchStyleHooks):
         # UNCONFIRMED on hardware: that torch.cuda streams overlap and pin_memory page-locks on
         # Kunlunxin as they do on CUDA (DeepSpeed's KLXPU accelerator inherits both unchanged).
         caps = {"async_streams", "pinned_memory"}
-        if not self.device.host_timers:
+        if not self.host_timers:
             caps.add("device_timing")
         if os.environ.get(GRAPH_ENV) == "1" and hasattr(torch.cuda, "CUDAGraph"):
             caps.add("graph_capture")
@@ -211,7 +184,7 @@ class KunlunxinHooks(TorchStyleHooks):
     @hookimpl
     def ds_memory_info(self, index: int | None) -> MemoryInfo:
         # Device-wide figures only: no per-process limit is known to apply on Kunlunxin.
-        free, total = (int(x) for x in self.device.module.mem_get_info(self.device.device(index)))
+        free, total = (int(x) for x in self.vendor().mem_get_info(self.device_str(index)))
         return MemoryInfo(total=total, available=free)
 
     # -- dtypes --------------------------------------------------------------------------------
@@ -265,4 +238,11 @@ class KunlunxinHooks(TorchStyleHooks):
         return ["BKCL_", "XPU_", "XMLIR_", "XCCL_", "ALLREDUCE_", "LD_LIBRARY_PATH", "PATH"]
 
 
-hooks = KunlunxinHooks(_dev, _determinism)
+# Read once at import, the same moment the capability is declared from, so the two agree.
+hooks = KunlunxinHooks(
+    "cuda",
+    _cuda,
+    api_name="torch.cuda (torch_xmlir)",
+    determinism=_determinism,
+    host_timers=not _device_events_real(),
+)

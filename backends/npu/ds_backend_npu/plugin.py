@@ -3,8 +3,7 @@
 torch_npu is imported on first use after selection, never by importing this module or by the
 probe. The hooks are the methods of :class:`NpuHooks`, registered through the instance
 ``hooks``. The device, RNG, stream, event and memory hooks are inherited from
-:class:`ds_core.backend_kit.TorchStyleHooks`, delegating to a
-:class:`~ds_core.backend_kit.TorchStyleDevice` over ``torch_npu.npu`` (the module torch_npu
+:class:`ds_core.backend_kit.TorchStyleHooks` over ``torch_npu.npu`` (the module torch_npu
 registers as ``torch.npu``). Where Ascend differs:
 
 - collectives: ``hccl``, registered with ``torch.distributed`` by importing torch_npu;
@@ -30,9 +29,9 @@ from ds_core import hookimpl
 from ds_core.backend_kit import (
     DeterminismPolicy,
     Setting,
-    TorchStyleDevice,
     TorchStyleGraph,
     TorchStyleHooks,
+    VendorModule,
     adamw_compatible,
     attribute_setting,
     check_options,
@@ -57,11 +56,8 @@ FUSED_ADAMW_MODULE = "torch_npu.optim.npu_fused_adamw"
 PROPERTY_EXTRAS = ("cube_core_num", "vector_core_num", "L2_cache_size")
 
 
-def _npu() -> Any:
-    return importlib.import_module(_probe.VENDOR_PACKAGE).npu
-
-
-_device = TorchStyleDevice(DEVICE_TYPE, _npu, api_name="torch_npu.npu")
+#: torch_npu's device namespace, imported on first use (see VendorModule).
+_npu = VendorModule(_probe.VENDOR_PACKAGE, "npu")
 
 # --------------------------------------------------------------------------- backend
 
@@ -218,4 +214,4 @@ class NpuHooks(TorchStyleHooks):
         return ["ASCEND_", "HCCL_", "LD_LIBRARY", "PATH"]
 
 
-hooks = NpuHooks(_device, _determinism)
+hooks = NpuHooks(DEVICE_TYPE, _npu, api_name="torch_npu.npu", determinism=_determinism)

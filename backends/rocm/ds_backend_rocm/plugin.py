@@ -4,8 +4,7 @@ A ROCm build of torch (``torch.version.hip`` set) keeps torch's CUDA-named Pytho
 device type is ``cuda``, ``torch.cuda.*`` drives HIP, CUDA graphs are hipGraphs, and the
 ``nccl`` process group is compiled against RCCL. The device, RNG, stream, memory and
 pinned-memory hooks of :class:`RocmHooks` (registered through the instance ``hooks``) are
-therefore inherited from :class:`ds_core.backend_kit.TorchStyleHooks`, delegating to a
-:class:`~ds_core.backend_kit.TorchStyleDevice` over ``torch.cuda``; what differs from NVIDIA
+therefore inherited from :class:`ds_core.backend_kit.TorchStyleHooks` over ``torch.cuda``; what differs from NVIDIA
 lives here: the probe (a ROCm build, devices counted through amdsmi), the visible-devices
 variables (HIP/ROCR), dtypes by ``gcnArchName``, and the environment to forward.
 
@@ -25,7 +24,6 @@ from ds_core import hookimpl
 from ds_core.backend_kit import (
     DeterminismPolicy,
     ProbeCache,
-    TorchStyleDevice,
     TorchStyleGraph,
     TorchStyleHooks,
     attribute_setting,
@@ -33,8 +31,10 @@ from ds_core.backend_kit import (
     dtype_set,
     fused_adamw_provider,
     require_dist_backend,
+    torch_attr,
     torch_deterministic_algorithms,
 )
+from ds_core.errors import DSCoreError
 from ds_core.types import (
     BackendInfo,
     Graph,
@@ -54,10 +54,6 @@ _MASKS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 #: gfx architectures whose matrix cores do fp8. UNCONFIRMED: taken second-hand from a quote of
 #: vLLM's scaled_mm support list (gfx942 = MI300, gfx950 = MI350, gfx12 = RDNA4).
 FP8_ARCH_PREFIXES = ("gfx942", "gfx950", "gfx12")
-
-# The module is looked up on every call (not captured here) so that importing this plugin
-# initialises nothing and contract tests can swap in a recording fake.
-_dev = TorchStyleDevice("cuda", lambda: torch.cuda, api_name="torch.cuda (HIP)")
 
 # --------------------------------------------------------------------------- backend
 
@@ -98,7 +94,7 @@ probe = ProbeCache(_probe)
 
 def _arch(index: int | None) -> str:
     """The device's gfx architecture without feature suffixes (``gfx942:sramecc+`` -> gfx942)."""
-    props = torch.cuda.get_device_properties(_dev.resolve(index))
+    props = torch.cuda.get_device_properties(hooks.resolve(index))
     return str(getattr(props, "gcnArchName", "")).split(":", 1)[0]
 
 
@@ -135,6 +131,9 @@ _determinism = DeterminismPolicy(
 
 class RocmHooks(TorchStyleHooks):
     """The rocm backend's hooks: the torch-style ones inherited, the AMD-specific here."""
+
+    #: Profiler ranges pushed and not yet popped (NVTX has no count of its own).
+    open_ranges = 0
 
     property_extras = ("gcnArchName", "major", "minor", "multi_processor_count")
 
@@ -211,6 +210,24 @@ class RocmHooks(TorchStyleHooks):
         # torch's fused AdamW kernels are hipified into ROCm builds under the cuda device type.
         return [fused_adamw_provider("cuda")]
 
+    # -- profiler ------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_profiler_range_push(self, msg: str) -> bool:
+        # NVTX ranges are what Nsight Systems shows (rocprof shows them too: ROCm builds route
+        # torch.cuda.nvtx to roctx). NVTX keeps no count, so unmatched pops are caught here.
+        self.vendor().nvtx.range_push(msg)
+        self.open_ranges += 1
+        return True
+
+    @hookimpl
+    def ds_profiler_range_pop(self) -> bool:
+        if not self.open_ranges:
+            raise DSCoreError("range_pop() without a matching range_push()")
+        self.vendor().nvtx.range_pop()
+        self.open_ranges -= 1
+        return True
+
     # -- launcher ------------------------------------------------------------------------------
 
     @hookimpl
@@ -232,4 +249,6 @@ class RocmHooks(TorchStyleHooks):
         ]
 
 
-hooks = RocmHooks(_dev, _determinism)
+# torch.cuda is looked up on every call (not captured here) so that importing this plugin
+# initialises nothing and contract tests can swap in a recording fake.
+hooks = RocmHooks("cuda", torch_attr("cuda"), api_name="torch.cuda (HIP)", determinism=_determinism)

@@ -33,7 +33,6 @@ from ds_backend_xpu import probe as _probe
 from ds_core import hookimpl
 from ds_core.backend_kit import (
     DeterminismPolicy,
-    TorchStyleDevice,
     TorchStyleGraph,
     TorchStyleHooks,
     check_options,
@@ -42,6 +41,7 @@ from ds_core.backend_kit import (
     fused_adamw_provider,
     module_present,
     require_dist_backend,
+    torch_attr,
     torch_deterministic_algorithms,
 )
 from ds_core.types import (
@@ -74,12 +74,6 @@ PROPERTY_EXTRAS = (
 ONECCL_MODULE = "oneccl_bindings_for_pytorch"
 
 
-def _xpu() -> Any:
-    return torch.xpu
-
-
-_device = TorchStyleDevice(DEVICE_TYPE, _xpu, api_name="torch.xpu")
-
 # --------------------------------------------------------------------------- backend
 
 
@@ -106,7 +100,7 @@ def _remember_default(index: int) -> Any:
     """
     stream = _default_streams.get(index)
     if stream is None and getattr(_local, "depth", 0) == 0:
-        stream = _default_streams[index] = _device.stream_current(index)
+        stream = _default_streams[index] = TorchStyleHooks.ds_stream_current(hooks, index)
     return stream
 
 
@@ -115,7 +109,7 @@ def _use(stream: Any) -> Iterator[Any]:
     _remember_default(int(stream.device_index))
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        with _device.stream_use(stream):
+        with TorchStyleHooks.ds_stream_use(hooks, stream):
             yield stream
     finally:
         _local.depth -= 1
@@ -198,7 +192,7 @@ class XpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_stream_default(self, index: int | None) -> Any:
-        i = self.device.resolve(index)
+        i = self.resolve(index)
         stream = _remember_default(i)
         if stream is None:
             raise RuntimeError(
@@ -215,27 +209,27 @@ class XpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_memory_stats(self, index: int | None) -> dict[str, int]:
-        stats = self.device.stats(index)
+        stats = super().ds_memory_stats(index)
         # torch.xpu.memory_stats() is {} until the runtime is initialised; the contract's two keys
         # then come from the counters, which are valid (zero) before initialisation too.
-        stats.setdefault("allocated_bytes.all.current", self.device.allocated(index))
-        stats.setdefault("allocated_bytes.all.peak", self.device.max_allocated(index))
+        stats.setdefault("allocated_bytes.all.current", self.ds_memory_allocated(index))
+        stats.setdefault("allocated_bytes.all.peak", self.ds_memory_max_allocated(index))
         return stats
 
     @hookimpl
     def ds_memory_info(self, index: int | None) -> MemoryInfo:
         if hasattr(torch.xpu, "mem_get_info"):
-            return self.device.memory_info(index)
+            return super().ds_memory_info(index)
         # Releases before mem_get_info (first release UNCONFIRMED; present by 2.9) only know the
         # capacity, so available is what this process has not reserved.
-        total = self.device.properties(index).total_memory
-        return MemoryInfo(total=total, available=max(0, total - self.device.reserved(index)))
+        total = self.device_properties(index, ()).total_memory
+        return MemoryInfo(total=total, available=max(0, total - self.ds_memory_reserved(index)))
 
     # -- dtypes --------------------------------------------------------------------------------
 
     @hookimpl
     def ds_dtype_supported(self) -> frozenset[torch.dtype]:
-        props = torch.xpu.get_device_properties(self.device.current())
+        props = torch.xpu.get_device_properties(self.ds_device_current())
         # fp8 is not claimed: torch.xpu reports no fp8 capability of the device.
         return dtype_set(
             fp16=bool(props.has_fp16), bf16=_native_bf16(), fp64=bool(props.has_fp64), fp8=False
@@ -293,4 +287,4 @@ class XpuHooks(TorchStyleHooks):
         return ["ZE_", "SYCL_", "CCL_"]
 
 
-hooks = XpuHooks(_device, _determinism)
+hooks = XpuHooks(DEVICE_TYPE, torch_attr("xpu"), api_name="torch.xpu", determinism=_determinism)

@@ -9,6 +9,7 @@ together with the build facts the probes read (``torch.version.cuda`` / ``torch.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -60,6 +61,11 @@ class FakeCuda(FakeDeviceModule):
             self.add_memory_fraction(fraction)
         if graphs:
             self.add_graph_api("CUDAGraph", "graph")
+        # torch.cuda.nvtx.range_push/range_pop (what Nsight Systems shows), recorded.
+        self.nvtx = SimpleNamespace(
+            range_push=lambda msg: self.log("nvtx.range_push", msg) or 0,
+            range_pop=lambda: self.log("nvtx.range_pop") or 0,
+        )
 
     def __getattr__(self, name: str) -> Any:
         # torch internals (dynamo, inductor) read private names such as _CudaDeviceProperties

@@ -1,7 +1,7 @@
 """A recording fake of a torch-style vendor device module, for contract tests of any vendor.
 
 Vendor device modules (``torch.<type>``, or a vendor package's equivalent) share one API shape;
-``ds_core.backend_kit.TorchStyleDevice`` drives that shape. :class:`FakeDeviceModule` implements
+``ds_core.backend_kit.TorchStyleHooks`` drives that shape. :class:`FakeDeviceModule` implements
 it on the host without a device and records every call as ``(name, args, kwargs)`` in
 ``calls``, so a test can assert that a backend made the documented call with the right
 arguments (device strings, priorities, graph class) and translated the result.

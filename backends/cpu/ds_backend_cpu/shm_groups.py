@@ -1,0 +1,277 @@
+"""One shared-memory transport per process group: setup, and an ordered queue of calls.
+
+Setup runs as part of the group's first collective, on every rank of it (they all make that
+call), in call order on whichever thread runs that call:
+one gloo all-gather decides whether the group qualifies (every rank on this host, shared
+memory enabled and a synchronisation path available on each), the first rank creates the
+segment and broadcasts its name, the others attach, one more all-gather confirms every attach
+and the name is unlinked (see [Note: segment lifetime] in :mod:`ds_backend_cpu.shm_segment`).
+Any failure leaves the group on gloo, on every rank alike, with the reason recorded.
+
+Calls on a group run in the order they were made: a synchronous call with nothing queued runs
+on the caller's thread; otherwise calls go to the group's worker thread, whose handle's
+``wait()`` returns when the call is done and re-raises its error. The handle keeps the
+tensors alive until then.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_backend_cpu import shm_segment as seg_mod
+from ds_backend_cpu import shm_sync
+from ds_backend_cpu.shm import Protocol
+
+ENV_ENABLE = "DS_CPU_SHM"
+ENV_SLOT = "DS_CPU_SHM_SLOT_BYTES"
+DEFAULT_SLOT_BYTES = 4 << 20
+SINGLE_RANK = "single-rank group"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_ENABLE, "1").lower() not in ("0", "false", "off", "no")
+
+
+def slot_bytes() -> int:
+    value = int(os.environ.get(ENV_SLOT, DEFAULT_SLOT_BYTES))
+    return max(value // 64 * 64, 4096)
+
+
+class ShmWork:
+    """Handle of a queued call: ``wait()`` blocks until it ran and re-raises its error."""
+
+    __slots__ = ("_done", "_error", "_fn", "_result")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn  # holds the tensors until the call ran
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            if self._fn is not None:
+                self._fn()
+        except BaseException as exc:  # re-raised on the waiting thread
+            self._error = exc
+        finally:
+            self._fn = None
+            self._done.set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+class ShmGroup:
+    """The transport of one process group on this rank: its protocol and its call queue.
+
+    Created without talking to the peers; the first call run on the group (in call order,
+    on the caller's thread or the worker's) sets it up, so an asynchronous first call does
+    not wait for its peers either. Afterwards ``protocol`` is set, or ``reason`` says why the
+    group uses gloo.
+    """
+
+    def __init__(self, pg: Any) -> None:
+        self._pg = weakref.ref(pg)  # never keep a process group alive
+        self.protocol: Protocol | None = None
+        self.reason = ""
+        self._set_up = False
+        self._cond = threading.Condition()
+        self._queue: deque[ShmWork] = deque()
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def ready(self) -> Protocol | None:
+        """Set the group up if this is its first call (run only from a call on this group).
+
+        :returns: the protocol, or ``None`` when the group uses gloo (``reason`` says why).
+        """
+        if not self._set_up:
+            self._set_up = True
+            pg = self._pg()
+            try:
+                result = _setup(pg) if pg is not None else "the process group was destroyed"
+            except BaseException as exc:
+                self.reason = f"setup failed ({type(exc).__name__}: {exc})"
+                raise
+            if isinstance(result, str):
+                self.reason = result
+            else:
+                self.protocol = result
+        return self.protocol
+
+    def close(self) -> None:
+        """Stop the worker once the queue is empty (the group object is gone: no more calls).
+
+        The mapping goes with the last reference to this object.
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def submit(self, fn: Callable[[], None], async_op: bool) -> ShmWork:
+        """Run ``fn`` after every earlier call on this group; wait for it unless ``async_op``."""
+        work = ShmWork(fn)
+        with self._cond:
+            inline = not async_op and not self._queue and not self._busy
+            if inline:
+                self._busy = True
+            else:
+                self._queue.append(work)
+                self._start_worker()
+                self._cond.notify_all()
+        if inline:
+            try:
+                work.run()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+        if not async_op:
+            work.wait()
+        return work
+
+    def drain(self) -> None:
+        """Block until every queued call has run (before a gloo call on the same group)."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+
+    def _start_worker(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, name="ds_core-shm-collectives", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue or self._busy:
+                    if self._closed and not self._queue:
+                        return
+                    self._cond.wait()
+                work = self._queue.popleft()
+                self._busy = True
+            try:
+                work.run()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+# --------------------------------------------------------------------------- registry
+
+# group object -> its transport, or the reason it stays on gloo. Weak keys: a process group
+# must not outlive destroy_process_group because of this cache.
+_groups: weakref.WeakKeyDictionary[Any, ShmGroup | str] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def resolve(group: Any) -> Any:
+    return group if group is not None else dist.group.WORLD
+
+
+def lookup(group: Any) -> ShmGroup | str:
+    """The group's transport (set up by its first call); a string is why it uses gloo.
+
+    Never talks to the peers.
+    """
+    pg = resolve(group)
+    with _registry_lock:
+        found = _groups.get(pg)
+        if found is None:
+            if dist.get_rank(pg) < 0:
+                found = "this process is not a member of the group"
+            elif dist.get_world_size(pg) < 2:
+                found = SINGLE_RANK
+            else:
+                found = ShmGroup(pg)
+                weakref.finalize(pg, found.close)
+            _groups[pg] = found
+    return found
+
+
+def existing(group: Any) -> Protocol | None:
+    """The group's shared-memory protocol if it is set up already (never sets one up)."""
+    found = _groups.get(resolve(group))
+    return found.protocol if isinstance(found, ShmGroup) else None
+
+
+def _group_timeout(pg: Any) -> float | None:
+    """The gloo backend's timeout for ``pg`` in seconds (a private attribute: best effort)."""
+    try:
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:
+        return None
+
+
+def _setup(pg: Any) -> Protocol | str:
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    ranks = dist.get_process_group_ranks(pg)
+    local_reason = ""
+    if not enabled():
+        local_reason = f"{ENV_ENABLE}=0"
+    else:
+        local_reason = shm_sync.unavailable_reason()
+    facts: list[Any] = [None] * world
+    dist.all_gather_object(facts, (seg_mod.host_key(), local_reason), group=pg)
+    for r, (key, reason) in enumerate(facts):
+        if reason:
+            return f"rank {ranks[r]}: {reason}"
+        if key != facts[0][0]:
+            return f"ranks {ranks[0]} and {ranks[r]} are on different hosts"
+    layout = seg_mod.Layout(world, slot_bytes())
+    segment: seg_mod.Segment | None = None
+    announce: list[Any] = [None]
+    if rank == 0:
+        try:
+            segment = seg_mod.create(layout)
+            announce = [segment.path]
+        except seg_mod.SegmentError as exc:
+            announce = [f"error: {exc}"]
+    dist.broadcast_object_list(announce, src=ranks[0], group=pg)
+    problem = ""
+    if announce[0].startswith("error: "):
+        problem = announce[0].removeprefix("error: ")
+    elif segment is None:
+        try:
+            segment = seg_mod.attach(announce[0], layout)
+        except seg_mod.SegmentError as exc:
+            problem = str(exc)
+    try:
+        outcomes: list[Any] = [None] * world
+        dist.all_gather_object(outcomes, problem, group=pg)
+    finally:
+        if segment is not None:
+            segment.unlink()  # every rank is attached (or gave up): the name can go
+    for r, outcome in enumerate(outcomes):
+        if outcome:
+            return f"rank {ranks[r]}: {outcome}"
+    if segment is None:  # pragma: no cover - every rank reported success above
+        return "segment missing after setup"
+    flags = shm_sync.choose_flags(
+        segment.words, segment.address(), seg_mod.SLEEPERS_WORD - seg_mod.COUNTER_WORD
+    )
+    if flags is None:  # pragma: no cover - checked before the all-gather
+        return shm_sync.unavailable_reason()
+    protocol = Protocol(segment, flags, rank, ranks, _group_timeout(pg))
+    protocol.publish_pid()
+    dist.barrier(group=pg)  # every pid is published before anyone reads them
+    protocol.read_pids()
+    return protocol

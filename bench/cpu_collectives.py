@@ -1,0 +1,158 @@
+"""CPU collectives: gloo against shared memory, with the machine's copy bound, 2 and 4 ranks.
+
+Run: ``python bench/cpu_collectives.py [--worlds 2,4] [--min-kib 64] [--max-mib 256]``.
+For each world size and buffer size (powers of 4 from 64 KiB to 256 MiB) every rank times,
+interleaved rep by rep: a plain ``copy_`` of the buffer (all ranks at once, so the copy sees the
+same memory contention as the collectives), then all-reduce, reduce-scatter, all-gather and
+broadcast over the CPU backend's gloo path (what it used before shared memory: reduce-scatter
+and all-gather as all-reduces, see ``ds_backend_cpu.comm``) and over its shared-memory path.
+A rep's time is the slowest rank's; the tables print medians.
+
+Bound: the bytes a collective must move per rank (DESIGN.md's logical bytes: all-reduce 2 x
+buffer, reduce-scatter 1 x its full input, all-gather 1 x its full output, broadcast 1 x buffer)
+divided by the copy bandwidth measured at that size in this run. ``size`` is the full buffer:
+the all-reduce and broadcast buffer, the reduce-scatter input and the all-gather output.
+Targets (issue 10): shared-memory all-reduce >= 3x gloo's at 32 MiB; reduce-scatter <= 0.6x the
+shared-memory all-reduce; every shared-memory collective within 2x its bound at >= 4 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+LOGICAL = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0}
+
+
+def _reps(nbytes: int) -> int:
+    return max(3, min(30, (64 << 20) // nbytes))
+
+
+def _cases(
+    acc: Any, comm: Any, full: torch.Tensor, part: torch.Tensor, src: torch.Tensor
+) -> dict[tuple[str, str], Callable[[], object]]:
+    return {
+        ("copy", "copy"): lambda: full.copy_(src),
+        ("all_reduce", "gloo"): lambda: comm._gloo_all_reduce(full, "sum", None, False),
+        ("all_reduce", "shm"): lambda: acc.all_reduce(full),
+        ("reduce_scatter", "gloo"): lambda: comm._gloo_reduce_scatter(
+            part, full, "sum", None, False
+        ),
+        ("reduce_scatter", "shm"): lambda: acc.reduce_scatter(part, full),
+        ("all_gather", "gloo"): lambda: comm._gloo_all_gather(full, part, None, False),
+        ("all_gather", "shm"): lambda: acc.all_gather(full, part),
+        ("broadcast", "gloo"): lambda: comm._gloo_broadcast(full, 0, None, False),
+        ("broadcast", "shm"): lambda: acc.broadcast(full, 0),
+    }
+
+
+def _rank(rank: int, world: int, port: int, sizes: list[int], out: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+    )
+    torch.set_num_threads(1)
+    from ds_backend_cpu import comm, shm_groups
+
+    import ds_core
+
+    ds_core.init_distributed()
+    acc = ds_core.get_accelerator()
+    acc.barrier()
+    protocol = shm_groups.existing(None)
+    path = type(protocol.flags).__name__ if protocol else "none (gloo fallback)"
+    rows: dict[tuple[str, str, int], float] = {}
+    for nbytes in sizes:
+        n = nbytes // 4
+        full, part, src = torch.ones(n), torch.ones(n // world), torch.ones(n)
+        cases = _cases(acc, comm, full, part, src)
+        times: dict[tuple[str, str], list[float]] = {k: [] for k in cases}
+        for fn in cases.values():  # warm-up: first-touch page faults, caches
+            dist.barrier()
+            fn()
+        for _ in range(_reps(nbytes)):
+            for key, fn in cases.items():  # interleaved: machine noise hits every case alike
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(t, dist.ReduceOp.MAX)  # a collective ends with its slowest rank
+                times[key].append(float(t))
+        for (name, transport_name), ts in times.items():
+            rows[(name, transport_name, nbytes)] = statistics.median(ts)
+        full.fill_(1.0)
+    if rank == 0:
+        out.put((path, rows))
+    ds_core.comm.destroy_distributed()
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def _report(world: int, path: str, rows: dict[tuple[str, str, int], float]) -> None:
+    sizes = sorted({k[2] for k in rows})
+    print(f"\n{world} ranks, shared-memory sync: {path}; medians, slowest rank per rep")
+    print(f"  {'size':>8}  {'copy GB/s':>9}")
+    for s in sizes:
+        print(f"  {_size(s):>8}  {s / rows[('copy', 'copy', s)] / 1e9:9.2f}")
+    for name in COLLECTIVES:
+        extra = "  rs/ar(shm)" if name == "reduce_scatter" else ""
+        print(f"  {name}")
+        print(
+            f"  {'size':>8}  {'gloo ms':>9}  {'shm ms':>9}  {'gloo/shm':>8}  {'bound ms':>9}"
+            f"  {'shm/bound':>9}{extra}"
+        )
+        for s in sizes:
+            gloo, mem = rows[(name, "gloo", s)], rows[(name, "shm", s)]
+            bound = LOGICAL[name] * rows[("copy", "copy", s)]
+            line = (
+                f"  {_size(s):>8}  {gloo * 1e3:9.3f}  {mem * 1e3:9.3f}  {gloo / mem:8.2f}"
+                f"  {bound * 1e3:9.3f}  {mem / bound:9.2f}"
+            )
+            if extra:
+                line += f"  {mem / rows[('all_reduce', 'shm', s)]:11.2f}"
+            print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--min-kib", type=int, default=64)
+    parser.add_argument("--max-mib", type=int, default=256)
+    args = parser.parse_args()
+    sizes, s = [], args.min_kib << 10
+    while s <= args.max_mib << 20:
+        sizes.append(s)
+        s *= 4
+    if (32 << 20) not in sizes and args.min_kib << 10 <= 32 << 20 <= args.max_mib << 20:
+        sizes = sorted([*sizes, 32 << 20])  # the issue's all-reduce target size
+    ctx = mp.get_context("spawn")
+    print(f"torch {torch.__version__}, {os.cpu_count()} cpus, fp32 buffers, 1 thread per rank")
+    for world in (int(w) for w in args.worlds.split(",")):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        queue = ctx.SimpleQueue()
+        mp.spawn(_rank, args=(world, port, sizes, queue), nprocs=world)
+        path, rows = queue.get()
+        _report(world, path, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Checks a backend runs on its configuration: options, the process-group library, dtypes."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_core.errors import ConfigError
+
+_BASE_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.float32, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool}
+)
+
+
+def dtype_set(*, fp16: bool, bf16: bool, fp64: bool, fp8: bool) -> frozenset[torch.dtype]:
+    """float32 and the integer types, plus each optional family the vendor reported.
+
+    ``fp8`` adds ``float8_e4m3fn`` and ``float8_e5m2`` where this torch defines them.
+    """
+    dtypes = set(_BASE_DTYPES)
+    if fp16:
+        dtypes.add(torch.float16)
+    if bf16:
+        dtypes.add(torch.bfloat16)
+    if fp64:
+        dtypes.add(torch.float64)
+    if fp8:
+        dtypes.update(
+            getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)
+        )
+    return frozenset(dtypes)
+
+
+def require_dist_backend(name: str, hint: str) -> bool:
+    """Check that ``torch.distributed`` can create process groups named ``name``.
+
+    Uses ``torch.distributed.is_<name>_available()`` where torch has one, else the registered
+    backend list (which vendor imports extend).
+
+    :param hint: what the user should do when it is missing.
+    :returns: ``True``.
+    :raises RuntimeError: naming the backend and ``hint`` when it is unusable.
+    """
+    if not dist.is_available():
+        raise RuntimeError(f"this torch build has no torch.distributed; {hint}")
+    checker = getattr(dist, f"is_{name}_available", None)
+    ok = bool(checker()) if checker is not None else name in dist.Backend.backend_list
+    if not ok:
+        raise RuntimeError(
+            f"torch.distributed backend '{name}' is not available in torch "
+            f"{torch.__version__}; {hint}"
+        )
+    return True
+
+
+def check_options(backend: str, options: Mapping[str, Any], known: Collection[str]) -> bool:
+    """Validate a backend's configure options: only names in ``known`` are accepted.
+
+    :returns: ``True``.
+    :raises ds_core.ConfigError: naming each unknown key and the accepted ones.
+    """
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        accepted = ", ".join(sorted(known)) or "none"
+        raise ConfigError(
+            f"accelerator.{backend} has unknown option(s) {', '.join(unknown)}; accepted: "
+            f"{accepted}"
+        )
+    return True

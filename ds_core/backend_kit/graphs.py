@@ -1,0 +1,64 @@
+"""Graph capture over a vendor's torch-style graph class and its capture context manager."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class TorchStyleGraph:
+    """The :class:`ds_core.types.Graph` protocol over a vendor graph and its capture context.
+
+    :param graph: a vendor graph object with ``replay()`` and ``reset()`` (and ``pool()`` where
+        the vendor shares memory pools between graphs).
+    :param context: the vendor's capture context manager factory, called as
+        ``context(graph, pool=pool, stream=stream, **capture_kwargs)``.
+    :param capture_kwargs: extra keyword arguments for ``context`` (e.g. an error mode).
+    :param accepts_pool: ``False`` for vendors whose capture ignores ``pool``; passing a pool
+        then raises instead of being silently dropped, and ``context`` is called without it.
+
+    Capture failures come from the vendor (unsupported op, host sync inside capture) and
+    propagate; nothing here falls back to running the work eagerly.
+    """
+
+    def __init__(
+        self,
+        graph: Any,
+        context: Callable[..., contextlib.AbstractContextManager[Any]],
+        *,
+        capture_kwargs: Mapping[str, Any] | None = None,
+        accepts_pool: bool = True,
+    ) -> None:
+        self.graph = graph
+        self._context = context
+        self._kwargs = dict(capture_kwargs or {})
+        self._accepts_pool = accepts_pool
+
+    def capture(
+        self, pool: Any = None, stream: Any = None
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Record the work run inside the returned context into this graph.
+
+        :param pool: a handle from another graph's :meth:`pool` to share its memory, or ``None``.
+        :param stream: the stream to capture on, or ``None`` for the vendor's side stream.
+        :raises ValueError: when a pool is given to a vendor whose graphs cannot share one.
+        """
+        if not self._accepts_pool:
+            if pool is not None:
+                raise ValueError("this vendor's graphs cannot share a memory pool; pass pool=None")
+            return self._context(self.graph, stream=stream, **self._kwargs)
+        return self._context(self.graph, pool=pool, stream=stream, **self._kwargs)
+
+    def replay(self) -> None:
+        """Re-run the captured work on the same input and output storage."""
+        self.graph.replay()
+
+    def reset(self) -> None:
+        """Drop the recording (and release its memory back to the pool)."""
+        self.graph.reset()
+
+    def pool(self) -> Any:
+        """A memory-pool handle to pass to another graph's capture, or ``None``."""
+        get_pool = getattr(self.graph, "pool", None) if self._accepts_pool else None
+        return get_pool() if get_pool is not None else None

@@ -1,0 +1,209 @@
+"""Process groups: starting and ending ``torch.distributed``, new groups, and the expert groups.
+
+Every process group ds_core creates comes from here (:func:`new_group`), and every cache of
+groups lives here too (:func:`expert_groups`), so :func:`destroy_distributed` can release them
+all before ``torch.distributed`` destroys its own. Code outside that caches a group registers
+a destroy callback with :func:`on_destroy`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ds_core.accelerator import get_accelerator
+
+_lock = threading.RLock()
+_destroy_callbacks: list[Callable[[], None]] = []
+
+
+def init_distributed(
+    timeout: datetime.timedelta | float | None = None,
+    init_method: str | None = None,
+) -> None:
+    """Initialise ``torch.distributed`` with the selected backend's comm name.
+
+    Reads the ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``LOCAL_RANK``); with none of it set, starts a one-process group on a
+    free loopback port, so single-process scripts work unchanged. Sets the current device to
+    ``LOCAL_RANK`` *before* creating the process group and, on an accelerator, binds the group
+    to that device (``device_id``), so a device-only comm library never guesses. Idempotent.
+
+    :param timeout: seconds (or a timedelta) after which a collective that a dead rank never
+        joins fails on the others, instead of hanging. Default: torch's (10 minutes).
+    :param init_method: a ``torch.distributed`` init method URL; default ``env://``.
+    :raises RuntimeError: when the comm library cannot be prepared, or ``LOCAL_RANK`` names a
+        device this process cannot see (message: the rank, the device count and the
+        visible-devices variables to check).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    acc = get_accelerator()
+    acc.prepare_communication()
+    if "RANK" not in os.environ and init_method is None:
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    kwargs: dict[str, Any] = {"backend": acc.communication_backend_name()}
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if acc.device_type != "cpu":  # host ranks share the one host device; nothing to pick
+        count = acc.device_count()
+        if not 0 <= local_rank < count:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this process sees {count} {acc.name} device(s); "
+                f"launch at most {count} ranks per node, or check "
+                f"{', '.join(acc.visible_devices_envs()) or 'the visible-devices variables'}"
+            )
+        acc.set_device(local_rank)
+        kwargs["device_id"] = acc.device(local_rank)
+    if timeout is not None:
+        kwargs["timeout"] = (
+            timeout
+            if isinstance(timeout, datetime.timedelta)
+            else datetime.timedelta(seconds=timeout)
+        )
+    kwargs["init_method"] = init_method or "env://"
+    dist.init_process_group(**kwargs)
+    atexit.register(destroy_distributed)
+    if acc.device_type == "cpu" and local_rank < acc.device_count():
+        acc.set_device(local_rank)
+
+
+def on_destroy(callback: Callable[[], None]) -> None:
+    """Run ``callback`` in :func:`destroy_distributed`, before the process groups go.
+
+    For code outside this module that caches a process group: it must drop the group here.
+    Registering the same callback twice runs it once.
+    """
+    with _lock:
+        if callback not in _destroy_callbacks:
+            _destroy_callbacks.append(callback)
+
+
+def destroy_distributed() -> None:
+    """Release ds_core's cached process groups and destroy ``torch.distributed``'s.
+
+    Safe to call twice, or after ``torch.distributed.destroy_process_group()``.
+    ``init_distributed`` registers it to run at exit: a process-group object that outlives
+    ``destroy_process_group`` (held by a cache, or by a module in a reference cycle) is
+    otherwise destroyed during interpreter finalization, where gloo's worker threads abort the
+    process ("terminate called without an active exception", seen with torch 2.13).
+    """
+    with _lock:
+        callbacks = list(_destroy_callbacks)
+        _expert_groups.clear()
+    for callback in callbacks:
+        callback()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def new_group(ranks: list[int] | None = None) -> Any:
+    """Create a process group over ``ranks`` (all ranks when ``None``) with the comm backend.
+
+    Every rank must call it with the same ``ranks``, as ``torch.distributed.new_group`` requires.
+    """
+    return dist.new_group(ranks, backend=get_accelerator().communication_backend_name())
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (0 when distributed is not initialised)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks in ``group`` (1 when distributed is not initialised)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+# --------------------------------------------------------------------------- expert groups
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertGroups:
+    """Process groups for one expert-parallel size (see :mod:`ds_core.moe` for the layout).
+
+    :param ep_size: ranks an expert layer is split over.
+    :param ep_group: this rank's EP group (``None`` when ``ep_size`` is 1: no exchange).
+    :param edp_group: this rank's expert-data-parallel group (``None`` = the world).
+    :param ep_rank: this rank's index in its EP group.
+    :param edp_world: ranks in the EDP group.
+    """
+
+    ep_size: int
+    ep_group: Any
+    edp_group: Any
+    ep_rank: int
+    edp_world: int
+
+
+_expert_groups: dict[int, ExpertGroups] = {}
+
+
+def expert_groups(ep_size: int) -> ExpertGroups:
+    """The (cached) groups for ``ep_size``; the first call is collective on every rank.
+
+    The experts of a layer are split over ``ep_size`` consecutive ranks (an EP group); ranks
+    holding the same experts, ``{j, j + E, j + 2E, ...}``, form the expert-data-parallel group.
+    :func:`destroy_distributed` forgets the cache.
+
+    :raises ValueError: when the world size is not a multiple of ``ep_size``.
+    """
+    cached = _expert_groups.get(ep_size)
+    if cached is not None:
+        return cached
+    world, rank = get_world_size(), get_rank()
+    if world % ep_size:
+        raise ValueError(
+            f"expert-parallel size {ep_size} does not divide the world size {world}; "
+            "choose an ep_size that divides the number of ranks"
+        )
+    if ep_size == 1:
+        groups = ExpertGroups(1, None, None, 0, world)
+    else:
+        # Every rank creates every group in the same order, as torch.distributed requires.
+        ep_group = edp_group = None
+        for k in range(world // ep_size):
+            ranks = list(range(k * ep_size, (k + 1) * ep_size))
+            g = new_group(ranks)
+            if rank in ranks:
+                ep_group = g
+        edp_world = world // ep_size
+        if edp_world == world:
+            edp_group = None
+        else:
+            for j in range(ep_size):
+                ranks = list(range(j, world, ep_size))
+                g = new_group(ranks)
+                if rank in ranks:
+                    edp_group = g
+        groups = ExpertGroups(ep_size, ep_group, edp_group, rank % ep_size, edp_world)
+    with _lock:
+        _expert_groups[ep_size] = groups
+    return groups
+
+
+def reset_expert_groups() -> None:
+    """Forget cached expert groups (``destroy_distributed`` does it; tests that tear down
+    ``torch.distributed`` themselves call it)."""
+    with _lock:
+        _expert_groups.clear()

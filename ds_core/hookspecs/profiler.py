@@ -1,0 +1,35 @@
+"""Profiler ranges: named spans of host time that a vendor's profiler shows on its timeline."""
+
+from __future__ import annotations
+
+from ds_core.hookspecs._markers import hookspec
+
+
+@hookspec(firstresult=True)
+def ds_profiler_range_push(msg: str) -> bool:
+    """Open a named range, nested inside any open one, and return ``True``.
+
+    A backend implements it with its vendor's range API (NVTX for Nsight Systems, the
+    vendor's tracing extension for its profiler) so its profiler sees the range. The core's
+    default plugin opens a ``torch.profiler.record_function`` range, which ``torch.profiler``
+    shows on every device type; a backend without a vendor range API relies on it.
+
+    :param msg: the range's name, e.g. ``"ds::step"``.
+
+    Device context: may create one (vendor range APIs initialise their runtime).
+
+    Use in backends: optional. Stops at the first non-``None`` result. Facade: ``range_push(msg)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_profiler_range_pop() -> bool:
+    """Close the innermost range opened by ``ds_profiler_range_push`` and return ``True``.
+
+    :raises ds_core.DSCoreError: when no range is open.
+
+    Device context: may create one.
+
+    Use in backends: optional, implemented together with ``ds_profiler_range_push``. Stops at the
+    first non-``None`` result. Facade: ``range_pop()``.
+    """

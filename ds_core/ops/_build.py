@@ -1,0 +1,320 @@
+"""Build-or-load for the two kinds of compiled op: a plain C/C++ shared library (ctypes) and a
+torch C++ extension module. Both go through the same key, cache folder, lock and manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.machinery
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ds_core.ops._cache import (
+    BuildKey,
+    Manifest,
+    OpBuildError,
+    cache_root,
+    file_lock,
+    make_key,
+)
+from ds_core.ops._toolchain import toolchain
+
+__all__ = ["build_extension", "build_shared_library", "cached_shared_library"]
+
+_CXX_SUFFIXES = {".cc", ".cpp", ".cxx", ".C"}
+_OUTPUT_TAIL_LINES = 40
+# In-process cache: one load per key, so a second caller gets the same object.
+_LOADED: dict[str, Any] = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def _tail(text: str, lines: int = _OUTPUT_TAIL_LINES) -> str:
+    kept = text.strip().splitlines()[-lines:]
+    return "\n".join("    " + line for line in kept) or "    (no output)"
+
+
+def _sources(name: str, sources: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    if not sources:
+        raise OpBuildError(f"op '{name}': no sources given")
+    paths = [Path(s).resolve() for s in sources]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise OpBuildError(f"op '{name}': source file(s) not found: {', '.join(missing)}")
+    return paths
+
+
+def _note(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"ds_core.ops: {msg}", file=sys.stderr, flush=True)
+
+
+def _build_or_load(
+    key: BuildKey,
+    build: Any,  # Callable[[Path], Path]: builds into the folder, returns the artefact
+    load: Any,  # Callable[[Path], T]
+    quiet: bool,
+) -> Any:
+    with _LOADED_LOCK:
+        if key.digest in _LOADED:
+            return _LOADED[key.digest]
+        root = cache_root()
+        folder = root / key.folder_name
+        manifest = Manifest(folder)
+        artefact = manifest.valid_artefact(key)
+        if artefact is None:
+            with file_lock(root / f"{key.folder_name}.lock", f"op '{key.name}'"):
+                # Another rank may have finished the build while we waited for the lock.
+                artefact = manifest.valid_artefact(key)
+                if artefact is None:
+                    folder.mkdir(mode=0o700, exist_ok=True)
+                    with contextlib.suppress(FileNotFoundError):
+                        (folder / "manifest.json").unlink()  # no stale claim during the build
+                    _note(f"building op '{key.name}' (first use; cache {folder})", quiet)
+                    started = time.monotonic()
+                    artefact = build(folder)
+                    seconds = time.monotonic() - started
+                    manifest.write(key, artefact, seconds)
+                    _note(f"built op '{key.name}' in {seconds:.1f} s", quiet)
+        loaded = load(artefact)
+        _LOADED[key.digest] = loaded
+        return loaded
+
+
+def _run(cmd: list[str], name: str, cwd: Path) -> None:
+    """Run one compiler command without a shell; an interrupt kills it and propagates."""
+    try:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise OpBuildError(
+            f"op '{name}': could not start the compiler: {exc}\n  command: {shlex.join(cmd)}"
+        ) from exc
+    if done.returncode != 0:
+        raise OpBuildError(
+            f"op '{name}' failed to build (exit code {done.returncode})\n"
+            f"  command: {shlex.join(cmd)}\n"
+            f"  compiler output (last {_OUTPUT_TAIL_LINES} lines):\n"
+            f"{_tail(done.stdout + done.stderr)}"
+        )
+
+
+def _shared_library_plan(
+    name: str,
+    sources: Sequence[str | os.PathLike[str]],
+    cflags: Sequence[str],
+    ldflags: Sequence[str],
+    include_dirs: Sequence[str | os.PathLike[str]],
+    depends: Sequence[str | os.PathLike[str]],
+    openmp: bool,
+) -> tuple[BuildKey, str, list[str], list[Path]]:
+    paths = _sources(name, sources)
+    cxx = any(p.suffix in _CXX_SUFFIXES for p in paths)
+    tc = toolchain()
+    compiler, version = (tc.cxx, tc.cxx_version) if cxx else (tc.cc, tc.cc_version)
+    if compiler is None:
+        raise OpBuildError(
+            f"op '{name}' needs a {'C++' if cxx else 'C'} compiler and none was found; "
+            f"install gcc or clang, or set {'CXX' if cxx else 'CC'}"
+        )
+    if openmp and not tc.openmp:
+        raise OpBuildError(f"op '{name}' asks for OpenMP, which {compiler} cannot link")
+    flags = ["-O3", "-fPIC", "-shared", *(["-fopenmp"] if openmp else []), *cflags]
+    flags += [f"-I{Path(d).resolve()}" for d in include_dirs]
+    key = make_key(
+        name,
+        "shared_library",
+        [*paths, *(Path(d).resolve() for d in depends)],
+        [*flags, "--ld", *ldflags],
+        compiler,
+        version,
+    )
+    return key, compiler, flags, paths
+
+
+def cached_shared_library(
+    name: str,
+    sources: Sequence[str | os.PathLike[str]],
+    *,
+    cflags: Sequence[str] = (),
+    ldflags: Sequence[str] = (),
+    include_dirs: Sequence[str | os.PathLike[str]] = (),
+    depends: Sequence[str | os.PathLike[str]] = (),
+    openmp: bool = False,
+) -> Path | None:
+    """Return the verified cached artefact :func:`build_shared_library` would load, or ``None``.
+
+    Builds nothing and loads nothing (it runs the toolchain probe), for reports.
+
+    :raises OpBuildError: as :func:`build_shared_library` does before building.
+    """
+    key, *_ = _shared_library_plan(name, sources, cflags, ldflags, include_dirs, depends, openmp)
+    return Manifest(cache_root() / key.folder_name).valid_artefact(key)
+
+
+def build_shared_library(
+    name: str,
+    sources: Sequence[str | os.PathLike[str]],
+    *,
+    cflags: Sequence[str] = (),
+    ldflags: Sequence[str] = (),
+    include_dirs: Sequence[str | os.PathLike[str]] = (),
+    depends: Sequence[str | os.PathLike[str]] = (),
+    openmp: bool = False,
+    quiet: bool = False,
+) -> ctypes.CDLL:
+    """Compile ``sources`` into a shared library (or take it from the cache) and load it.
+
+    The compiler is ``CC`` (``CXX`` when any source is C++), run as a list of arguments, never
+    through a shell. Default flags are ``-O3 -fPIC -shared``; ``cflags`` follow them, so they
+    can override. Nothing ties the library to torch, but torch's version is part of the key
+    like everything else that may change the artefact.
+
+    :param name: op name; a C identifier-like string used in file names.
+    :param sources: C or C++ files.
+    :param cflags: extra compile flags (e.g. ``["-std=c11", "-DN=4"]``).
+    :param ldflags: extra link flags (e.g. ``["-lrt"]``), placed after the sources.
+    :param include_dirs: folders for ``-I``.
+    :param depends: headers or other files whose contents must be part of the key.
+    :param openmp: compile and link with ``-fopenmp``.
+    :param quiet: do not print build progress on stderr.
+    :returns: the loaded library (one ``ctypes.CDLL`` per key per process).
+    :raises OpBuildError: no compiler, no OpenMP when asked, unreadable sources, a failed
+        compile (with the command and the compiler's last lines), or a failed load.
+    """
+    key, compiler, flags, paths = _shared_library_plan(
+        name, sources, cflags, ldflags, include_dirs, depends, openmp
+    )
+    artefact_name = f"lib{name}.so"
+
+    def build(folder: Path) -> Path:
+        fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{artefact_name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            _run([compiler, *flags, *map(str, paths), "-o", str(tmp), *ldflags], name, folder)
+            final = folder / artefact_name
+            os.replace(tmp, final)  # atomic: a reader sees the old file or the whole new one
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        return final
+
+    def load(artefact: Path) -> ctypes.CDLL:
+        try:
+            return ctypes.CDLL(str(artefact))
+        except OSError as exc:
+            raise OpBuildError(f"op '{name}': built {artefact} but cannot load it: {exc}") from exc
+
+    lib: ctypes.CDLL = _build_or_load(key, build, load, quiet)
+    return lib
+
+
+def build_extension(
+    name: str,
+    sources: Sequence[str | os.PathLike[str]],
+    *,
+    cflags: Sequence[str] = (),
+    ldflags: Sequence[str] = (),
+    include_dirs: Sequence[str | os.PathLike[str]] = (),
+    depends: Sequence[str | os.PathLike[str]] = (),
+    quiet: bool = False,
+) -> ModuleType:
+    """Build a torch C++ extension (``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``) and import it.
+
+    Compiled by ``torch.utils.cpp_extension.load`` into the cache folder of its key, so it
+    gets exactly the flags and ABI torch expects; that path needs ``ninja``, which runs the
+    compile commands it is given through ``/bin/sh``. Later runs import the cached module
+    directly after checking its hash. Prefer :func:`build_shared_library` for code that only
+    needs raw buffers: it builds in about a second and runs no shell.
+
+    :param name: op name; the Python module is named ``<name>_<key prefix>``.
+    :param sources: C++ files.
+    :param cflags: extra compile flags; ``ldflags`` extra link flags; ``include_dirs`` for -I.
+    :param depends: files whose contents must be part of the key (headers).
+    :param quiet: do not print build progress.
+    :returns: the imported extension module.
+    :raises OpBuildError: no C++ compiler, no ninja, or a failed build or import.
+    """
+    paths = _sources(name, sources)
+    tc = toolchain()
+    if tc.cxx is None:
+        raise OpBuildError(f"op '{name}' needs a C++ compiler; install g++ or clang, or set CXX")
+    if tc.ninja is None:
+        raise OpBuildError(
+            f"op '{name}' is a torch C++ extension, which torch builds with ninja; "
+            "`pip install ninja` or install it from the system's packages"
+        )
+    flags = [*cflags, *(f"-I{Path(d).resolve()}" for d in include_dirs)]
+    key = make_key(
+        name,
+        "torch_extension",
+        [*paths, *(Path(d).resolve() for d in depends)],
+        [*flags, "--ld", *ldflags],
+        tc.cxx,
+        tc.cxx_version,
+    )
+    module_name = f"{name}_{key.digest[:12]}"
+    artefact_name = f"{module_name}.so"
+    built: dict[str, ModuleType] = {}
+
+    def build(folder: Path) -> Path:
+        from torch.utils import cpp_extension
+
+        env_cxx = os.environ.get("CXX")
+        os.environ["CXX"] = tc.cxx or "c++"
+        try:
+            built[module_name] = cpp_extension.load(
+                name=module_name,
+                sources=[str(p) for p in paths],
+                extra_cflags=list(flags),
+                extra_ldflags=list(ldflags),
+                build_directory=str(folder),
+                verbose=False,
+            )
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+            raise OpBuildError(
+                f"op '{name}' (torch extension) failed to build in {folder}:\n{_tail(str(exc))}"
+            ) from exc
+        finally:
+            if env_cxx is None:
+                os.environ.pop("CXX", None)
+            else:
+                os.environ["CXX"] = env_cxx
+        artefact = folder / artefact_name
+        if not artefact.is_file():
+            raise OpBuildError(f"op '{name}': torch reported success but {artefact} is missing")
+        return artefact
+
+    def load(artefact: Path) -> ModuleType:
+        # Importing the same single-phase extension twice re-runs its init; reuse torch's.
+        if module_name in built:
+            return built[module_name]
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        import torch  # noqa: F401  (the module links against libtorch, loaded by this import)
+
+        loader = importlib.machinery.ExtensionFileLoader(module_name, str(artefact))
+        spec = importlib.util.spec_from_file_location(module_name, artefact, loader=loader)
+        if spec is None:
+            raise OpBuildError(f"op '{name}': cannot import {artefact}")
+        module = importlib.util.module_from_spec(spec)
+        try:
+            loader.exec_module(module)
+        except ImportError as exc:
+            raise OpBuildError(f"op '{name}': cannot import {artefact}: {exc}") from exc
+        sys.modules[module_name] = module
+        return module
+
+    module: ModuleType = _build_or_load(key, build, load, quiet)
+    return module

@@ -1,0 +1,1 @@
+"""DeepSpeed's ``deepspeed.runtime`` import paths, for scripts that import from there."""

@@ -1,0 +1,69 @@
+"""What the engine's model states cost, counted from its own buffers (never from the
+process's resident set, which keeps freed small tensors; DESIGN §3)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ds_core.zero.partition import Mode
+
+if TYPE_CHECKING:  # the engine imports this module
+    from ds_core.zero.engine import ZeroEngine
+
+
+def model_state_bytes(engine: ZeroEngine) -> dict[str, int]:
+    """Bytes of this rank's model states, summed over the engine's own buffers.
+
+    Keys: ``params`` (full or partitioned parameters, padding included), ``master`` (fp32
+    masters that are separate copies; 0 when parameters are fp32 and serve as their own),
+    ``grads`` (persistent gradient accumulators; the reusable staging buffers of
+    ``reduce_bucket_size`` elements are apart, in ``reducer.staging_bytes()``), ``optimizer`` (optimizer state tensors),
+    ``total``. Gathered stage-3 parameters are transient and not counted.
+
+    With optimizer offload the masters and the optimizer state are on the host: ``master``
+    and ``optimizer`` count only what stays on the device (nothing), and ``host_master``,
+    ``host_grads`` (the fp32 ranges the host optimizer reads), ``host_staging`` (the
+    16-bit staging buffer), ``host_optimizer`` and ``host_total`` count the host side.
+    """
+    seen: set[int] = set()
+
+    def size(t: torch.Tensor | None) -> int:
+        if t is None or t.numel() == 0:
+            return 0
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return t.untyped_storage().nbytes()
+
+    params = sum(size(u.shard if u.mode is Mode.PARTITIONED else u.flat) for u in engine.units)
+    for zp in engine.zparams.values():
+        if zp.unit is None:
+            params += size(zp.param.data)
+    offload = engine.offload
+    master = sum(
+        size(zp.master.data)
+        for zp in engine._trainable
+        if zp.master is not None and (offload is None or not offload.holds(zp.unit))
+    )
+    grads = engine.reducer.nbytes()
+    opt = 0
+    for state in engine.optimizer.state.values() if engine.optimizer is not None else ():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:
+                opt += size(v)
+    out = {"params": params, "master": master, "grads": grads, "optimizer": opt}
+    if offload is not None:
+        host = offload.host_bytes()
+        out["optimizer"] = 0
+        out.update(
+            host_master=host["master"],
+            host_grads=host["grads"],
+            host_staging=host["staging"],
+            host_optimizer=opt,
+            host_total=host["master"] + host["grads"] + host["staging"] + opt,
+        )
+    out["total"] = params + master + grads + out["optimizer"]
+    return out

@@ -1,0 +1,171 @@
+"""DeepSpeed config keys that are not fields of :class:`~ds_core.zero.config.DSConfig`.
+
+Performance knobs that change no result in this design are accepted and named in one warning;
+keys that would change results but are not implemented are errors ("not supported yet"),
+unless set to their no-op value (``offload_optimizer.device: "none"``), which counts as a knob.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["NOT_YET", "dotted", "extra_keys", "strip_known_extras"]
+
+#: section path -> knobs that change no result in this design; accepted with one warning
+_IGNORED: dict[tuple[str, ...], frozenset[str]] = {
+    (): frozenset(
+        {
+            "wall_clock_breakdown",
+            "memory_breakdown",
+            "dump_state",
+            "flops_profiler",
+            "tensorboard",
+            "wandb",
+            "csv_monitor",
+            "comet",
+            "comms_logger",
+            "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer",
+            "aio",
+            "disable_allgather",
+            "timers",
+            "cuda_visible_devices",
+        }
+    ),
+    ("zero_optimization",): frozenset(
+        {
+            "contiguous_gradients",
+            "reduce_scatter",
+            "round_robin_gradients",
+            "sub_group_size",
+            "allgather_partitions",
+            "load_from_fp32_weights",
+            "elastic_checkpoint",
+            "ignore_unused_parameters",
+            "stage3_gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+            "use_multi_rank_bucket_allreduce",
+            "memory_efficient_linear",
+            "stage3_module_granularity_threshold",
+            "stage3_use_all_reduce_for_fetch_params",
+            "legacy_stage1",
+            "log_trace_cache_warnings",
+            "gather_16bit_weights_on_model_save",
+        }
+    ),
+    ("fp16",): frozenset({"fp16_master_weights_and_grads"}),
+    ("bf16",): frozenset({"immediate_grad_update"}),
+}
+
+NOT_YET = "not supported yet"
+
+#: section path -> keys that would change results and are not implemented
+_UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
+    (): frozenset(
+        {
+            "amp",
+            "data_types",
+            "sparse_attention",
+            "sparse_gradients",
+            "pipeline",
+            "compression_training",
+            "quantize_training",
+            "curriculum_learning",
+            "data_efficiency",
+            "elasticity",
+            "autotuning",
+            "checkpoint",
+            "hybrid_engine",
+            "tensor_parallel",
+            "sequence_parallel_size",
+            "seq_parallel_communication_data_type",
+            "eigenvalue",
+            "progressive_layer_drop",
+            "nebula",
+            "gradient_allreduce_op",
+            "fp32_allreduce",
+            "compile",
+        }
+    ),
+    ("zero_optimization",): frozenset(
+        {
+            "offload_param",
+            "cpu_offload_params",
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+            "zero_hpz_partition_size",
+            "mics_shard_size",
+            "mics_hierarchical_params_gather",
+            "zeropp_loco_param",
+            "pipeline_loading_checkpoint",
+        }
+    ),
+    ("fp16",): frozenset({"consecutive_hysteresis"}),
+    ("bf16",): frozenset({"bf16_master_weights_and_grads", "bf16_optimizer_states"}),
+}
+
+#: (section path, key) -> test that the value requests nothing (DeepSpeed's default / "off")
+_NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
+    ((), "fp32_allreduce"): lambda v: v is False,
+    ((), "sparse_gradients"): lambda v: v is False,
+    ((), "gradient_allreduce_op"): lambda v: v == "mean",
+    (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
+    (("zero_optimization",), "offload_param"): lambda v: _offload_off(v),
+    (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
+    ((), "amp"): lambda v: _disabled(v),
+    ((), "hybrid_engine"): lambda v: _disabled(v),
+    ((), "compile"): lambda v: isinstance(v, dict) and not any(x is True for x in v.values()),
+    # ds_core accumulates gradients in fp32 always: only that choice is a no-op.
+    ((), "data_types"): lambda v: (
+        isinstance(v, dict)
+        and set(v) <= {"grad_accum_dtype"}
+        and v.get("grad_accum_dtype") in (None, "fp32", "float32")
+    ),
+    (("bf16",), "bf16_master_weights_and_grads"): lambda v: v is False,
+    (("bf16",), "bf16_optimizer_states"): lambda v: v is False,
+}
+
+
+def _disabled(value: Any) -> bool:
+    """A section whose ``enabled`` is false (or absent: DeepSpeed's default is off)."""
+    return isinstance(value, dict) and value.get("enabled", False) is False
+
+
+def _offload_off(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, dict) and value.get("device", "none") in ("none", None)
+    )
+
+
+def dotted(path: tuple[str | int, ...]) -> str:
+    return ".".join(str(p) for p in path) or "<config>"
+
+
+def strip_known_extras(
+    raw: dict[str, Any], path: tuple[str, ...], ignored: list[str], errors: list[str]
+) -> dict[str, Any]:
+    """Remove ignored knobs and no-op values from one section, recording them."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        here = (*path, key)
+        if key in _IGNORED.get(path, frozenset()):
+            ignored.append(dotted(here))
+        elif key in _UNSUPPORTED.get(path, frozenset()):
+            no_op = _NO_OP_VALUES.get((path, key))
+            if no_op is not None and no_op(value):
+                ignored.append(dotted(here))
+            else:
+                errors.append(
+                    f"{dotted(here)}: {NOT_YET} (this key would change training results "
+                    f"and ds_core does not implement it); remove it"
+                )
+        else:
+            out[key] = value
+    return out
+
+
+def extra_keys(section: tuple[str, ...]) -> frozenset[str]:
+    """Keys of ``section`` that are not fields but are known (knobs and not-yet features)."""
+    return _IGNORED.get(section, frozenset()) | _UNSUPPORTED.get(section, frozenset())

@@ -1,0 +1,202 @@
+"""Optimizer offload (``zero_optimization.offload_optimizer.device = "cpu"``), stages 1-3.
+
+[Note: offload data path]
+Per unit (the engine's flat reduce/gather group), this rank's range lives on the host twice:
+``master`` (fp32, the masters the optimizer steps are views of it) and ``grad`` (fp32, what the
+host optimizer reads). Optimizer state is created by the optimizer on the host, next to the
+masters. At each window's boundary:
+
+1. where the reducer reduces every micro-batch (stages 2/3, stage 1 without accumulation),
+   each micro-batch's reduced range is added into the host ``grad`` as soon as its collective
+   completes (``GradReducer.attach_host``): the host accumulator, zeroed at each window's
+   start, changes after every micro-step and the device keeps no gradient accumulator;
+2. stage 1 with accumulation reduces once per window: that range is copied device -> host
+   into ``grad`` at the step (non-blocking into pinned memory where the backend has it, one
+   event ordering the host's reads after the copies). Parameters that got no gradient read as
+   zeros either way (the reducer zero-fills them before the collective);
+3. the optimizer steps on the host; ``DeepSpeedCPUAdam`` (the default with offload) takes the
+   unscale/average/clip multiplier in the same pass (``grad_scale``), any other optimizer
+   gets gradients already scaled on the device;
+4. each updated range goes host -> device: for 16-bit models through one reusable staging
+   buffer in the parameters' dtype, sized to the largest range (cast on the host, so the copy
+   moves 16-bit values), an event per copy ordering the buffer's reuse after it; for fp32
+   models straight from the master (no cast needed, so no staging copy).
+
+Then the engine's usual all-gather (stages 1/2) rebuilds full parameters; stage 3 keeps the
+range. On the CPU backend every copy is host to host and nothing is pinned (the backend
+declares ``pinned_memory`` absent), but the path is the same one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_core.accelerator import Accelerator
+from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
+from ds_core.zero.partition import FlatUnit
+
+log = logging.getLogger("ds_core.zero")
+
+__all__ = ["OptimizerOffload"]
+
+
+class _HostRange:
+    """One unit's host buffers: ``master`` and ``grad``, ``part`` fp32 elements each."""
+
+    __slots__ = ("grad", "master", "unit")
+
+    def __init__(self, unit: FlatUnit, master: torch.Tensor, grad: torch.Tensor) -> None:
+        self.unit, self.master, self.grad = unit, master, grad
+
+
+class OptimizerOffload:
+    """Owns the host side of optimizer offload (see [Note: offload data path]).
+
+    :param acc: the accelerator (capabilities, pinning, events).
+    :param pin_memory: the config's ``pin_memory``; honoured only where the backend declares
+        ``pinned_memory``.
+    """
+
+    def __init__(self, acc: Accelerator, pin_memory: bool) -> None:
+        self.acc = acc
+        self.pinned = bool(pin_memory) and "pinned_memory" in acc.capabilities
+        if pin_memory and not self.pinned:
+            log.info(
+                "offload_optimizer: backend '%s' does not declare pinned_memory; host buffers "
+                "are pageable and host<->device copies are synchronous",
+                acc.name,
+            )
+        self.ranges: list[_HostRange] = []
+        self._of: dict[int, _HostRange] = {}
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+
+    def _host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.zeros(numel, dtype=dtype, device="cpu")
+        return self.acc.pin_memory(t) if self.pinned else t
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def make_masters(self, units: Iterable[FlatUnit]) -> None:
+        """Allocate each unit's host range and point every trainable parameter's master at
+        its piece of it, initialised from the unit's current (device) values."""
+        with torch.no_grad():
+            for unit in units:
+                master = self._host(unit.part, torch.float32)
+                master.copy_(unit.owned())  # device -> host, cast to fp32 on the way
+                grad = self._host(unit.part, torch.float32)
+                hr = _HostRange(unit, master, grad)
+                self.ranges.append(hr)
+                self._of[id(unit)] = hr
+                for zp in unit.trainable:
+                    piece = slice(zp.shard_offset, zp.shard_offset + zp.shard_numel)
+                    zp.master = nn.Parameter(master[piece])
+                if unit.dtype == torch.float32:
+                    continue  # the master itself is the copy's source: no cast, no staging
+                staging = self._staging.get(unit.dtype)
+                if staging is None or staging.numel() < unit.part:
+                    self._staging[unit.dtype] = self._host(unit.part, unit.dtype)
+
+    def holds(self, unit: FlatUnit | None) -> bool:
+        """Whether ``unit``'s masters live on the host."""
+        return unit is not None and id(unit) in self._of
+
+    # -- host accumulation (the reducer calls these, see GradReducer.attach_host) -------------
+
+    def accumulate(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+        """Add one micro-batch's reduced range (device, any float dtype) into the host range."""
+        hr = self._of[id(unit)]
+        with torch.no_grad():
+            if reduced.device.type == "cpu" and reduced.dtype == torch.float32:
+                hr.grad.add_(reduced)
+            else:
+                hr.grad.add_(reduced.to("cpu", torch.float32))
+
+    def zero(self) -> None:
+        """Start an accumulation window: every host range reads zeros (parameters that get no
+        gradient in the window then contribute exact zeros)."""
+        for hr in self.ranges:
+            hr.grad.zero_()
+
+    def buffer(self, unit: FlatUnit) -> torch.Tensor:
+        """``unit``'s host gradient range (``part`` fp32 elements)."""
+        return self._of[id(unit)].grad
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def gradients_to_host(self, reduced: Iterable[tuple[FlatUnit, torch.Tensor]]) -> None:
+        """Copy each unit's reduced fp32 range (on the device) into its host ``grad`` and
+        point the masters' ``.grad`` at their pieces; returns after the copies landed."""
+        for unit, device_range in reduced:
+            hr = self._of.get(id(unit))
+            if hr is None:
+                continue
+            hr.grad.copy_(device_range, non_blocking=self.pinned)
+        if self.pinned:
+            done = self.acc.Event()
+            done.record()
+            done.synchronize()  # the host optimizer reads these buffers next
+        for hr in self.ranges:
+            for zp in hr.unit.trainable:
+                if zp.master is not None:
+                    zp.master.grad = hr.grad[zp.shard_offset : zp.shard_offset + zp.shard_numel]
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | None) -> None:
+        """Run the host optimizer; ``grad_scale`` is fused into ``DeepSpeedCPUAdam``'s pass
+        (``None``: the gradients were already scaled)."""
+
+        if isinstance(optimizer, DeepSpeedCPUAdam):
+            optimizer.step(grad_scale=1.0 if grad_scale is None else grad_scale)
+            return
+        if grad_scale is not None and grad_scale != 1.0:
+            for hr in self.ranges:
+                hr.grad.mul_(grad_scale)
+        optimizer.step()
+
+    def publish(self) -> None:
+        """Copy every updated host range into its unit's device range, through the staging
+        buffer of the parameters' dtype (cast on the host)."""
+        with torch.no_grad():
+            for hr in self.ranges:
+                unit = hr.unit
+                if unit.dtype == torch.float32:
+                    # The host master stays unchanged until the next step, whose gradient copy
+                    # waits for all queued work: this copy may run asynchronously.
+                    unit.owned().copy_(hr.master, non_blocking=self.pinned)
+                    continue
+                staging = self._staging[unit.dtype][: unit.part]
+                staging.copy_(hr.master)
+                unit.owned().copy_(staging, non_blocking=self.pinned)
+                if self.pinned:
+                    # The next range reuses the staging buffer: wait for this copy to read it.
+                    done = self.acc.Event()
+                    done.record()
+                    done.synchronize()
+
+    # -- accounting and teardown -----------------------------------------------------------------
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host bytes of the offload buffers: ``master``, ``grads`` (fp32 accumulators the
+        optimizer reads), ``staging``; optimizer state is counted by the engine."""
+        master = sum(hr.master.numel() * 4 for hr in self.ranges)
+        grads = sum(hr.grad.numel() * 4 for hr in self.ranges)
+        staging = sum(t.numel() * t.element_size() for t in self._staging.values())
+        return {"master": master, "grads": grads, "staging": staging}
+
+    def uses_fused_scale(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` takes the gradient multiplier in its own pass."""
+
+        return isinstance(optimizer, DeepSpeedCPUAdam)
+
+    def release(self) -> None:
+        """Drop every host buffer (engine teardown)."""
+        for hr in self.ranges:
+            for zp in hr.unit.trainable:
+                zp.master = None
+        self.ranges.clear()
+        self._of.clear()
+        self._staging.clear()

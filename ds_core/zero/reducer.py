@@ -1,0 +1,432 @@
+"""The gradient path: from autograd's hooks to the fp32 gradient each rank's optimizer reads.
+
+[Note: streaming reduction]
+Each parameter's post-accumulate-grad hook copies its gradient into its unit's staging buffer
+and drops it, so no full gradient outlives that copy. When every trainable parameter of a unit
+has arrived, the unit's collective is issued at once — on a side stream from the stream hooks,
+ordered after the producing stream by an event — while autograd goes on with the layers below.
+Units are issued strictly in one fixed order on every rank (a unit that completes early waits
+for the ones before it), so ranks whose backward skips a parameter still pair their
+collectives; whatever is incomplete when backward returns is issued then, zeros standing in for
+the missing gradients. Handles are waited for, and their buffers reused or read, only after
+their ``wait()`` (the comm hookspec's ordering contract).
+
+Per stage, chosen once at construction (:class:`_Policy`):
+
+- stage 0 and stage 1 with accumulation: every micro-batch's gradient is added into a full fp32
+  accumulator per unit; the last micro-batch of the window issues the all-reduce (stage 0) or
+  reduce-scatter (stage 1) during its backward;
+- stage 2, stage 3, and stage 1 without accumulation: every micro-batch reduce-scatters through
+  one of a few reusable staging buffers (two with ``overlap_comm``, double-buffering), and the
+  reduced range is added into a persistent fp32 accumulator of ``part`` elements per unit.
+
+Gradients are summed across ranks with DeepSpeed's scaling: ``prescale_gradients`` divides by the
+world size before the collective, else ``gradient_predivide_factor`` divides before and the
+engine multiplies by ``factor / world`` at the step (:attr:`GradReducer.post_scale`), so the
+optimizer sees the mean.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds_core.accelerator import Accelerator
+from ds_core.types import Work
+from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
+
+#: elements per fp32 partial norm in :func:`_sum_of_squares`.
+_NORM_CHUNK = 1 << 16
+
+
+def _sum_of_squares(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sum of squares of ``buf``'s elements, accumulated in ``dtype``.
+
+    fp32 norms of 64 Ki-element chunks, their squares summed in ``dtype``: one fp32 norm over
+    a whole-model buffer drifts (4e-3 relative at 57 M elements on one CPU thread), and a
+    ``dtype=float64`` norm copies the buffer to float64 first (8 bytes an element, ~30x the
+    time; bench/README.md). Chunking keeps fp32 speed with ~1e-7 relative error.
+    """
+    flat = buf.reshape(-1)
+    whole = flat.numel() // _NORM_CHUNK * _NORM_CHUNK
+    partial = torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_CHUNK), 2, dim=1)
+    total: torch.Tensor = partial.to(dtype).square().sum()
+    if whole < flat.numel():
+        total = total + torch.linalg.vector_norm(flat[whole:], 2).to(dtype).square()
+    return total
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """What differs between stages, decided once."""
+
+    #: all-reduce (stage 0) instead of reduce-scatter.
+    all_reduce: bool
+    #: accumulate full gradients locally and reduce only on the window's last micro-batch.
+    local_accumulation: bool
+    #: keep the reduced range across micro-batches (else it lives only during the step).
+    persistent_shard: bool
+
+
+def policy_for(stage: int, gas: int) -> _Policy:
+    """The gradient policy of a ZeRO stage with ``gas`` accumulation steps."""
+    if stage == 0:
+        return _Policy(all_reduce=True, local_accumulation=True, persistent_shard=False)
+    if stage == 1 and gas > 1:
+        return _Policy(all_reduce=False, local_accumulation=True, persistent_shard=False)
+    return _Policy(all_reduce=False, local_accumulation=False, persistent_shard=True)
+
+
+class _UnitGrads:
+    """One unit's gradient buffers (ownership as described in [Note: streaming reduction])."""
+
+    __slots__ = ("arrived", "local", "opened", "reduced", "staging", "touched", "unit")
+
+    def __init__(self, unit: FlatUnit) -> None:
+        self.unit = unit
+        #: full fp32 accumulator (local-accumulation policies; stage 0 reduces it in place).
+        self.local: torch.Tensor | None = None
+        #: this rank's reduced fp32 range (``part`` elements; stage 0: ``local`` itself).
+        self.reduced: torch.Tensor | None = None
+        #: the pooled staging buffer this micro-batch's gradients are copied into (streaming
+        #: policy; the unit uses its first ``padded`` elements).
+        self.staging: torch.Tensor | None = None
+        #: whether a reduction into ``reduced`` was issued in this window (later ones add).
+        self.opened = False
+        #: parameters whose gradient arrived in this backward (or, locally, in this window).
+        self.touched: set[int] = set()
+        self.arrived = 0
+
+
+class GradReducer:
+    """Owns every gradient buffer and collective of the engine's backward.
+
+    :param units: the units holding trainable parameters, in the fixed issue order.
+    :param world: data-parallel world size: gradients are averaged over it (experts too, so
+        every token of the global batch weighs the same).
+    :param stage: ZeRO stage (0-3).
+    :param gas: gradient accumulation steps.
+    :param acc: the accelerator (collectives, streams, events).
+    :param comm_dtype: dtype gradients are reduced in (accumulation is always fp32).
+    :param prescale: DeepSpeed's ``prescale_gradients``.
+    :param predivide: DeepSpeed's ``gradient_predivide_factor``.
+    :param overlap: ``overlap_comm``: asynchronous collectives on a side stream.
+    """
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        world: int,
+        stage: int,
+        gas: int,
+        acc: Accelerator,
+        comm_dtype: torch.dtype,
+        prescale: bool,
+        predivide: float,
+        overlap: bool,
+    ) -> None:
+        self.policy = policy_for(stage, gas)
+        self.world = world
+        self.acc = acc
+        self.device = acc.device()
+        self.comm_dtype = comm_dtype
+        self.overlap = overlap
+        self.units = [_UnitGrads(u) for u in units if u.trainable]
+        self._of: dict[int, _UnitGrads] = {
+            id(zp): ug for ug in self.units for zp in ug.unit.trainable
+        }
+        #: multiplier applied before the collective, and the one the step applies after.
+        self.pre_scale = 1.0 / world if prescale else 1.0 / predivide
+        self.post_scale = 1.0 if prescale else predivide / world
+        if self.policy.local_accumulation:
+            for ug in self.units:
+                ug.local = torch.zeros(ug.unit.padded, dtype=torch.float32, device=self.device)
+                if self.policy.all_reduce:
+                    ug.reduced = ug.local
+        else:
+            for ug in self.units:
+                ug.reduced = torch.zeros(ug.unit.part, dtype=torch.float32, device=self.device)
+        capacity = max((ug.unit.padded for ug in self.units), default=0)
+        self._capacity = capacity
+        self._pool: list[torch.Tensor] = []
+        if not self.policy.local_accumulation:
+            count = 2 if overlap else 1
+            self._pool = [
+                torch.empty(capacity, dtype=comm_dtype, device=self.device) for _ in range(count)
+            ]
+        self._free: deque[torch.Tensor] = deque(self._pool)
+        #: collectives in flight, oldest first: (unit, handle, output, staging, first_write).
+        self._inflight: deque[tuple[_UnitGrads, Work, torch.Tensor, torch.Tensor | None, bool]]
+        self._inflight = deque()
+        self._stream = acc.Stream() if overlap else None
+        #: optimizer offload's host accumulators (see :meth:`attach_host`), or ``None``.
+        self.host: Any = None
+        #: reduce this backward (else accumulate locally).
+        self.reducing = True
+        #: the next unit index to issue in this backward.
+        self._cursor = 0
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def begin_backward(self, boundary: bool) -> None:
+        """Called before each backward; ``boundary``: the micro-batch ends the window."""
+        self.reducing = boundary or not self.policy.local_accumulation
+        self._cursor = 0
+        for ug in self.units:
+            ug.arrived = 0
+            if self.reducing and self.policy.all_reduce and ug.opened and ug.local is not None:
+                # A second reducing backward in one window (a GAN's two discriminator
+                # losses): the all-reduce works in place, so the first result is set aside
+                # and added back when the second completes.
+                self.finish()
+                ug.reduced = ug.local.clone()
+            if not self.policy.local_accumulation:
+                ug.touched.clear()
+
+    def on_grad(self, zp: ZeroParam, grad: torch.Tensor) -> None:
+        """The post-accumulate-grad hook: take ``grad`` into the unit's buffer."""
+        ug = self._of[id(zp)]
+        unit = ug.unit
+        src = grad.detach().reshape(-1)
+        if self.policy.local_accumulation:
+            assert ug.local is not None
+            dst = ug.local[zp.offset : zp.offset + zp.numel]
+            if id(zp) in ug.touched:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
+                ug.touched.add(id(zp))
+        else:
+            if ug.staging is None:
+                ug.staging = self._acquire()
+            ug.staging[zp.offset : zp.offset + zp.numel].copy_(src)
+            ug.touched.add(id(zp))
+        if self.reducing:
+            ug.arrived += 1
+            if ug.arrived == len(unit.trainable):
+                self._issue_ready()
+
+    def end_backward(self) -> None:
+        """Issue every unit not issued yet (parameters without a gradient count as zeros)."""
+        if not self.reducing:
+            return
+        while self._cursor < len(self.units):
+            ug = self.units[self._cursor]
+            if not self.policy.local_accumulation and ug.staging is None:
+                ug.staging = self._acquire()
+            self._issue(ug)
+            self._cursor += 1
+        if not self.overlap:
+            self.finish()
+
+    def _issue_ready(self) -> None:
+        while self._cursor < len(self.units):
+            ug = self.units[self._cursor]
+            if ug.arrived < len(ug.unit.trainable):
+                return
+            self._issue(ug)
+            self._cursor += 1
+
+    def _acquire(self) -> torch.Tensor:
+        while not self._free and self._inflight:
+            self._complete_oldest()
+        if not self._free:
+            # Every buffer is held by a unit waiting for an earlier one (gradients arriving
+            # out of the issue order): grow the pool rather than stall; it stays this size.
+            extra = torch.empty(self._capacity, dtype=self.comm_dtype, device=self.device)
+            self._pool.append(extra)
+            return extra
+        return self._free.popleft()
+
+    def _issue(self, ug: _UnitGrads) -> None:
+        unit = ug.unit
+        full = ug.local if self.policy.local_accumulation else ug.staging
+        assert full is not None
+        buf = full[: unit.padded]
+        for zp in unit.trainable:
+            if id(zp) not in ug.touched:  # no gradient reached it: it contributes zeros
+                buf[zp.offset : zp.offset + zp.numel].zero_()
+        buf[unit.numel :].zero_()
+        if self.policy.local_accumulation:
+            ug.touched.clear()
+        pre = self.pre_scale
+        send = buf
+        if self.policy.local_accumulation and self.comm_dtype != torch.float32:
+            send = buf.to(self.comm_dtype)
+        if pre != 1.0:
+            send.mul_(pre)
+        first = not ug.opened
+        ug.opened = True
+        if self.policy.all_reduce:
+            out = send
+        elif (
+            first
+            and self.policy.persistent_shard
+            and self.comm_dtype == torch.float32
+            and self.host is None
+        ):
+            assert ug.reduced is not None
+            out = ug.reduced  # the window's first contribution lands in place
+        else:
+            out = torch.empty(unit.part, dtype=self.comm_dtype, device=self.device)
+        handle = self._collective(unit, out, send)
+        self._inflight.append((ug, handle, out, ug.staging, first))
+        ug.staging = None
+        if not self.overlap:
+            self._complete_oldest()
+
+    def _collective(self, unit: FlatUnit, out: torch.Tensor, send: torch.Tensor) -> Work:
+        acc = self.acc
+        if self._stream is None:
+            if self.policy.all_reduce:
+                return acc.all_reduce(out, "sum", unit.group, False)
+            return acc.reduce_scatter(out, send, "sum", unit.group, False)
+        ready = acc.Event()
+        ready.record()  # on the producing (current) stream
+        with acc.stream(self._stream):
+            self._stream.wait_event(ready)
+            if self.policy.all_reduce:
+                return acc.all_reduce(out, "sum", unit.group, True)
+            return acc.reduce_scatter(out, send, "sum", unit.group, True)
+
+    def _complete_oldest(self) -> None:
+        ug, handle, out, staging, first = self._inflight.popleft()
+        handle.wait()  # orders the current stream after the collective
+        if staging is not None:
+            self._free.append(staging)
+        if self.policy.all_reduce:
+            assert ug.local is not None
+            if out is not ug.local:
+                ug.local.copy_(out)
+            if ug.reduced is not None and ug.reduced is not ug.local:
+                ug.local.add_(ug.reduced)
+                ug.reduced = ug.local
+            return
+        if self.host is not None:
+            self.host.accumulate(ug.unit, out)  # optimizer offload: the window sums on the host
+            return
+        if ug.reduced is None:  # stage 1 with accumulation: the range lives during the step
+            ug.reduced = out if out.dtype == torch.float32 else out.float()
+        elif out is not ug.reduced:
+            if first and self.policy.persistent_shard:
+                ug.reduced.copy_(out)
+            else:
+                ug.reduced.add_(out)
+
+    def finish(self) -> None:
+        """Wait for every collective in flight and fold its result in; idempotent."""
+        while self._inflight:
+            self._complete_oldest()
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def grad(self, zp: ZeroParam) -> torch.Tensor:
+        """This rank's reduced fp32 gradient of ``zp`` (full-shaped at stage 0, else its
+        flat piece). Valid after :meth:`finish` at the window's end."""
+        ug = self._of[id(zp)]
+        if zp.mode is Mode.REPLICATED:
+            assert ug.local is not None
+            return ug.local[zp.offset : zp.offset + zp.numel].view(zp.shape)
+        if ug.reduced is None:
+            raise RuntimeError(f"the gradient of {zp.name} was read before it was reduced")
+        return ug.reduced[zp.shard_offset : zp.shard_offset + zp.shard_numel]
+
+    def reduced_buffers(self) -> Iterator[torch.Tensor]:
+        """This rank's reduced gradients that count in the global norm: a replicated unit
+        counts only on its group's first rank, so each element counts once in the world."""
+        if self.host is not None:
+            for ug in self.units:
+                yield self.host.buffer(ug.unit)
+            return
+        for ug in self.units:
+            if ug.reduced is not None and (not self.policy.all_reduce or ug.unit.group_rank == 0):
+                yield ug.reduced
+
+    def global_norm(self, dtype: torch.dtype) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients, as a 0-dim ``dtype`` device tensor (one
+        all-reduce over the world; never read on the host here)."""
+        total = torch.zeros((), dtype=dtype, device=self.device)
+        for buf in self.reduced_buffers():
+            total += _sum_of_squares(buf, dtype).to(self.device)  # host buffers under offload
+        if self.world > 1:
+            # Every range and expert is held by exactly one rank (replicas are counted on the
+            # group's first rank only), so the sum over the world counts each once.
+            self.acc.all_reduce(total, "sum", None)
+        return total.sqrt()
+
+    def attach_host(self, host: Any) -> bool:
+        """Optimizer offload: sum each micro-batch's reduced range straight into ``host``'s
+        accumulators and keep none on the device (persistent-shard policy only; stage 1 with
+        accumulation reduces once per window and hands its range over at the step).
+
+        ``host`` provides ``accumulate(unit, reduced)`` (after every collective),
+        ``zero()`` (each window's start) and ``buffer(unit)`` (the host range, for the norm),
+        and must hold every unit. Returns whether it was attached.
+        """
+        if not self.policy.persistent_shard or not all(host.holds(ug.unit) for ug in self.units):
+            return False
+        self.finish()
+        self.host = host
+        for ug in self.units:
+            ug.reduced = None  # the device accumulators are not needed any more
+        host.zero()
+        return True
+
+    def reduced_ranges(self) -> Iterator[tuple[FlatUnit, torch.Tensor]]:
+        """Each partitioned unit with this rank's reduced fp32 range (``part`` elements), for
+        optimizer offload. Valid after :meth:`finish` at the window's end."""
+        for ug in self.units:
+            if ug.reduced is not None and not self.policy.all_reduce:
+                yield ug.unit, ug.reduced
+
+    def scale_(self, factor: float | torch.Tensor) -> None:
+        """Multiply every reduced gradient by ``factor`` (a float or a 0-dim device tensor)."""
+        for ug in self.units:
+            if ug.reduced is None:
+                continue
+            ug.reduced.mul_(factor)
+
+    def zero(self) -> None:
+        """Drop every accumulated gradient (after a step, a skipped step, or ``zero_grad``)."""
+        self.finish()
+        if self.host is not None:
+            self.host.zero()  # the next window starts from zeros on the host
+        for ug in self.units:
+            ug.opened = False
+            ug.touched.clear()
+            ug.arrived = 0
+            if ug.staging is not None:
+                self._free.append(ug.staging)
+                ug.staging = None
+            if self.policy.local_accumulation and not self.policy.all_reduce:
+                ug.reduced = None
+            elif self.policy.persistent_shard and ug.reduced is not None:
+                ug.reduced.zero_()  # a bucket nobody reduces this window must read as zeros
+
+    def nbytes(self) -> int:
+        """Bytes of the persistent gradient buffers (accumulators; staging counted apart)."""
+        total = 0
+        for ug in self.units:
+            if ug.local is not None:
+                total += ug.local.numel() * 4
+            elif self.policy.persistent_shard and ug.reduced is not None:
+                total += ug.reduced.numel() * 4
+        return total
+
+    def staging_bytes(self) -> int:
+        """Bytes of the reusable staging buffers (bounded by ``reduce_bucket_size``)."""
+        return sum(b.numel() * b.element_size() for b in self._pool)
+
+    def release(self) -> None:
+        """Free every buffer (engine teardown)."""
+        self.finish()
+        for ug in self.units:
+            ug.local = ug.reduced = ug.staging = None
+        self._pool.clear()
+        self._free.clear()
+        self.units.clear()
+        self._of.clear()

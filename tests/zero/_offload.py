@@ -1,0 +1,201 @@
+"""Rank jobs of the optimizer-offload suite (``python -m tests.zero._worker offload 2 DIR``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from tests.zero._common import (
+    IN,
+    LR,
+    MICRO,
+    MLP,
+    Scenario,
+    TinyNet,
+    batches,
+    global_names,
+    load_reference,
+    make_optimizer,
+    reference_state,
+)
+
+
+@dataclass
+class OffloadScenario(Scenario):
+    offload: bool = True
+    pin: bool = True
+    legacy: bool = False  # DeepSpeed's old spelling: zero_optimization.cpu_offload = true
+    config_optimizer: bool = True  # the config's AdamW (DeepSpeedCPUAdam under offload)
+    bf16: bool = False
+
+    def config(self) -> dict[str, Any]:
+        cfg = super().config()
+        if self.offload and self.legacy:
+            cfg["zero_optimization"]["cpu_offload"] = True
+        elif self.offload:
+            cfg["zero_optimization"]["offload_optimizer"] = {
+                "device": "cpu",
+                "pin_memory": self.pin,
+            }
+        if self.config_optimizer:
+            # torch.optim.AdamW's defaults, which the reference uses.
+            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}
+        if self.bf16:
+            cfg["bf16"] = {"enabled": True}
+        return cfg
+
+
+def scenarios() -> dict[str, OffloadScenario]:
+    out: dict[str, OffloadScenario] = {}
+    for stage in (1, 2, 3):
+        out[f"s{stage}_gas1"] = OffloadScenario(stage=stage, world=2, gas=1, steps=6)
+        out[f"s{stage}_gas4"] = OffloadScenario(stage=stage, world=2, gas=4, steps=4)
+        out[f"s{stage}_gas1_plain"] = OffloadScenario(
+            stage=stage, world=2, gas=1, steps=6, offload=False
+        )
+        out[f"s{stage}_gas4_plain"] = OffloadScenario(
+            stage=stage, world=2, gas=4, steps=4, offload=False
+        )
+        out[f"s{stage}_explicit"] = OffloadScenario(
+            stage=stage, world=2, gas=3, explicit_boundary=True, steps=3
+        )
+        out[f"s{stage}_sometimes"] = OffloadScenario(stage=stage, world=2, sometimes=True, steps=4)
+    out["s2_torch_optimizer"] = OffloadScenario(stage=2, world=2, config_optimizer=False)
+    out["s2_legacy"] = OffloadScenario(stage=2, world=2, legacy=True, steps=3)
+    out["s3_overlap"] = OffloadScenario(stage=3, world=2, overlap=True, steps=4)
+    out["s2_unpinned"] = OffloadScenario(stage=2, world=2, pin=False, steps=3)
+    return out
+
+
+def train(sc: OffloadScenario) -> dict[str, Any]:
+    import ds_core
+    from ds_core import comm
+
+    rank = comm.get_rank()
+    torch.manual_seed(1234 + rank)  # engine start must broadcast rank 0's values
+    model = TinyNet(sc.ep_size)
+    if rank == 0:
+        load_reference(model, reference_state())
+    optimizer = None if sc.config_optimizer else make_optimizer(model.parameters())
+    engine, opt, _, _ = ds_core.initialize(model=model, optimizer=optimizer, config=sc.config())
+    if sc.explicit_boundary:
+        engine.set_gradient_accumulation_boundary(True)
+    losses, norms, host_grad_changes = [], [], []
+    sl = slice(rank * MICRO, (rank + 1) * MICRO)
+    for step in batches(sc.steps, sc.gas, sc.world):
+        for micro, (x, y) in enumerate(step):
+            extra = torch.ones(MICRO) if sc.sometimes and micro == 0 else None
+            loss = F.mse_loss(engine(x[sl], extra), y[sl])
+            engine.backward(loss)
+            if engine.offload is not None:  # what the host accumulator holds now
+                host_grad_changes.append(
+                    sum(float(r.grad.abs().sum()) for r in engine.offload.ranges)
+                )
+            if not sc.explicit_boundary:
+                engine.step()
+            losses.append(loss.item())
+        if sc.explicit_boundary:
+            engine.step()
+        norms.append(engine.last_grad_norm)
+    engine.eval()
+    probe = torch.randn(6, IN, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        eval_out = engine(probe)
+    masters = {
+        zp.name: zp.master.detach().clone() for zp in engine._trainable if zp.master is not None
+    }
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "state": global_names(model, engine.gathered_state_dict()),
+        "eval_out": eval_out,
+        "masters": masters,
+        "master_devices": sorted({str(m.device) for m in masters.values()}),
+        "optimizer": type(opt).__name__,
+        "state_devices": sorted(
+            {str(v.device) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)}
+        ),
+        "bytes": engine.model_state_bytes(),
+        "pinned": engine.offload.pinned if engine.offload is not None else None,
+        "host_grad_sums": host_grad_changes,  # after every backward
+        "host_accumulates": engine.reducer.host is not None,
+    }
+    engine.destroy()
+    return out
+
+
+def bf16_pair(stage: int) -> Callable[[], dict[str, Any]]:
+    """bf16 model, offload and not, same data: the fp32 masters must agree, and an update too
+    small for bf16 must survive in the host master (fp32 host state keeps its precision)."""
+
+    def run() -> dict[str, Any]:
+        import ds_core
+
+        out: dict[str, Any] = {}
+        for offload in (False, True):
+            torch.manual_seed(0)
+            model = MLP(32, 3)
+            cfg = OffloadScenario(stage=stage, world=2, gas=2, offload=offload, bf16=True).config()
+            cfg["optimizer"]["params"]["lr"] = 1e-5  # updates far below bf16's resolution of 1
+            engine, _, _, _ = ds_core.initialize(model=model, config=cfg)
+            start = {zp.name: zp.master.detach().clone() for zp in engine._trainable}
+            for _ in range(3):
+                for _ in range(2):
+                    x = torch.randn(MICRO, 32, generator=torch.Generator().manual_seed(3))
+                    engine.backward(engine(x.bfloat16()).float().pow(2).mean())
+                    engine.step()
+            out["offload" if offload else "plain"] = {
+                "start": start,
+                "masters": {zp.name: zp.master.detach().clone() for zp in engine._trainable},
+                "bytes": engine.model_state_bytes(),
+                "psi": sum(zp.numel for zp in engine._trainable),
+                "parts": sum(zp.shard_numel for zp in engine._trainable),
+            }
+            engine.destroy()
+        return out
+
+    return run
+
+
+def teardown() -> dict[str, Any]:
+    """20 offload engines built, stepped and destroyed: how many of their host buffers (masters,
+    gradient ranges, staging, optimizer state) are still alive after each ``destroy()``."""
+    import gc
+    import weakref
+
+    import ds_core
+
+    alive = []
+    for _ in range(20):
+        torch.manual_seed(0)
+        model = MLP(32, 3)
+        cfg = OffloadScenario(stage=2, world=2, gas=1, bf16=True).config()
+        engine, opt, _, _ = ds_core.initialize(model=model, config=cfg)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(MICRO, 32).bfloat16()).float().pow(2).mean())
+            engine.step()
+        assert engine.offload is not None
+        buffers = [t for r in engine.offload.ranges for t in (r.master, r.grad)]
+        buffers += list(engine.offload._staging.values())
+        buffers += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        refs = [weakref.ref(t) for t in buffers]
+        del buffers
+        engine.destroy()
+        del engine, opt, model
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))
+    return {"alive": alive, "tracked": len(refs)}
+
+
+def jobs(world: int) -> dict[str, Callable[[], dict[str, Any]]]:
+    out: dict[str, Callable[[], dict[str, Any]]] = {
+        name: (lambda sc=sc: train(sc)) for name, sc in scenarios().items()
+    }
+    for stage in (1, 2, 3):
+        out[f"bf16_s{stage}"] = bf16_pair(stage)
+    out["teardown"] = teardown
+    return out

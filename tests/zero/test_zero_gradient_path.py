@@ -1,0 +1,85 @@
+"""The gradient path (issue 9): stream-ordered ownership, no host reads in a step, gradient
+memory bounded by buckets, DeepSpeed's reduction keys, and the stage-3 gather limits.
+
+Ownership: every stage scenario re-runs with a plugin whose asynchronous collectives do their
+work only at ``wait()`` (``tests/zero/_lazy.py``) and must still equal single-process PyTorch
+at the equivalence tests' tolerance. Host reads are counted with a dispatch mode catching
+``aten._local_scalar_dense``/``is_nonzero`` inside ``backward`` + ``step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tests.zero._gradpath import COMM_DTYPE, LAZY
+from tests.zero._worker import stage_scenarios
+from tests.zero.conftest import SuiteResults
+from tests.zero.test_zero_stages import check_against_reference
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name", LAZY)
+def test_engine_waits_before_reading_or_reusing_any_collective_buffer(
+    suite: Callable[[str, int], SuiteResults], name: str
+) -> None:
+    ranks = suite("gradpath", 2).ranks(f"lazy_{name}")
+    if name.endswith("overlap") or name.startswith("s3"):
+        assert ranks[0]["deferred"] > 0, "the scenario issued no asynchronous collective"
+    check_against_reference(stage_scenarios(2)[name], ranks)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_reads_nothing_from_the_device_without_an_overflow_check(
+    suite: Callable[[str, int], SuiteResults], stage: int
+) -> None:
+    for res in suite("gradpath", 2).ranks("host_reads"):
+        assert res[f"fp32_s{stage}"] == [0, 0], "fp32 with clipping: no host read per step"
+        # bf16 and fp16 check for overflow (DeepSpeed's skip): one flag read per step
+        assert res[f"bf16_s{stage}"] == [1, 1]
+        assert res[f"fp16_s{stage}"] == [1, 1]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_memory_during_backward_is_bounded_by_buckets_not_the_model(
+    suite: Callable[[str, int], SuiteResults], stage: int
+) -> None:
+    for res in suite("resident", 2).ranks("grad_peak"):
+        got = res[f"s{stage}"]
+        # autograd's gradient of the layer being reduced plus the next one's, and one bucket's
+        # reduce-scatter output; a path keeping full gradients until the end of backward would
+        # grow by at least psi (8 layers' worth here)
+        bound = 3 * got["largest"]
+        assert got["peak"] <= bound, (
+            f"stage {stage}: resident grew {got['peak'] / 2**20:.1f} MiB during backward, "
+            f"bound {bound / 2**20:.1f} MiB (full gradient {got['psi'] / 2**20:.1f} MiB)"
+        )
+
+
+def test_stage3_live_and_reuse_limits_hold(suite: Callable[[str, int], SuiteResults]) -> None:
+    for res in suite("gradpath", 2).ranks("limits"):
+        unit = res["unit"]
+        # without limits, prefetch keeps the next module and `shared` stays for its reuse
+        assert res["default"]["peak"] > 2 * unit
+        assert res["live2"]["peak"] <= 2 * unit + unit  # the limit plus one needed unit
+        # `shared` runs twice per forward: gathered twice when always released, once when its
+        # reuse lies within the distance (4 middle units away); 6 gathers vs 5 in all
+        assert res["reuse0"]["forward_gathers"] == 6
+        assert res["reuse_far"]["forward_gathers"] == 5
+
+
+@pytest.mark.parametrize("name", sorted(COMM_DTYPE))
+def test_16_bit_gradient_reduction_matches_the_reference_within_its_precision(
+    suite: Callable[[str, int], SuiteResults], name: str
+) -> None:
+    ranks = suite("gradpath", 2).ranks(name)
+    sc = COMM_DTYPE[name]
+    dtype = "torch.bfloat16" if "bf16" in name else "torch.float16"
+    assert dtype in ranks[0]["dtypes"], ranks[0]["dtypes"]
+    # each rank's gradient is rounded once to the reduction dtype (bf16: 2^-8 relative,
+    # fp16: 2^-11) before the sum; over 10 AdamW steps the parameters drift by a few
+    # roundings of the update
+    tol = 2e-2 if "bf16" in name else 4e-3
+    check_against_reference(sc, ranks, rtol=tol, atol=tol)
