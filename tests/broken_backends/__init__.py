@@ -154,7 +154,7 @@ BROKEN: dict[str, tuple[str, str, str]] = {
 NARROW: dict[str, tuple[str, ...]] = {
     stem: ("-k", "w4" if must.endswith("-w4]") else "w2")
     for stem, (category, must, _) in BROKEN.items()
-    if category == "comm" and stem != "reduce_scatter_wrong_shard"
+    if category == "comm"
 }
 
 _IDENTITY = """

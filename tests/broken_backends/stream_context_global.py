@@ -10,7 +10,7 @@ from ds_backend_cpu.plugin import *  # noqa: F403 - every cpu hook, re-exported
 from ds_core import hookimpl
 from ds_core.types import BackendInfo  # noqa: F401 - used by the identity appended on install
 
-_stack: list[Any] = []
+_stack: list[Any] = []  # the bug: one stack for the process, not one per thread
 
 
 @contextlib.contextmanager
@@ -29,4 +29,4 @@ def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
 
 @hookimpl
 def ds_stream_current(index: int | None) -> Any:
-    return _stack[-1] if _stack else _cpu._default_stream
+    return _stack[-1] if _stack else _cpu.ds_stream_default(index)
