@@ -135,7 +135,9 @@ class SimpleOpProvider:
 
 @runtime_checkable
 class Work(Protocol):
-    """Handle of a collective; ``wait()`` blocks until the result is visible to the caller."""
+    """Handle of a collective. ``wait()`` makes the result visible to work the caller issues
+    next: it blocks the host, or on backends with ``async_streams`` orders the current stream
+    after the collective (the contract in :mod:`ds_core.hookspecs.comm`)."""
 
     def wait(self) -> Any: ...
 
