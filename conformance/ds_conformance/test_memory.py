@@ -32,31 +32,40 @@ def _free(acc: Any) -> None:
 
 @hooks("ds_memory_allocated", "ds_memory_empty_cache")
 def test_allocated_grows_with_a_tensor_and_falls_when_freed(acc: Any) -> None:
-    _free(acc)
-    before = acc.memory_allocated()
-    t = _alloc(acc, SIZE)
-    during = acc.memory_allocated()
+    # The figure is process-wide: another thread of the run releasing memory at the same
+    # moment can hide one allocation, so the best of three attempts is judged. A backend that
+    # reports a frozen or wrongly scaled figure fails all three.
+    attempts = []
+    for _ in range(3):
+        _free(acc)
+        before = acc.memory_allocated()
+        t = _alloc(acc, SIZE)
+        during = acc.memory_allocated()
+        del t
+        _free(acc)
+        after = acc.memory_allocated()
+        attempts.append((during - before, during - after))
+        if during - before >= SIZE // 2 and during - after >= SIZE // 2:
+            break
+    grew = max(g for g, _ in attempts)
     check(
-        during - before >= SIZE // 2,
+        grew >= SIZE // 2,
         "memory_allocated() growth (bytes)",
-        during - before,
+        grew,
         f"≥ {SIZE // 2} after allocating {SIZE}",
         "ds_memory_allocated",
     )
     check(
-        during - before <= SIZE * 3 // 2 + 16 * MiB,
+        all(g <= SIZE * 3 // 2 + 16 * MiB for g, _ in attempts),
         "memory_allocated() growth (bytes)",
-        during - before,
+        max(g for g, _ in attempts),
         f"≤ {SIZE * 3 // 2 + 16 * MiB} after allocating {SIZE} (bytes, not a larger unit)",
         "ds_memory_allocated",
     )
-    del t
-    _free(acc)
-    after = acc.memory_allocated()
     check(
-        during - after >= SIZE // 2,
+        max(d for _, d in attempts) >= SIZE // 2,
         "memory_allocated() drop (bytes)",
-        during - after,
+        max(d for _, d in attempts),
         f"≥ {SIZE // 2} after freeing {SIZE}",
         "ds_memory_allocated + empty_cache",
     )
