@@ -136,8 +136,11 @@ class ParamCoordinator:
         #: module -> its last index in the trace (where backward prefetch starts from).
         self.last_position: dict[nn.Module, int] = {}
         self.trace_done = False
+        #: recording the trace: only inside the engine's first forward, so modules called
+        #: directly (outside ``engine(...)``) neither grow nor derail it.
+        self.recording = False
         self.cursor = 0
-        self.on_trace = True
+        self.on_trace = False
         self.backward = False
         #: gathered elements now (held or in flight), and the most seen since the last reset.
         self.live_numel = 0
@@ -148,13 +151,16 @@ class ParamCoordinator:
 
     def begin_forward(self) -> None:
         self.cursor = 0
+        self.recording = not self.trace_done
         self.on_trace = self.trace_done
         self.backward = False
 
     def end_forward(self) -> None:
-        if not self.trace_done:
+        if self.recording:
             self.trace_done = True
+            self.recording = False
             self.last_position = {m: i for i, m in enumerate(self.trace)}
+        self.on_trace = False
         self._drop_unused()
 
     def begin_backward(self) -> None:
@@ -163,7 +169,7 @@ class ParamCoordinator:
     # -- hooks -------------------------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: Any) -> Any:
-        if not self.trace_done:
+        if self.recording:
             self.trace.append(module)
         elif self.on_trace:
             if self.cursor < len(self.trace) and self.trace[self.cursor] is module:

@@ -225,6 +225,8 @@ def limits() -> dict[str, Any]:
         engine, _, _, _ = ds_core.initialize(model=model, optimizer=opt, config=cfg)
         coord = engine.coordinator
         assert coord is not None
+        with torch.no_grad():  # the module called directly before any engine(...) forward
+            model(torch.randn(MICRO, width))
         counter = CommCounter()
         for step in range(3):
             if step == 2:
@@ -236,6 +238,14 @@ def limits() -> dict[str, Any]:
             engine.backward(loss)
             engine.step()
         ds_core.unregister_plugin(counter)
-        out[name] = {"peak": coord.peak_live_numel, "forward_gathers": forward_gathers}
+        trace = len(coord.trace)
+        with torch.no_grad():  # and afterwards, 3 times
+            for _ in range(3):
+                model(torch.randn(MICRO, width))
+        out[name] = {
+            "peak": coord.peak_live_numel,
+            "forward_gathers": forward_gathers,
+            "trace": (trace, len(coord.trace)),
+        }
         engine.destroy()
     return out

@@ -70,6 +70,9 @@ def test_stage3_live_and_reuse_limits_hold(suite: Callable[[str, int], SuiteResu
         # reuse lies within the distance (4 middle units away); 6 gathers vs 5 in all
         assert res["reuse0"]["forward_gathers"] == 6
         assert res["reuse_far"]["forward_gathers"] == 5
+        # the trace is recorded in the engine's first forward only (6 module calls): calling
+        # the module directly, before or after, neither grows nor replaces it
+        assert res["default"]["trace"] == (6, 6)
 
 
 @pytest.mark.parametrize("name", sorted(COMM_DTYPE))
