@@ -60,6 +60,10 @@ class DeepSpeedEngineAPI:
     reducer: GradReducer
     _trainable: list[ZeroParam]
 
+    def _settle(self) -> None:
+        """Read the last step's skip verdict and take its host-side effects (the engine's)."""
+        raise NotImplementedError
+
     # -- ranks and sizes -----------------------------------------------------------------
 
     @property
@@ -112,6 +116,7 @@ class DeepSpeedEngineAPI:
         """
         if self.optimizer is None:
             raise RuntimeError("get_lr(): this engine was built without an optimizer")
+        self._settle()  # a skipped last step did not advance the schedule
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     # -- the module --------------------------------------------------------------------------
@@ -311,6 +316,7 @@ class DeepSpeedEngineAPI:
         universal: bool = False,
     ) -> bool:
         """DeepSpeed's ``save_checkpoint``; see :func:`ds_core.checkpoint.save_checkpoint`."""
+        self._settle()  # counters and the schedule as of the last step
         save_checkpoint(
             cast("ZeroEngine", self),
             save_dir,

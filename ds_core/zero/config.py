@@ -104,7 +104,23 @@ class BF16Config(BaseModel):
     enabled: Bool = False
     """Train in bfloat16. (Default: false)"""
     check_grad_overflow: Bool = True
-    """Skip a step whose gradients hold inf/NaN, keeping Adam state clean. (Default: true)"""
+    """Skip a step whose gradients hold inf/NaN, keeping Adam state clean; false turns the
+    check off for bf16 whatever ``nonfinite_gradients.skip`` says. (Default: true)"""
+
+
+class NonFiniteConfig(BaseModel):
+    """``nonfinite_gradients`` (ds_core's own): what a step with inf/NaN gradients does in fp32
+    and bf16 (fp16 always skips it and lowers the loss scale)."""
+
+    model_config = _FROZEN
+
+    skip: Bool = True
+    """Skip the update on the device when the global gradient norm is not finite, as fp16
+    does; the norm is then computed every step even without clipping. false applies the
+    update as DeepSpeed does in fp32. (Default: true)"""
+    max_consecutive_skips: Int = Field(default=20, ge=0)
+    """Stop training with an error after this many consecutive skipped steps (fp16: counted
+    only once the loss scale sits at ``min_loss_scale``); 0 never stops. (Default: 20)"""
 
 
 class DeterministicConfig(BaseModel):
@@ -272,6 +288,7 @@ class DSConfig(BaseModel):
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     deterministic: DeterministicConfig = Field(default_factory=DeterministicConfig)
+    nonfinite_gradients: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None

@@ -44,7 +44,12 @@ from ds_core.zero.config import DSConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
 from ds_core.zero.offload import OptimizerOffload
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
-from ds_core.zero.precision import LossScaler
+from ds_core.zero.precision import (
+    LossScaler,
+    SkipTracker,
+    step_skips_on_device,
+    step_with_found_inf,
+)
 from ds_core.zero.reducer import GradReducer
 from ds_core.zero.schedules import bind_optimizer, bind_scheduler
 from ds_core.zero.stage3 import ParamCoordinator
@@ -106,8 +111,14 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.model_dtype: torch.dtype | None = (
             torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else None
         )
-        self.check_overflow = self.fp16 or (self.bf16 and bool(config.bf16.check_grad_overflow))
-        self.loss_scaler = LossScaler.from_config(config.fp16) if self.fp16 else None
+        nonfinite = config.nonfinite_gradients
+        #: whether a step with inf/NaN gradients is skipped (see [Note: skipping a step
+        #: without a host sync]): always in fp16, as configured in fp32 and bf16.
+        self.check_overflow = self.fp16 or (
+            bool(nonfinite.skip) and (not self.bf16 or bool(config.bf16.check_grad_overflow))
+        )
+        self.loss_scaler = LossScaler.from_config(config.fp16, self.device) if self.fp16 else None
+        self._skips = SkipTracker(self.acc, nonfinite.max_consecutive_skips, self.loss_scaler)
         #: host side of optimizer offload (see [Note: offload data path]), or ``None``.
         self.offload: OptimizerOffload | None = None
         if zcfg.offload_optimizer.device == "cpu":
@@ -160,12 +171,22 @@ class ZeroEngine(DeepSpeedEngineAPI):
         # - optimizer and schedule
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        #: a non-finite step is skipped inside the optimizer, on the device; otherwise
+        #: (offload, or an optimizer without ``found_inf``) the host reads the verdict.
+        self._skips_on_device = self.offload is None and step_skips_on_device(self.optimizer)
+        if self.check_overflow and self.optimizer is not None and not self._skips_on_device:
+            log.info(
+                "%s: the non-finite check reads one flag on the host per step (%s)",
+                type(self.optimizer).__name__,
+                "optimizer offload steps on the host"
+                if self.offload is not None
+                else "its step() does not accept found_inf; torch's fused=True optimizers do",
+            )
 
         # - counters
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
-        self.skipped_steps = 0
         self._last_norm: torch.Tensor | None = None
         self._boundary_override: bool | None = None
         self._loss_sum: torch.Tensor | None = None
@@ -175,6 +196,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._in_backward = False
         self._no_sync = False
         self.tput_timer = ThroughputTimer(config.train_batch_size)
+        #: the loader whose position checkpoints keep (``initialize(training_data=...)`` sets
+        #: it; any :class:`~ds_core.checkpoint.ResumableLoader` may be assigned).
+        self.training_dataloader: Any = None
 
     # ------------------------------------------------------------------ Initialization #
 
@@ -355,7 +379,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._loss_count += 1
         scaled = loss / self.gas
         if self.loss_scaler is not None:
-            scaled = scaled * self.loss_scaler.scale
+            scaled = scaled * self.loss_scaler.scale_tensor
         self.reducer.begin_backward(self.is_gradient_accumulation_boundary() and not self._no_sync)
         if self.coordinator is not None:
             self.coordinator.begin_backward()
@@ -419,42 +443,38 @@ class ZeroEngine(DeepSpeedEngineAPI):
     # -- the update --------------------------------------------------------------------------
 
     def _boundary_step(self) -> None:
+        self._settle()  # the previous step's verdict, long computed by now
         self.reducer.finish()
-        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        scale = self.loss_scaler.scale_tensor if self.loss_scaler is not None else 1.0
         # Sums over ranks become means; the loss scale comes off in the same multiply.
         coef = self.reducer.post_scale / scale
         norm: torch.Tensor | None = None
         if self.clip > 0 or self.check_overflow:
             norm = self.reducer.global_norm(self.norm_dtype) * coef
         self._last_norm = norm
-        # The one host read of a step, and only where an overflow can skip it.
-        overflow = self.check_overflow and norm is not None and not bool(norm.isfinite())
-        if overflow:
-            self.skipped_steps += 1
-            log.info(
-                "step %d skipped: non-finite gradient (loss scale %s)",
-                self.global_steps + 1,
-                f"{scale:g}" if self.loss_scaler else "n/a",
-            )
-        else:
-            mult: float | torch.Tensor = coef
-            if self.clip > 0 and norm is not None:
-                # torch's clip_grad_norm_ coefficient, kept on the device.
-                clip_coef = (self.clip / (norm + 1e-6)).clamp(max=1.0)
-                mult = (clip_coef * coef).to(torch.float32)
-            if self.offload is not None:
-                self._offloaded_update(mult)
-            else:
-                self.reducer.scale_(mult)
-                for zp in self._trainable:
-                    if zp.master is not None:
-                        zp.master.grad = self.reducer.grad(zp)
-                self.optimizer.step()
+        mult = coef
+        if self.clip > 0 and norm is not None:
+            # torch's clip_grad_norm_ coefficient, kept on the device.
+            mult = ((self.clip / (norm + 1e-6)).clamp(max=1.0) * coef).to(torch.float32)
+        found_inf = None if norm is None or not self.check_overflow else ~norm.isfinite()
+        step = self.global_steps + 1
+        if found_inf is None:
+            self._update(mult)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            self._publish_params()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow)
+        elif self._skips_on_device:
+            self._update(mult, found_inf.to(torch.float32))
+            self._skips.record(found_inf, step)
+        else:
+            # The host decides: offload steps on the host (it reads the gradients there
+            # anyway); an optimizer without ``found_inf`` support needs the flag now.
+            self._skips.record(found_inf, step)
+            if not self._skips.settle():
+                self._update(mult)
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+        if self.loss_scaler is not None and found_inf is not None:
+            self.loss_scaler.update(found_inf)
         self.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
@@ -463,6 +483,39 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._loss_sum, self._loss_count = None, 0
         if self.global_steps % self.config.steps_per_print == 0:
             self._log_step()
+
+    def _update(self, mult: float | torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
+        """Scale the reduced gradients by ``mult``, step the optimizer (a no-op on the device
+        where ``found_inf`` is 1) and publish the masters into the parameters."""
+        if self.offload is not None:
+            self._offloaded_update(mult)
+        else:
+            self.reducer.scale_(mult)
+            for zp in self._trainable:
+                if zp.master is not None:
+                    zp.master.grad = self.reducer.grad(zp)
+            if found_inf is None:
+                self.optimizer.step()
+            else:
+                step_with_found_inf(self.optimizer, found_inf)
+        self._publish_params()
+
+    def _settle(self) -> None:
+        """Take the host's side of the last step's verdict: its schedule step (DeepSpeed does
+        not advance the schedule on a skipped step), its count and log line."""
+        if self._skips.settle() is False and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients (reads the last step's verdict)."""
+        self._settle()
+        return self._skips.skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._settle()
+        self._skips.skipped = int(value)
 
     def _offloaded_update(self, mult: float | torch.Tensor) -> None:
         """The optimizer step with masters on the host (see [Note: offload data path])."""
@@ -503,6 +556,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._publish_params()
 
     def _log_step(self) -> None:
+        self._settle()  # the line reports this step's skip and schedule
         if self.rank != 0:
             return
         loss = self._last_loss_t

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from ds_core import comm
+from ds_core.checkpoint.loader import ResumableLoader
 from ds_core.errors import ConfigError
 from ds_core.zero.config import DSConfig, load_config
 from ds_core.zero.engine import ZeroEngine
@@ -111,7 +112,9 @@ def initialize(
         forward-only (``backward``/``step`` raise saying so).
     :param model_parameters: parameters or parameter groups for a built optimizer.
     :param training_data: a ``torch.utils.data.Dataset``: a loader over this rank's share is
-        returned (see :func:`make_dataloader` for the sampling).
+        returned (see :func:`make_dataloader` for the sampling), wrapped in a
+        :class:`~ds_core.checkpoint.ResumableLoader` set as ``engine.training_dataloader``, so
+        checkpoints keep its position.
     :param lr_scheduler: an ``LRScheduler`` on ``optimizer``, or a callable
         ``optimizer -> scheduler``; else the config's ``scheduler`` section, if any.
     :param distributed_port: ``MASTER_PORT`` when the environment sets none.
@@ -138,12 +141,17 @@ def initialize(
     engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
     loader = None
     if training_data is not None:
-        loader = make_dataloader(
-            training_data,
-            cfg.train_micro_batch_size_per_gpu,
-            engine.world,
-            engine.rank,
-            cfg.dataloader_drop_last,
-            collate_fn,
+        # A loader that knows its position, so checkpoints resume mid-epoch.
+        loader = ResumableLoader(
+            make_dataloader(
+                training_data,
+                cfg.train_micro_batch_size_per_gpu,
+                engine.world,
+                engine.rank,
+                cfg.dataloader_drop_last,
+                collate_fn,
+            ),
+            set_epoch=False,
         )
+        engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,9 +1,21 @@
-"""Loss scaling for fp16 training (static or dynamic), DeepSpeed's algorithm.
+"""Loss scaling and the skip of non-finite updates, both kept on the device.
 
-Dynamic scaling starts at ``2 ** initial_scale_power``. An overflowing step is skipped; when the
-hysteresis budget is used up the scale halves (never below ``min_loss_scale``), otherwise the
-budget shrinks by one. After every ``loss_scale_window`` steps since the last overflow the scale
-doubles and the budget refills.
+[Note: skipping a step without a host sync]
+A step whose gradients hold inf/NaN must not reach the parameters or the optimizer state. The
+verdict (``found_inf``, from the global norm the step computes anyway) stays on the device:
+the optimizer receives it the way torch's GradScaler hands it over (``optimizer.found_inf``;
+torch's fused Adam/AdamW/SGD then leave parameters, moments and step count untouched), and
+the dynamic loss scale is updated from it with tensor ops. Only host-side decisions need the
+verdict on the host — the learning-rate schedule (DeepSpeed does not advance it on a skipped
+step), the skip counter and its log line — and they can wait: :class:`SkipTracker` copies the
+flag into a host buffer (pinned and non-blocking where the backend has pinned memory) and
+reads it at the next step, when the device finished it long ago, or earlier when the user asks
+(``skipped_steps``, ``get_lr()``, a log line, a checkpoint).
+
+Dynamic scaling is DeepSpeed's: it starts at ``2 ** initial_scale_power``; an overflowing step
+is skipped; when the hysteresis budget is used up the scale halves (never below
+``min_loss_scale``), otherwise the budget shrinks by one; after every ``loss_scale_window``
+steps since the last overflow the scale doubles and the budget refills.
 """
 
 from __future__ import annotations
@@ -11,17 +23,46 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
+from ds_core.accelerator import Accelerator
+
 log = logging.getLogger("ds_core.zero")
+
+__all__ = ["LossScaler", "NonFiniteGradientsError", "SkipTracker", "step_skips_on_device"]
+
+
+class NonFiniteGradientsError(RuntimeError):
+    """Too many consecutive updates were skipped for non-finite gradients."""
+
+
+def step_skips_on_device(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` honours ``optimizer.found_inf`` on the device (torch marks
+    such optimizers, its fused Adam/AdamW/SGD, with ``_step_supports_amp_scaling``)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_with_found_inf(optimizer: Any, found_inf: torch.Tensor) -> None:
+    """Run ``optimizer.step()`` with the GradScaler hand-over: ``found_inf`` (float32 0/1 on
+    the parameters' device) makes it a no-op on the device; gradients are already unscaled."""
+    optimizer.grad_scale = None
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf
 
 
 class LossScaler:
-    """The loss scale and its update rule.
+    """The fp16 loss scale and its update rule, resident on ``device``.
 
     :param loss_scale: a fixed scale; 0 means dynamic.
     :param initial_scale_power: dynamic scale starts at ``2**initial_scale_power``.
     :param loss_scale_window: clean steps between doublings (> 0).
     :param hysteresis: overflows tolerated before the scale halves (≥ 1).
     :param min_loss_scale: the floor of the dynamic scale (> 0).
+    :param device: where the scale lives (the device the loss is computed on).
     """
 
     def __init__(
@@ -31,18 +72,22 @@ class LossScaler:
         loss_scale_window: int = 1000,
         hysteresis: int = 2,
         min_loss_scale: float = 1.0,
+        device: torch.device | str | None = None,
     ) -> None:
         self.dynamic = loss_scale == 0
-        self.scale = float(2**initial_scale_power) if self.dynamic else float(loss_scale)
+        start = float(2**initial_scale_power) if self.dynamic else float(loss_scale)
         self.window = loss_scale_window
         self.hysteresis = hysteresis
-        self.cur_hysteresis = hysteresis
         self.min_scale = min_loss_scale
+        #: the scale the loss is multiplied by (float32, on the device).
+        self.scale_tensor = torch.tensor(start, dtype=torch.float32, device=device)
+        self._hysteresis = torch.tensor(hysteresis, dtype=torch.int64, device=device)
+        self._last_overflow = torch.tensor(-1, dtype=torch.int64, device=device)
+        #: optimizer steps seen, skipped ones included (host: it advances unconditionally).
         self.iteration = 0
-        self.last_overflow_iter = -1
 
     @classmethod
-    def from_config(cls, fp16: Any) -> LossScaler:
+    def from_config(cls, fp16: Any, device: torch.device | str | None = None) -> LossScaler:
         """Build from an ``FP16Config`` (``.loss_scale``, ``.initial_scale_power``, ...)."""
         return cls(
             fp16.loss_scale,
@@ -50,37 +95,135 @@ class LossScaler:
             fp16.loss_scale_window,
             fp16.hysteresis,
             fp16.min_loss_scale,
+            device,
         )
 
-    def update(self, overflow: bool) -> None:
-        """Advance one optimizer step; ``overflow`` says whether its gradients were non-finite."""
+    @property
+    def scale(self) -> float:
+        """The current scale (reads the device)."""
+        return float(self.scale_tensor.item())
+
+    @torch.no_grad()
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Advance one optimizer step on the device; ``found_inf`` (a 0-dim bool tensor) says
+        whether its gradients were non-finite. No host read."""
         if self.dynamic:
-            if overflow:
-                if self.cur_hysteresis <= 1:
-                    if self.scale <= self.min_scale:
-                        log.warning("fp16 overflow at the minimum loss scale %g", self.scale)
-                    self.scale = max(self.scale / 2.0, self.min_scale)
-                else:
-                    self.cur_hysteresis -= 1
-                self.last_overflow_iter = self.iteration
-            elif (self.iteration - self.last_overflow_iter) % self.window == 0:
-                self.scale *= 2.0
-                self.cur_hysteresis = self.hysteresis
+            halve = found_inf & (self._hysteresis <= 1)
+            since = torch.remainder(self.iteration - self._last_overflow, self.window)
+            grow = ~found_inf & (since == 0)
+            s = self.scale_tensor
+            s.copy_(
+                torch.where(
+                    halve, (s * 0.5).clamp(min=self.min_scale), torch.where(grow, s * 2.0, s)
+                )
+            )
+            h = self._hysteresis
+            h.copy_(
+                torch.where(
+                    found_inf & ~halve,
+                    h - 1,
+                    torch.where(grow, torch.full_like(h, self.hysteresis), h),
+                )
+            )
+            self._last_overflow.copy_(
+                torch.where(found_inf, torch.full_like(h, self.iteration), self._last_overflow)
+            )
         self.iteration += 1
 
+    def at_minimum(self) -> bool:
+        """Whether the dynamic scale sits at ``min_loss_scale`` (reads the device)."""
+        return self.dynamic and self.scale <= self.min_scale
+
     def state_dict(self) -> dict[str, float | int | bool]:
-        """Everything needed to resume exactly."""
+        """Everything needed to resume exactly (reads the device)."""
         return {
             "dynamic": self.dynamic,
             "scale": self.scale,
-            "cur_hysteresis": self.cur_hysteresis,
+            "cur_hysteresis": int(self._hysteresis.item()),
             "iteration": self.iteration,
-            "last_overflow_iter": self.last_overflow_iter,
+            "last_overflow_iter": int(self._last_overflow.item()),
         }
 
     def load_state_dict(self, state: dict[str, float | int | bool]) -> None:
         """Restore :meth:`state_dict`."""
-        self.scale = float(state["scale"])
-        self.cur_hysteresis = int(state["cur_hysteresis"])
+        self.scale_tensor.fill_(float(state["scale"]))
+        self._hysteresis.fill_(int(state["cur_hysteresis"]))
         self.iteration = int(state["iteration"])
-        self.last_overflow_iter = int(state["last_overflow_iter"])
+        self._last_overflow.fill_(int(state["last_overflow_iter"]))
+
+
+class SkipTracker:
+    """Brings each step's non-finite verdict to the host one step late (see [Note: skipping a
+    step without a host sync]) and counts the skips.
+
+    :param acc: the accelerator (pinned memory, events).
+    :param max_consecutive: consecutive skips after which :meth:`settle` raises; 0 never.
+    :param scaler: the fp16 loss scaler, whose calibration skips do not count towards the
+        limit until the scale sits at its minimum.
+    """
+
+    def __init__(self, acc: Accelerator, max_consecutive: int, scaler: LossScaler | None) -> None:
+        self.acc = acc
+        self.max_consecutive = max_consecutive
+        self.scaler = scaler
+        self._pinned = "pinned_memory" in acc.capabilities
+        flag = torch.zeros((), dtype=torch.bool)
+        #: where the verdict lands on the host; a read of it never waits for the device.
+        self.host_flag = acc.pin_memory(flag) if self._pinned else flag
+        self._arrived: Any = None
+        self._device_flag: torch.Tensor | None = None
+        self._pending_step: int | None = None
+        #: updates skipped so far (settled ones).
+        self.skipped = 0
+        self._consecutive: list[int] = []
+
+    @property
+    def pending(self) -> bool:
+        """Whether a step's verdict has not been read yet."""
+        return self._pending_step is not None
+
+    def record(self, found_inf: torch.Tensor, step: int) -> None:
+        """Start bringing step ``step``'s verdict (a 0-dim bool tensor) to the host."""
+        if self._pinned or self.acc.is_synchronized_device():
+            self.host_flag.copy_(found_inf, non_blocking=self._pinned)
+            self._device_flag = None
+        else:  # a pageable copy would wait for the step: read the device flag at settle
+            self._device_flag = found_inf
+        self._arrived = self.acc.Event()
+        self._arrived.record()
+        self._pending_step = step
+
+    def settle(self) -> bool | None:
+        """Read the pending verdict: ``True`` if that step was skipped, ``None`` if nothing
+        was pending. Logs the skip with its step number.
+
+        :raises NonFiniteGradientsError: the skip made ``max_consecutive`` in a row.
+        """
+        step = self._pending_step
+        if step is None:
+            return None
+        self._pending_step = None
+        self._arrived.synchronize()
+        flag = self._device_flag if self._device_flag is not None else self.host_flag
+        self._device_flag = None
+        skipped = bool(flag)
+        if not skipped:
+            self._consecutive.clear()
+            return False
+        self.skipped += 1
+        scaler = self.scaler
+        if scaler is not None and not scaler.at_minimum():  # the scale still calibrates
+            log.info("step %d skipped: fp16 overflow, loss scale now %g", step, scaler.scale)
+            self._consecutive.clear()
+            return True
+        log.warning("step %d skipped: non-finite gradient (inf or NaN)", step)
+        self._consecutive.append(step)
+        if self.max_consecutive and len(self._consecutive) >= self.max_consecutive:
+            first, last = self._consecutive[0], self._consecutive[-1]
+            raise NonFiniteGradientsError(
+                f"{len(self._consecutive)} consecutive steps ({first}–{last}) had non-finite "
+                "gradients and were skipped; training stops. Check the data and the loss for "
+                "inf/NaN, lower the learning rate, or raise "
+                "nonfinite_gradients.max_consecutive_skips (0 never stops)"
+            )
+        return True

@@ -141,7 +141,8 @@ def loader_job(root: Path, world: int, load: bool) -> dict[str, Any]:
         config=sc.config(world),
         training_data=data,
     )
-    engine.training_dataloader = ResumableLoader(loader)
+    # initialize returns a loader that knows its position and gives it to the engine
+    assert isinstance(loader, ResumableLoader) and engine.training_dataloader is loader
 
     def run(steps: int) -> list[torch.Tensor]:
         seen = []

@@ -78,14 +78,24 @@ class _HostReads(TorchDispatchMode):
 
     READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal"})
 
-    def __init__(self) -> None:
+    def __init__(self, verdict: torch.Tensor) -> None:
         super().__init__()
+        self.verdict_ptr = verdict.data_ptr()
         self.reads: list[str] = []
+        #: reads and writes of the host buffer a step's skip verdict is copied into, in order:
+        #: a step must read the previous step's verdict, never wait for its own
+        self.verdict: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
+        on_verdict = bool(args) and getattr(args[0], "data_ptr", lambda: 0)() == self.verdict_ptr
         if name in self.READS:
-            self.reads.append(name)
+            if on_verdict:
+                self.verdict.append("read")
+            else:
+                self.reads.append(name)
+        elif on_verdict and name == "copy_":
+            self.verdict.append("write")
         return func(*args, **(kwargs or {}))
 
 
@@ -111,9 +121,9 @@ def host_reads() -> dict[str, Any]:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
             engine, _, _, _ = ds_core.initialize(model=model, optimizer=opt, config=cfg)
-            counts = []
+            counts, verdicts = [], []
             for step in range(3):
-                mode = _HostReads()
+                mode = _HostReads(engine._skips.host_flag)
                 for _ in range(2):
                     x = torch.randn(MICRO, 32).to(dtype[precision])
                     loss = engine(x).float().pow(2).mean()
@@ -122,7 +132,9 @@ def host_reads() -> dict[str, Any]:
                         engine.step()
                 if step:
                     counts.append(len(mode.reads))
+                    verdicts.append(mode.verdict)
             out[f"{precision}_s{stage}"] = counts
+            out[f"{precision}_s{stage}_verdicts"] = verdicts
             engine.destroy()
     return out
 
@@ -248,4 +260,59 @@ def limits() -> dict[str, Any]:
             "trace": (trace, len(coord.trace)),
         }
         engine.destroy()
+    return out
+
+
+class _Sampler(TorchDispatchMode):
+    """Samples the accelerator's allocated memory after every op while active."""
+
+    def __init__(self, acc: Any) -> None:
+        super().__init__()
+        self.acc = acc
+        self.samples: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.samples.append(self.acc.memory_allocated())
+        return out
+
+
+def placement() -> dict[str, Any]:
+    """Memory while ``initialize`` places a host-built model at stage 3 (run in the
+    ``resident`` suite, where RSS tracks live tensors): the peak during placement against
+    where it ends. bf16, so that placing a parameter creates a new tensor on the CPU too
+    (``.to`` of an fp32 tensor to the same device and dtype returns it unchanged)."""
+    import gc
+
+    import ds_core
+
+    acc = ds_core.get_accelerator()
+    torch.manual_seed(0)
+    width, depth = 1024, 8  # 8 equal layers: the whole model is 8x its largest parameter
+    model = MLP(width, depth)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    # the transport's own buffers (shared-memory segments, set up by the first collective)
+    # are not placement's
+    ds_core.init_distributed()
+    acc.broadcast(torch.zeros(width * width, dtype=torch.bfloat16), 0, None)
+    gc.collect()
+    mode = _Sampler(acc)
+    before = acc.memory_allocated()
+    with mode:
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg
+        )
+    gc.collect()
+    out = {
+        "peak": max(mode.samples) - before,
+        "end": acc.memory_allocated() - before,
+        "largest": (width * width + width) * 2,  # bf16 bytes
+        "whole": (width * width + width) * 2 * depth,
+    }
+    engine.destroy()
     return out

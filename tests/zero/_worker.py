@@ -21,6 +21,7 @@ import torch.nn.functional as F  # noqa: N812
 from tests.zero import _gradpath
 from tests.zero._common import (
     IN,
+    LR,
     MICRO,
     MLP,
     Scenario,
@@ -134,7 +135,12 @@ def count_bytes() -> dict[str, Any]:
                     engine.step()
             ds_core.unregister_plugin(counter)
             psi = sum(zp.numel * 4 for zp in engine.zparams.values())
+            norm_counter = CommCounter()  # the global norm's one all-reduce, on its own
+            ds_core.register_plugin(norm_counter)
+            engine.reducer.global_norm(engine.norm_dtype)
+            ds_core.unregister_plugin(norm_counter)
             out[f"s{stage}_gas{gas}"] = {
+                "norm_bytes": norm_counter.bytes_by_op(),
                 "bytes": counter.bytes_by_op(),
                 "calls": counter.calls_by_op(),
                 "async_calls": counter.calls_by_op(async_only=True),
@@ -191,7 +197,12 @@ def memory() -> dict[str, Any]:
     return out
 
 
-def fp16_trajectory(stage: int) -> Callable[[], dict[str, Any]]:
+def _optimizer(params: Any, fused: bool) -> torch.optim.Optimizer:
+    """The suites' AdamW; ``fused`` takes the path that skips a step on the device."""
+    return torch.optim.AdamW(params, lr=LR, fused=True) if fused else make_optimizer(params)
+
+
+def fp16_trajectory(stage: int, fused: bool = False) -> Callable[[], dict[str, Any]]:
     def run() -> dict[str, Any]:
         import ds_core
         from ds_core import comm
@@ -224,7 +235,7 @@ def fp16_trajectory(stage: int) -> Callable[[], dict[str, Any]]:
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         }
         engine, _, _, _ = ds_core.initialize(
-            model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+            model=model, optimizer=_optimizer(model.parameters(), fused), config=cfg
         )
         record = []
         for overflow in FP16_OVERFLOWS:
@@ -262,7 +273,7 @@ def snapshot(engine: Any) -> dict[str, Any]:
     }
 
 
-def bf16_skip(stage: int) -> Callable[[], dict[str, Any]]:
+def bf16_skip(stage: int, fused: bool = False) -> Callable[[], dict[str, Any]]:
     def run() -> dict[str, Any]:
         import ds_core
         from ds_core import comm
@@ -279,7 +290,7 @@ def bf16_skip(stage: int) -> Callable[[], dict[str, Any]]:
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         }
         engine, _, _, _ = ds_core.initialize(
-            model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+            model=model, optimizer=_optimizer(model.parameters(), fused), config=cfg
         )
         record = [snapshot(engine)]
         for step in range(4):
@@ -292,6 +303,62 @@ def bf16_skip(stage: int) -> Callable[[], dict[str, Any]]:
             record.append(snapshot(engine))
         engine.destroy()
         return {"record": record}
+
+    return run
+
+
+def fp32_skip(stage: int) -> Callable[[], dict[str, Any]]:
+    """fp32 with the default non-finite check, fused AdamW (skips on the device) and a
+    schedule: a NaN on one rank at step 3 skips it everywhere; then the consecutive limit."""
+
+    def run() -> dict[str, Any]:
+        import ds_core
+        from ds_core import comm
+        from ds_core.zero.precision import NonFiniteGradientsError
+
+        rank = comm.get_rank()
+        torch.manual_seed(0)
+        cfg: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 1000,
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 0.01, "warmup_num_steps": 10},
+            },
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        model = MLP(16, 2)
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=_optimizer(model.parameters(), True), config=cfg
+        )
+        record = [snapshot(engine)]
+        for step in range(5):
+            loss = engine(torch.randn(MICRO, 16)).pow(2).mean()
+            if step == 2 and rank == 1:
+                loss = loss * math.nan
+            engine.backward(loss)
+            engine.step()
+            record.append(snapshot(engine))
+        engine.destroy()
+
+        cfg["nonfinite_gradients"] = {"max_consecutive_skips": 3}
+        model = MLP(16, 2)
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=_optimizer(model.parameters(), True), config=cfg
+        )
+        stopped, message, steps = None, "", 0
+        try:
+            while steps < 7:
+                steps += 1
+                loss = engine(torch.randn(MICRO, 16)).pow(2).mean() * math.inf
+                engine.backward(loss)
+                engine.step()
+            message = f"not stopped, {engine.skipped_steps} skipped"
+        except NonFiniteGradientsError as exc:
+            stopped, message = steps, str(exc)
+        engine.destroy()
+        return {"record": record, "stopped_at": stopped, "message": message}
 
     return run
 
@@ -593,15 +660,25 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         for stage in range(4):
             out[f"fp16_s{stage}"] = fp16_trajectory(stage)
             out[f"bf16_s{stage}"] = bf16_skip(stage)
+            out[f"fp16f_s{stage}"] = fp16_trajectory(stage, fused=True)
+            out[f"bf16f_s{stage}"] = bf16_skip(stage, fused=True)
+            out[f"fp32_s{stage}"] = fp32_skip(stage)
             out[f"gathered_s{stage}"] = gathered(stage)
             out[f"init_s{stage}"] = built_partitioned(stage)
         return out
     if suite == "resident":
-        return {"resident": resident, "grad_peak": _gradpath.grad_peak}
+        return {
+            "resident": resident,
+            "grad_peak": _gradpath.grad_peak,
+            "placement": _gradpath.placement,
+        }
     if suite == "gradpath":
         scenarios = stage_scenarios(2)
         out = {f"lazy_{n}": _gradpath.lazy(train, scenarios[n]) for n in _gradpath.LAZY}
-        out.update(host_reads=_gradpath.host_reads, limits=_gradpath.limits)
+        out.update(
+            host_reads=_gradpath.host_reads,
+            limits=_gradpath.limits,
+        )
         for name, sc in _gradpath.COMM_DTYPE.items():
             out[name] = _gradpath.counted(train, sc)
         return out

@@ -46,6 +46,10 @@ def test_bytes_per_step_match_the_paper(
         got = res[f"s{stage}_gas{gas}"]
         psi = got["psi"]
         expected = {op: k * psi for op, k in EXPECTED_BYTES[(stage, gas)].items()}
+        # plus the global norm's scalar all-reduce (the non-finite check, on by default)
+        assert set(got["norm_bytes"]) == {"all_reduce"} and got["norm_bytes"]["all_reduce"] <= 16
+        for op, n in got["norm_bytes"].items():
+            expected[op] = expected.get(op, 0) + n
         assert got["bytes"] == expected, f"{got['bytes']=}, but should be {expected=} (Ψ={psi})"
         if stage == 3:
             # 3 layers: forward prefetches layers 2 and 3, backward layers 2 and 1; overlap_comm

@@ -22,11 +22,13 @@ pytestmark = pytest.mark.slow
 EXPECTED_SCALES = [16.0, 16.0, 8.0, 8.0, 16.0, 16.0, 16.0, 8.0, 4.0, 2.0]
 
 
+@pytest.mark.parametrize("path", ["fp16", "fp16f"], ids=["host-skip", "device-skip"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_loss_scale_trajectory_and_skipped_steps(
-    suite: Callable[[str, int], SuiteResults], stage: int
+    suite: Callable[[str, int], SuiteResults], stage: int, path: str
 ) -> None:
-    for rank, res in enumerate(suite("precision", 2).ranks(f"fp16_s{stage}")):
+    # fp16f: fused AdamW skips on the device (found_inf) and the host learns it a step late
+    for rank, res in enumerate(suite("precision", 2).ranks(f"{path}_s{stage}")):
         record = res["record"]
         assert [r["scale"] for r in record] == EXPECTED_SCALES, f"rank {rank}"
         assert [r["skipped"] for r in record] == list(
@@ -44,11 +46,12 @@ def test_fp16_loss_scale_trajectory_and_skipped_steps(
                 assert torch.isfinite(after["masters"]).all()
 
 
+@pytest.mark.parametrize("path", ["bf16", "bf16f"], ids=["host-skip", "device-skip"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_non_finite_gradient_skips_the_step(
-    suite: Callable[[str, int], SuiteResults], stage: int
+    suite: Callable[[str, int], SuiteResults], stage: int, path: str
 ) -> None:
-    for rank, res in enumerate(suite("precision", 2).ranks(f"bf16_s{stage}")):
+    for rank, res in enumerate(suite("precision", 2).ranks(f"{path}_s{stage}")):
         record = res["record"]  # initial state, then after each of 4 steps; step 3 has a NaN
         assert [r["skipped"] for r in record] == [0, 0, 0, 1, 1], f"rank {rank}"
         assert torch.equal(record[2]["masters"], record[3]["masters"]), f"rank {rank}"
@@ -56,6 +59,28 @@ def test_bf16_non_finite_gradient_skips_the_step(
         for i in (1, 2, 4):
             assert not torch.equal(record[i - 1]["masters"], record[i]["masters"])
             assert torch.isfinite(record[i]["masters"]).all()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_non_finite_gradient_skips_on_the_device_and_holds_the_schedule(
+    suite: Callable[[str, int], SuiteResults], stage: int
+) -> None:
+    for rank, res in enumerate(suite("precision", 2).ranks(f"fp32_s{stage}")):
+        record = res["record"]  # initial state, then after each of 5 steps; step 3 has a NaN
+        assert [r["skipped"] for r in record] == [0, 0, 0, 1, 1, 1], f"rank {rank}"
+        assert torch.equal(record[2]["masters"], record[3]["masters"]), f"rank {rank}"
+        assert torch.equal(record[2]["opt"], record[3]["opt"]), f"rank {rank}"
+        assert record[2]["lr"] == record[3]["lr"], "a skipped step advanced the schedule"
+        for i in (1, 2, 4, 5):
+            assert not torch.equal(record[i - 1]["masters"], record[i]["masters"])
+            assert torch.isfinite(record[i]["masters"]).all()
+        lrs = [r["lr"] for r in record]  # WarmupLR's first step keeps warmup_min_lr
+        assert lrs[0] == lrs[1] < lrs[2] == lrs[3] < lrs[4] < lrs[5], lrs
+        # max_consecutive_skips 3: the third skip in a row stops training, one step late at
+        # most (the verdict reaches the host at the next step or when read)
+        assert res["stopped_at"] in (3, 4), res
+        assert "3 consecutive steps (1–3)" in res["message"]
+        assert "max_consecutive_skips" in res["message"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
