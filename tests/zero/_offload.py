@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from tests.zero._common import (
+    EPS,
     IN,
     LR,
     MICRO,
@@ -43,7 +44,10 @@ class OffloadScenario(Scenario):
             }
         if self.config_optimizer:
             # torch.optim.AdamW's defaults, which the reference uses.
-            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}
+            cfg["optimizer"] = {
+                "type": "AdamW",
+                "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01},
+            }
         if self.bf16:
             cfg["bf16"] = {"enabled": True}
         return cfg

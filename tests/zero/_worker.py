@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from tests.zero import _gradpath
 from tests.zero._common import (
+    EPS,
     IN,
     LR,
     MICRO,
@@ -199,7 +200,9 @@ def memory() -> dict[str, Any]:
 
 def _optimizer(params: Any, fused: bool) -> torch.optim.Optimizer:
     """The suites' AdamW; ``fused`` takes the path that skips a step on the device."""
-    return torch.optim.AdamW(params, lr=LR, fused=True) if fused else make_optimizer(params)
+    return (
+        torch.optim.AdamW(params, lr=LR, eps=EPS, fused=True) if fused else make_optimizer(params)
+    )
 
 
 def fp16_trajectory(stage: int, fused: bool = False) -> Callable[[], dict[str, Any]]:
