@@ -13,8 +13,9 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
 - ``zero_opt``  torch ZeroRedundancyOptimizer(AdamW) + DDP (shards optimizer state)
 - ``fsdp2``     torch ``fully_shard`` per block and at the root (shards everything)
 - ``ds0``..``ds3`` ds_core stages 0-3 (``ds_core.initialize``), persistence threshold 0
-- ``ds1_off``..``ds3_off`` the same with ``offload_optimizer: {"device": "cpu"}`` (not in the
-  default set: ``--configs ds2,ds2_off,ds3,ds3_off``); their ``state MiB`` is what stays on the
+- ``ds1_off``..``ds3_off`` the same with ``offload_optimizer: {"device": "cpu"}``, ``ds3_param``
+  with ``offload_param: {"device": "cpu"}`` and ``ds3_off_param`` with both (not in the
+  default set: ``--configs ds2,ds2_off,ds3,ds3_off`` or ``bench/offload.py``); their ``state MiB`` is what stays on the
   device, the host side is printed below the table, and ``time/peer`` compares with the same
   stage without offload
 
@@ -68,7 +69,7 @@ from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E40
 
 PEERS = ("ddp", "zero_opt", "fsdp2")
 DS_STAGES = ("ds0", "ds1", "ds2", "ds3")
-OFFLOAD = ("ds1_off", "ds2_off", "ds3_off")
+OFFLOAD = ("ds1_off", "ds2_off", "ds3_off", "ds3_param", "ds3_off_param")
 LR, CLIP, SEED = 3e-4, 1.0, 1234
 REDUCE_BUCKET = 6_000_000  # elements: 23 MiB of fp32 gradients, like DDP's 25 MiB buckets
 # collectives with fewer elements are bookkeeping (norms, flags), left out of byte counts
@@ -277,7 +278,11 @@ def build_fsdp2(model: torch.nn.Module) -> Trainer:
 
 
 def ds_config(
-    stage: int, micro_batch: int, bf16: bool = False, offload: bool = False
+    stage: int,
+    micro_batch: int,
+    bf16: bool = False,
+    offload: bool = False,
+    offload_param: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed-style config of a ds_core run in these benchmarks."""
     cfg: dict[str, Any] = {
@@ -298,6 +303,8 @@ def ds_config(
     }
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_param:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     return cfg
 
 
@@ -317,7 +324,12 @@ HOST_BYTES: dict[str, int] = {}  # offload runs: host-side model-state bytes, th
 
 
 def build_ds(
-    model: torch.nn.Module, stage: int, micro_batch: int, offload: bool = False
+    model: torch.nn.Module,
+    stage: int,
+    micro_batch: int,
+    offload: bool = False,
+    offload_param: bool = False,
+    name: str = "",
 ) -> Trainer:
     import ds_core
     from ds_core.comm.counting import CommCounter
@@ -327,7 +339,7 @@ def build_ds(
     engine, _, _, _ = ds_core.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=ds_config(stage, micro_batch, offload=offload),
+        config=ds_config(stage, micro_batch, offload=offload, offload_param=offload_param),
     )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -337,8 +349,9 @@ def build_ds(
         return loss.detach()  # type: ignore[no-any-return]
 
     def close() -> None:
-        if offload:
-            HOST_BYTES[f"ds{stage}_off"] = engine.model_state_bytes().get("host_total", 0)
+        if offload or offload_param:
+            b = engine.model_state_bytes()
+            HOST_BYTES[name] = b.get("host_total", b.get("host_params", 0))
         ds_core.unregister_plugin(counter)
         destroy = getattr(engine, "destroy", None)
         if callable(destroy):  # free the engine's buffers before the next configuration
@@ -399,7 +412,8 @@ def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
     if name in DS_STAGES:
         return build_ds(model, int(name[2]), micro_batch)
     if name in OFFLOAD:
-        return build_ds(model, int(name[2]), micro_batch, offload=True)
+        optimizer, param = "_off" in name, name.endswith("_param")
+        return build_ds(model, int(name[2]), micro_batch, optimizer, param, name)
     raise ValueError(f"unknown configuration {name!r}; choose from {PEERS + DS_STAGES + OFFLOAD}")
 
 
@@ -521,7 +535,7 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
     formula_stage = {"ddp": 0, "zero_opt": 1, "fsdp2": 3}
     lines = []
     head = (
-        f"{'config':<9} {'step ms':>8} {'p10-p90 ms':>13} {'cpu ms':>7} {'tok/s':>7} "
+        f"{'config':<13} {'step ms':>8} {'p10-p90 ms':>13} {'cpu ms':>7} {'tok/s':>7} "
         f"{'peak MiB/rank':>14} {'pk/form':>7} {'state MiB':>9} {'formula':>8} {'st/form':>7} "
         f"{'comm MiB':>8} {'/ideal':>6} {'wire MiB':>8} {'loss':>9} {'Δ vs DDP':>9}"
     )
@@ -529,14 +543,14 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
     ddp = rows.get("ddp", {})
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"{name:<9} not measured: {r['error']}")
+            lines.append(f"{name:<13} not measured: {r['error']}")
             continue
         stage = formula_stage.get(name, r["stage"])
         formula = zero_formula_bytes(n_params, stage, world)
         ideal = expected_comm_bytes(n_params, r["stage"])
         dloss = f"{(r['loss'] - ddp['loss']) / abs(ddp['loss']):+.1e}" if "loss" in ddp else "n/a"
         lines.append(
-            f"{name:<9} {r['median_s'] * 1e3:>8.1f} "
+            f"{name:<13} {r['median_s'] * 1e3:>8.1f} "
             f"{r['p10_s'] * 1e3:>6.0f}-{r['p90_s'] * 1e3:<6.0f} {r['cpu_s'] * 1e3:>7.1f} "
             f"{r['tok_s']:>7.0f} {'/'.join(f'{m:.0f}' for m in r['peak_mib']):>14} "
             f"{max(r['peak_mib']) * MiB / formula:>7.2f} "
@@ -552,19 +566,18 @@ def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_para
     )
     best_peer = {0: "ddp", 1: "zero_opt", 2: "zero_opt", 3: "fsdp2"}
     lines.append("")
-    lines.append(f"{'config':<9} {'time/DDP':>9} {'time/peer':>10} {'peer':>9} {'cpu/DDP':>8}")
+    lines.append(f"{'config':<13} {'time/DDP':>9} {'time/peer':>10} {'peer':>9} {'cpu/DDP':>8}")
     for name, r in rows.items():
-        if "error" in r or "median_s" not in ddp:
+        if "error" in r:
             continue
         peer = best_peer[r["stage"]] if name in DS_STAGES else name
         if name in OFFLOAD:
             peer = name[:3]  # the same stage without offload
         pr = rows.get(peer, {})
         vs_peer = f"{r['median_s'] / pr['median_s']:.2f}" if "median_s" in pr else "n/a"
-        lines.append(
-            f"{name:<9} {r['median_s'] / ddp['median_s']:>9.2f} {vs_peer:>10} {peer:>9} "
-            f"{r['cpu_s'] / ddp['cpu_s']:>8.2f}"
-        )
+        vs_ddp = f"{r['median_s'] / ddp['median_s']:.2f}" if "median_s" in ddp else "n/a"
+        cpu_ddp = f"{r['cpu_s'] / ddp['cpu_s']:.2f}" if "cpu_s" in ddp else "n/a"
+        lines.append(f"{name:<13} {vs_ddp:>9} {vs_peer:>10} {peer:>9} {cpu_ddp:>8}")
     for name in OFFLOAD:
         if name in rows and "state" in rows[name] and name[:3] in rows and name in HOST_BYTES:
             dev, base = rows[name]["state"], rows[name[:3]].get("state", 0)

@@ -26,6 +26,8 @@ def model_state_bytes(engine: ZeroEngine) -> dict[str, int]:
     and ``optimizer`` count only what stays on the device (nothing), and ``host_master``,
     ``host_grads`` (the fp32 ranges the host optimizer reads), ``host_staging`` (the
     16-bit staging buffer), ``host_optimizer`` and ``host_total`` count the host side.
+    With parameter offload the stage-3 shards are on the host: ``params`` leaves them out and
+    ``host_params`` counts them (included in ``host_total`` when the optimizer is offloaded too).
     """
     seen: set[int] = set()
 
@@ -38,7 +40,12 @@ def model_state_bytes(engine: ZeroEngine) -> dict[str, int]:
         seen.add(key)
         return t.untyped_storage().nbytes()
 
-    params = sum(size(u.shard if u.mode is Mode.PARTITIONED else u.flat) for u in engine.units)
+    params = sum(
+        size(u.shard if u.mode is Mode.PARTITIONED else u.flat)
+        for u in engine.units
+        if not u.host_shard
+    )
+    host_params = sum(size(u.shard) for u in engine.units if u.host_shard)
     for zp in engine.zparams.values():
         if zp.unit is None:
             params += size(zp.param.data)
@@ -65,5 +72,9 @@ def model_state_bytes(engine: ZeroEngine) -> dict[str, int]:
             host_optimizer=opt,
             host_total=host["master"] + host["grads"] + host["staging"] + opt,
         )
+    if any(u.host_shard for u in engine.units):
+        out["host_params"] = host_params
+        if offload is not None:
+            out["host_total"] += host_params
     out["total"] = params + master + grads + out["optimizer"]
     return out

@@ -6,10 +6,10 @@ unknown key also names the closest known key. Three kinds of DeepSpeed keys are 
 
 - performance knobs that mean nothing in this design (``contiguous_gradients``,
   ``wall_clock_breakdown``, ...) are accepted and named in one warning;
-- keys that would change results but are not implemented (``offload_param``,
+- keys that would change results but are not implemented (``zero_quantized_weights``,
   ``activation_checkpointing``, ...) are errors saying "not supported yet";
 - result-changing keys set to their no-op value (``prescale_gradients: false``,
-  ``offload_param.device: "none"``) are accepted with the knobs' warning.
+  ``fp32_allreduce: false``) are accepted with the knobs' warning.
 
 Batch sizes follow DeepSpeed: ``train_batch_size = train_micro_batch_size_per_gpu ×
 gradient_accumulation_steps × world_size``; any two determine the third. Deviation from
@@ -173,6 +173,37 @@ class OffloadOptimizerConfig(BaseModel):
         return self
 
 
+class OffloadParamConfig(BaseModel):
+    """``zero_optimization.offload_param``: stage-3 parameter shards in host memory."""
+
+    model_config = _FROZEN
+
+    device: Literal["none", "cpu"] = "none"
+    """``cpu`` keeps each rank's 16-bit (or fp32) parameter shards in host memory and copies
+    a unit's shard to the device only to gather it (stage 3); ``none`` keeps them on the
+    device. (Default: none)"""
+    pin_memory: Bool = True
+    """Page-lock the host shards where the backend declares ``pinned_memory``, so the copy
+    to the device before a gather is asynchronous. (Default: true)"""
+    buffer_count: Int = Field(default=5, gt=0)
+    """DeepSpeed's NVMe swap-buffer count; no effect with ``device: cpu``. (Default: 5)"""
+    buffer_size: Int = Field(default=100_000_000, gt=0)
+    """DeepSpeed's NVMe swap-buffer size in elements; no effect with ``device: cpu``.
+    (Default: 1e8)"""
+    max_in_cpu: Int = Field(default=1_000_000_000, ge=0)
+    """DeepSpeed's NVMe knob (elements kept in host memory); no effect with ``device: cpu``.
+    (Default: 1e9)"""
+    nvme_path: str | None = None
+    """DeepSpeed's NVMe folder; NVMe offload is not supported yet. (Default: none)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nvme(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("device") == "nvme":
+            raise ValueError(f"device='nvme' is {NOT_YET}; use 'cpu' or 'none'")
+        return data
+
+
 class ZeroConfig(BaseModel):
     """``zero_optimization``: what is partitioned and how collectives are bucketed."""
 
@@ -205,6 +236,10 @@ class ZeroConfig(BaseModel):
     """Optimizer offload (stages 1-3). DeepSpeed's legacy ``cpu_offload: true`` (with
     ``cpu_offload_use_pin_memory``) means ``{"device": "cpu"}``. (Default: off)"""
 
+    offload_param: OffloadParamConfig = OffloadParamConfig()
+    """Parameter offload (stage 3 only). DeepSpeed's legacy ``cpu_offload_params: true``
+    means ``{"device": "cpu"}``. (Default: off)"""
+
     @model_validator(mode="before")
     @classmethod
     def _legacy_cpu_offload(cls, data: Any) -> Any:
@@ -212,6 +247,13 @@ class ZeroConfig(BaseModel):
             data = dict(data)
             legacy = data.pop("stage3_gather_fp16_weights_on_model_save")
             data.setdefault("stage3_gather_16bit_weights_on_model_save", legacy)
+        if isinstance(data, dict) and "cpu_offload_params" in data:
+            data = dict(data)
+            legacy = data.pop("cpu_offload_params")
+            if legacy is True and "offload_param" not in data:
+                data["offload_param"] = {"device": "cpu"}
+            elif legacy not in (True, False):
+                raise ValueError(f"cpu_offload_params must be true or false, got {legacy!r}")
         if not isinstance(data, dict) or "cpu_offload" not in data:
             return data
         data = dict(data)
@@ -228,6 +270,12 @@ class ZeroConfig(BaseModel):
             raise ValueError(
                 "offload_optimizer.device='cpu' needs stage 1, 2 or 3 (stage 0 keeps no "
                 "partitioned optimizer state); set zero_optimization.stage"
+            )
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(
+                f"offload_param.device='cpu' needs stage 3 (stage {self.stage} keeps every "
+                "parameter whole on each rank); set zero_optimization.stage to 3 or use "
+                "offload_optimizer"
             )
         return self
 

@@ -88,8 +88,6 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
     ),
     ("zero_optimization",): frozenset(
         {
-            "offload_param",
-            "cpu_offload_params",
             "zero_quantized_weights",
             "zero_quantized_nontrainable_weights",
             "zero_quantized_gradients",
@@ -110,7 +108,6 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
     ((), "sparse_gradients"): lambda v: v is False,
     ((), "gradient_allreduce_op"): lambda v: v == "mean",
     (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
-    (("zero_optimization",), "offload_param"): lambda v: _offload_off(v),
     (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
     ((), "amp"): lambda v: _disabled(v),
     ((), "hybrid_engine"): lambda v: _disabled(v),
@@ -129,12 +126,6 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
 def _disabled(value: Any) -> bool:
     """A section whose ``enabled`` is false (or absent: DeepSpeed's default is off)."""
     return isinstance(value, dict) and value.get("enabled", False) is False
-
-
-def _offload_off(value: Any) -> bool:
-    return value is None or (
-        isinstance(value, dict) and value.get("device", "none") in ("none", None)
-    )
 
 
 def dotted(path: tuple[str | int, ...]) -> str:

@@ -234,6 +234,13 @@ class ZeroEngine(DeepSpeedEngineAPI):
         limit = self.config.zero_optimization.reduce_bucket_size
         units: list[FlatUnit] = []
         if self.stage == 3:
+            host = self.config.zero_optimization.offload_param.device == "cpu"
+            if host and "pinned_memory" not in self.acc.capabilities:
+                log.info(
+                    "offload_param: backend '%s' does not declare pinned_memory; host "
+                    "shards are pageable and their copies to the device synchronous",
+                    self.acc.name,
+                )
             seen: set[int] = set()
             for sub in model.modules():
                 own = [
@@ -244,7 +251,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 own = [zp for zp in own if zp.mode is Mode.PARTITIONED]
                 seen.update(id(zp.param) for zp in own)
                 for part in bucketize(own, limit):
-                    units.append(FlatUnit(part, Mode.PARTITIONED, self.device))
+                    units.append(FlatUnit(part, Mode.PARTITIONED, self.device, host_shard=host))
         for mode in (Mode.REPLICATED, Mode.SHARDED_STATE):
             members = [zp for zp in self.zparams.values() if zp.mode is mode and zp.trainable]
             for part in bucketize(members, limit):
@@ -306,6 +313,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
                     continue
                 assert zp.unit is not None
                 piece = zp.unit.piece(zp)
+                if zp.unit.host_shard:  # offload_param: the optimizer steps on the device
+                    zp.master = nn.Parameter(piece.to(self.device, torch.float32, copy=True))
+                    continue
                 zp.master = nn.Parameter(piece if piece.dtype == torch.float32 else piece.float())
 
     def _grad_hook(self, zp: ZeroParam) -> Callable[[torch.Tensor], None]:

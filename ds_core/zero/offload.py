@@ -23,7 +23,8 @@ masters. At each window's boundary:
    models straight from the master (no cast needed, so no staging copy).
 
 Then the engine's usual all-gather (stages 1/2) rebuilds full parameters; stage 3 keeps the
-range. On the CPU backend every copy is host to host and nothing is pinned (the backend
+range. With ``offload_param`` the stage-3 range itself is on the host: step 4 is a host-side
+cast into it, and the device sees the parameters only while a gather holds them. On the CPU backend every copy is host to host and nothing is pinned (the backend
 declares ``pinned_memory`` absent), but the path is the same one.
 """
 
@@ -95,8 +96,10 @@ class OptimizerOffload:
                 for zp in unit.trainable:
                     piece = slice(zp.shard_offset, zp.shard_offset + zp.shard_numel)
                     zp.master = nn.Parameter(master[piece])
-                if unit.dtype == torch.float32:
-                    continue  # the master itself is the copy's source: no cast, no staging
+                if unit.dtype == torch.float32 or unit.host_shard:
+                    # fp32: the master itself is the copy's source; a host shard
+                    # (offload_param) takes the cast on the host: no staging either way.
+                    continue
                 staging = self._staging.get(unit.dtype)
                 if staging is None or staging.numel() < unit.part:
                     self._staging[unit.dtype] = self._host(unit.part, unit.dtype)
@@ -163,6 +166,9 @@ class OptimizerOffload:
         with torch.no_grad():
             for hr in self.ranges:
                 unit = hr.unit
+                if unit.host_shard:  # offload_param: host to host, cast on the way
+                    unit.owned().copy_(hr.master)
+                    continue
                 if unit.dtype == torch.float32:
                     # The host master stays unchanged until the next step, whose gradient copy
                     # waits for all queued work: this copy may run asynchronously.

@@ -144,6 +144,10 @@ class FlatUnit:
 
     Owns the parameters' storage: ``flat`` (the padded full buffer the parameters are views of;
     for PARTITIONED units only while gathered) and ``shard`` (PARTITIONED: this rank's range).
+
+    With ``host_shard`` (``offload_param``), a PARTITIONED unit's ``shard`` lives in host memory
+    (page-locked where the backend declares ``pinned_memory``) and a gather first copies it into
+    a device buffer of ``part`` elements that lives until the all-gather's handle is waited on.
     """
 
     def __init__(
@@ -151,6 +155,7 @@ class FlatUnit:
         zparams: list[ZeroParam],
         mode: Mode,
         device: torch.device,
+        host_shard: bool = False,
     ) -> None:
         first = zparams[0]
         self.zparams = zparams
@@ -183,8 +188,19 @@ class FlatUnit:
         self.gather_count = 0
         #: an all-gather in flight (prefetch): its handle and output buffer.
         self.inflight: tuple[Work, torch.Tensor] | None = None
+        #: ``offload_param``: the shard is on the host; ``pinned`` when page-locked.
+        self.host_shard = host_shard and mode is Mode.PARTITIONED
+        self.pinned = False
+        #: the device copy of a host shard an in-flight all-gather reads.
+        self._gather_src: torch.Tensor | None = None
         if mode is Mode.PARTITIONED:
-            self.shard = torch.empty(self.part, dtype=self.dtype, device=device)
+            if self.host_shard:
+                acc = get_accelerator()
+                self.shard = torch.empty(self.part, dtype=self.dtype, device="cpu")
+                if "pinned_memory" in acc.capabilities:
+                    self.shard, self.pinned = acc.pin_memory(self.shard), True
+            else:
+                self.shard = torch.empty(self.part, dtype=self.dtype, device=device)
             self.shard[self._owned_tail() :].zero_()
             # One gather buffer for the unit's life whose storage is freed (resized to 0)
             # on release and refilled on gather: tensors autograd saved in forward view this
@@ -246,7 +262,13 @@ class FlatUnit:
             return
         assert self.shard is not None and self.flat is not None
         self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
-        handle = get_accelerator().all_gather(self.flat, self.shard, self.group, async_op)
+        src = self.shard
+        if self.host_shard:
+            # Host -> device on the current stream, which the collective is ordered after.
+            src = torch.empty(self.part, dtype=self.dtype, device=self.device)
+            src.copy_(self.shard, non_blocking=self.pinned)
+            self._gather_src = src
+        handle = get_accelerator().all_gather(self.flat, src, self.group, async_op)
         self.inflight = (handle, self.flat)
         if not async_op:
             self.wait_gather()
@@ -258,6 +280,7 @@ class FlatUnit:
         handle, out = self.inflight
         handle.wait()
         self.inflight = None
+        self._gather_src = None
         for zp in self.zparams:
             zp.param.data = out[zp.offset : zp.offset + zp.numel].view(zp.shape)
 
@@ -267,6 +290,7 @@ class FlatUnit:
         if self.inflight is not None:
             self.inflight[0].wait()  # issued on every rank: it must complete
             self.inflight = None
+            self._gather_src = None
         if self.mode is not Mode.PARTITIONED or self.flat is None:
             return
         for zp in self.zparams:

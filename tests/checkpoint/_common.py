@@ -113,6 +113,8 @@ class Resume:
         extra = dict(self.extra)
         if extra.pop("offload", False):
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if extra.pop("offload_param", False):
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
         cfg.update(extra)
         return cfg
 
@@ -128,6 +130,11 @@ RESUME: dict[str, Resume] = {
     # optimizer offload: host masters and state, the config's AdamW built as DeepSpeedCPUAdam
     "s2_offload": Resume(stage=2, optimizer="config", extra={"offload": True}),
     "s3_offload": Resume(stage=3, optimizer="config", extra={"offload": True}),
+    # parameter offload: stage-3 shards on the host (with the optimizer there too; bf16 alone)
+    "s3_param_offload": Resume(
+        stage=3, optimizer="config", extra={"offload": True, "offload_param": True}
+    ),
+    "s3_bf16_param_offload": Resume(stage=3, model="mlp", bf16=True, extra={"offload_param": True}),
     "s1_group_step": Resume(stage=1, optimizer="group_step"),
     "s3_param_step": Resume(stage=3, optimizer="param_step"),
 }

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from ds_core.zero.partition import Mode
 from tests.zero._common import (
     EPS,
     IN,
@@ -32,6 +33,7 @@ class OffloadScenario(Scenario):
     legacy: bool = False  # DeepSpeed's old spelling: zero_optimization.cpu_offload = true
     config_optimizer: bool = True  # the config's AdamW (DeepSpeedCPUAdam under offload)
     bf16: bool = False
+    param_offload: bool = False  # zero_optimization.offload_param = {"device": "cpu"}
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()
@@ -42,6 +44,8 @@ class OffloadScenario(Scenario):
                 "device": "cpu",
                 "pin_memory": self.pin,
             }
+        if self.param_offload:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": self.pin}
         if self.config_optimizer:
             # torch.optim.AdamW's defaults, which the reference uses.
             cfg["optimizer"] = {
@@ -72,6 +76,15 @@ def scenarios() -> dict[str, OffloadScenario]:
     out["s2_legacy"] = OffloadScenario(stage=2, world=2, legacy=True, steps=3)
     out["s3_overlap"] = OffloadScenario(stage=3, world=2, overlap=True, steps=4)
     out["s2_unpinned"] = OffloadScenario(stage=2, world=2, pin=False, steps=3)
+    # offload_param: with the optimizer offloaded too (all model states on the host), alone
+    # (fp32 masters and Adam state stay on the device), and with accumulation and overlap.
+    out["s3_param"] = OffloadScenario(stage=3, world=2, param_offload=True, steps=4)
+    out["s3_param_only"] = OffloadScenario(
+        stage=3, world=2, offload=False, param_offload=True, steps=4
+    )
+    out["s3_param_overlap"] = OffloadScenario(
+        stage=3, world=2, gas=4, overlap=True, param_offload=True, steps=3
+    )
     return out
 
 
@@ -127,6 +140,7 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
         "pinned": engine.offload.pinned if engine.offload is not None else None,
         "host_grad_sums": host_grad_changes,  # after every backward
         "host_accumulates": engine.reducer.host is not None,
+        "host_shards": [u.host_shard for u in engine.units if u.mode is Mode.PARTITIONED],
     }
     engine.destroy()
     return out

@@ -144,9 +144,55 @@ def test_config_accepts_deepspeed_offload_spellings() -> None:
         ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs stage 1, 2 or 3"),
         ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "'nvme' is not supported yet"),
         ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "partial offload"),
-        ({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param: not supported yet"),
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param.*needs stage 3"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, "'nvme' is not supported yet"),
+        ({"stage": 3, "cpu_offload_params": "yes"}, "cpu_offload_params must be true or false"),
     ],
 )
 def test_config_rejects_what_offload_does_not_do(section: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(_zero(section), 1)
+
+
+PARAM_OFFLOAD = ["s3_param", "s3_param_only", "s3_param_overlap"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PARAM_OFFLOAD)
+def test_param_offload_matches_single_process_reference(
+    suite: Callable[[str, int], SuiteResults], name: str
+) -> None:
+    check_against_reference(scenarios()[name], suite("offload", 2).ranks(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PARAM_OFFLOAD)
+def test_param_offload_keeps_stage3_shards_on_the_host(
+    suite: Callable[[str, int], SuiteResults], name: str
+) -> None:
+    sc = scenarios()[name]
+    for r in suite("offload", 2).ranks(name):
+        assert r["host_shards"] and all(r["host_shards"])
+        b = r["bytes"]
+        # Every parameter of the tiny model is partitioned (threshold 0): the device keeps
+        # no parameter storage; the host holds each rank's shards.
+        assert b["params"] == 0 and b["host_params"] > 0
+        if sc.offload:  # everything on the host: the device holds no model state at all
+            assert b["master"] == b["optimizer"] == b["grads"] == 0
+            assert b["host_total"] >= b["host_params"] + b["host_master"] + b["host_optimizer"]
+        else:  # fp32 masters (separate device copies) and Adam state stay on the device
+            # fp32 model: the masters are the trainable elements of the shards (which also
+            # hold the frozen parameter and padding).
+            assert 0 < b["master"] <= b["host_params"]
+            assert b["optimizer"] == 2 * b["master"]
+            assert r["optimizer"] == "AdamW"
+
+
+def test_config_reads_deepspeed_param_offload_spellings() -> None:
+    legacy = load_config(_zero({"stage": 3, "cpu_offload_params": True}), 1)
+    assert legacy.zero_optimization.offload_param.device == "cpu"
+    off = load_config(_zero({"stage": 2, "offload_param": {"device": "none"}}), 1)
+    assert off.zero_optimization.offload_param.device == "none"
+    knobs = {"device": "cpu", "buffer_count": 4, "buffer_size": 1e8, "max_in_cpu": 1e9}
+    cfg = load_config(_zero({"stage": 3, "offload_param": knobs}), 1)
+    assert cfg.zero_optimization.offload_param.pin_memory is True
