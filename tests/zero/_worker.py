@@ -515,15 +515,23 @@ def resident() -> dict[str, Any]:
     acc = ds_core.get_accelerator()
     width, depth = 1024, 8  # 8.4 M parameters: 134 MiB of fp32 AdamW states in all
 
-    def build(stage: int) -> Any:
+    def build(stage: int, offload: bool = False) -> Any:
         torch.manual_seed(0)
         model = MLP(width, depth)
-        cfg = {
+        zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+        cfg: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "steps_per_print": 10**9,
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "zero_optimization": zero,
         }
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        opt = None
+        if offload:  # masters and state on the host (cpu_adam); stage 3 also its shards
+            zero["offload_optimizer"] = {"device": "cpu"}
+            if stage == 3:
+                zero["offload_param"] = {"device": "cpu"}
+            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         engine, _, _, _ = ds_core.initialize(model=model, optimizer=opt, config=cfg)
         return engine
 
@@ -561,6 +569,14 @@ def resident() -> dict[str, Any]:
         del engine
         after_destroy.append(rss() - base)
     out["after_destroy"] = after_destroy
+    offload_after_destroy = []
+    for i in range(20):
+        engine = build(3 if i % 2 else 2, offload=True)
+        train(engine, 1)
+        engine.destroy()
+        del engine
+        offload_after_destroy.append(rss() - base)
+    out["offload_after_destroy"] = offload_after_destroy
     engine = build(2)
     drift = []
     for _ in range(10):

@@ -51,6 +51,8 @@ def test_resident_model_states_match_formula(ranks: list[dict[str, Any]], stage:
 def test_destroying_engines_releases_their_buffers(ranks: list[dict[str, Any]]) -> None:
     for res in ranks:
         _flat(res["after_destroy"][1:], "20 engines created and destroyed")
+        # with offload: host masters, accumulators, cpu_adam state and stage-3 host shards
+        _flat(res["offload_after_destroy"][1:], "20 offload engines created and destroyed")
 
 
 def test_no_growth_over_100_steps(ranks: list[dict[str, Any]]) -> None:
