@@ -20,7 +20,11 @@ CAPABILITIES: Final[dict[str, tuple[str, str]]] = {
         "stream",
         "events time work on the device; without it elapsed_time uses host timers",
     ),
-    "pinned_memory": ("memory", "ds_memory_pin returns page-locked host memory"),
+    "pinned_memory": (
+        "memory",
+        "ds_memory_pin and ds_memory_alloc_pinned return page-locked host memory, "
+        "ds_memory_free_pinned releases it",
+    ),
     "memory_limits": (
         "memory",
         "total/available memory honour the process's own limit (rlimit, cgroup, quota)",
@@ -50,6 +54,8 @@ DERIVED: Final[frozenset[str]] = frozenset({"fp16", "bf16", "fp64", "fp8"})
 GATED_HOOKS: Final[dict[str, str]] = {
     "ds_graph_create": "graph_capture",
     "ds_memory_pin": "pinned_memory",
+    "ds_memory_alloc_pinned": "pinned_memory",
+    "ds_memory_free_pinned": "pinned_memory",
 }
 
 

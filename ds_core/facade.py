@@ -51,6 +51,8 @@ DIRECT: dict[str, str] = {
     "stream": "ds_stream_use",
     "is_pinned": "ds_memory_is_pinned",
     "pin_memory": "ds_memory_pin",
+    "alloc_pinned": "ds_memory_alloc_pinned",
+    "free_pinned": "ds_memory_free_pinned",
     "empty_cache": "ds_memory_empty_cache",
     "communication_backend_name": "ds_comm_backend_name",
     "range_push": "ds_profiler_range_push",
@@ -108,6 +110,13 @@ class Accelerator:
     empty_cache: Callable[[], bool]
     #: A page-locked copy of a host tensor. :raises NotSupportedError: without ``pinned_memory``.
     pin_memory: Callable[[torch.Tensor], torch.Tensor]
+    #: ``alloc_pinned(shape, dtype)``: a new page-locked host tensor, contents unspecified.
+    #: :raises NotSupportedError: without ``pinned_memory``.
+    alloc_pinned: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+    #: ``free_pinned(t)``: release a tensor from ``alloc_pinned`` (its storage becomes 0 bytes).
+    #: :raises ValueError: for any other tensor. :raises NotSupportedError: without
+    #: ``pinned_memory``.
+    free_pinned: Callable[[torch.Tensor], bool]
     #: Whether a host tensor is page-locked for this device type.
     is_pinned: Callable[[torch.Tensor], bool]
     #: The ``torch.distributed`` backend name (``"gloo"`` on cpu).

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.broken_backends import BROKEN, NARROW, install
+from tests.broken_backends import BROKEN, MUST_PASS, NARROW, install
 from tests.distfactory import make_backend
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,8 @@ def test_broken_backend_fails_in_its_category(tmp_path: Path, stem: str) -> None
     assert "NOT conformant" in output
     failed = [f["id"] for f in report["categories"][category]["failures"]]
     assert f"{category}/{must_fail}" in failed, failed
+    passed_too = [t for t in MUST_PASS.get(stem, ()) if f"{category}/{t}" in failed]
+    assert not passed_too, f"{stem}: checks that must pass failed too: {passed_too}"
     if stem == "probe_touches_device":
         assert f"{category}/test_probe_imports_only_documented_modules" in failed, failed
 

@@ -276,3 +276,101 @@ def test_pinning_is_real_and_non_blocking_copies_are_correct(acc: Any) -> None:
         "equal to the source",
         "tensor.to(non_blocking=True)",
     )
+
+
+#: (shape, dtype) cases alloc_pinned must honour: a large flat buffer, a 3-d 16-bit one, a
+#: scalar and an empty one.
+PINNED_CASES: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (
+    ((1 << 20,), torch.float32),
+    ((3, 5, 7), torch.float16),
+    ((), torch.int64),
+    ((4, 0), torch.uint8),
+)
+
+
+def _pattern(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return (torch.arange(numel) % 101).to(dtype).reshape(shape)
+
+
+@capability("pinned_memory")
+@hooks("ds_memory_alloc_pinned")
+def test_alloc_pinned_has_the_shape_and_dtype_asked_and_is_writable(acc: Any) -> None:
+    for shape, dtype in PINNED_CASES:
+        call = f"alloc_pinned({shape}, {dtype})"
+        t = acc.alloc_pinned(shape, dtype)
+        check(tuple(t.shape) == shape, f"{call}.shape", tuple(t.shape), str(shape), call)
+        check(t.dtype == dtype, f"{call}.dtype", t.dtype, str(dtype), call)
+        check(t.device.type == "cpu", f"{call}.device", str(t.device), "cpu", call)
+        check(t.is_contiguous(), f"{call}.is_contiguous()", False, "True", call)
+        want = _pattern(shape, dtype)
+        t.copy_(want)
+        check(
+            torch.equal(t, want), f"{call} after copy_(pattern)", "different", "the pattern", call
+        )
+
+
+@capability("pinned_memory")
+@hooks("ds_memory_alloc_pinned", "ds_memory_is_pinned")
+def test_alloc_pinned_is_page_locked_and_non_blocking_copies_are_correct(acc: Any) -> None:
+    call = "alloc_pinned((1 << 20,), torch.float32)"
+    src = acc.alloc_pinned((1 << 20,), torch.float32)
+    check(src.is_pinned(), f"{call}.is_pinned()", False, "True", call)
+    check(acc.is_pinned(src) is True, f"is_pinned({call})", acc.is_pinned(src), "True", call)
+    want = _pattern((1 << 20,), torch.float32)
+    src.copy_(want)
+    on_device = src.to(acc.device(), non_blocking=True)
+    back = acc.alloc_pinned((1 << 20,), torch.float32)
+    back.copy_(on_device, non_blocking=True)
+    acc.synchronize()
+    check(
+        torch.equal(back, want),
+        "pinned -> device -> pinned non-blocking round trip",
+        "different",
+        "equal to the source",
+        "tensor.copy_(non_blocking=True)",
+    )
+
+
+def _refused(acc: Any, tensor: torch.Tensor) -> bool:
+    try:
+        acc.free_pinned(tensor)
+    except ValueError:
+        return True
+    return False
+
+
+@capability("pinned_memory")
+@hooks("ds_memory_free_pinned", "ds_memory_alloc_pinned")
+def test_free_pinned_releases_the_storage_and_refuses_any_other_tensor(acc: Any) -> None:
+    t = acc.alloc_pinned((1 << 20,), torch.float32)
+    t.fill_(1.0)
+    freed = acc.free_pinned(t)
+    check(freed is True, "free_pinned(t)", freed, "True", "ds_memory_free_pinned")
+    nbytes = t.untyped_storage().nbytes()
+    check(nbytes == 0, "storage bytes after free_pinned(t)", nbytes, "0", "ds_memory_free_pinned")
+    live = acc.alloc_pinned((1 << 10,), torch.float32)
+    others = (
+        ("an ordinary host tensor", torch.ones(1 << 10)),
+        ("a view of a live alloc_pinned buffer", live[1:]),
+        ("a tensor already freed", t),
+        ("pin_memory(t)'s pinned copy", acc.pin_memory(torch.ones(1 << 10))),
+    )
+    for what, other in others:
+        refused = _refused(acc, other)
+        check(
+            refused,
+            f"free_pinned({what}) raised ValueError",
+            refused,
+            "True",
+            "ds_memory_free_pinned",
+        )
+    check(
+        live.untyped_storage().nbytes() == 4 << 10,
+        "storage bytes of a live buffer after refused frees",
+        live.untyped_storage().nbytes(),
+        str(4 << 10),
+        "ds_memory_free_pinned",
+    )

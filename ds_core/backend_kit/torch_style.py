@@ -30,6 +30,7 @@ import contextlib
 import importlib
 import itertools
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -121,6 +122,9 @@ class TorchStyleHooks:
         self.api_name = api_name
         self.determinism = determinism
         self.host_timers = host_timers
+        # id -> weak reference of each live tensor ds_memory_alloc_pinned returned (not a
+        # hook: private). A tensor collected without free_pinned drops out by itself.
+        self._pinned: dict[int, weakref.ref[torch.Tensor]] = {}
         # What a module plugin's __name__ was: the module defining the hooks. Reports, pluggy's
         # canonical name and the conformance suite's probe-hygiene check name a plugin by it.
         self.__name__ = type(self).__module__
@@ -336,6 +340,43 @@ class TorchStyleHooks:
                 f"CPU first"
             )
         return tensor.pin_memory()
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new page-locked host tensor, contents unspecified: ``torch.empty`` allocating
+        from the pinned-host allocator of torch's current accelerator (the vendor's).
+        Override where the vendor pins for an explicitly named device."""
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+
+    @hookimpl
+    def ds_memory_alloc_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        dims = tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise ValueError(f"alloc_pinned needs non-negative dimensions, got {dims}")
+        tensor = self.pinned_empty(dims, dtype)
+        key = id(tensor)
+        owned = self._pinned
+
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:
+            if owned.get(key) is ref:
+                del owned[key]
+
+        owned[key] = weakref.ref(tensor, forget)
+        return tensor
+
+    @hookimpl
+    def ds_memory_free_pinned(self, tensor: torch.Tensor) -> bool:
+        ref = self._pinned.get(id(tensor))
+        if ref is None or ref() is not tensor:
+            raise ValueError(
+                f"free_pinned takes a tensor alloc_pinned returned and not yet freed; got a "
+                f"{tuple(tensor.shape)} {tensor.dtype} tensor on '{tensor.device}' that is not "
+                f"one (an ordinary or pin_memory tensor, a view, or one already freed)"
+            )
+        del self._pinned[id(tensor)]
+        # Dropping the storage's bytes now hands the block back to the pinned-host allocator,
+        # whoever still holds a reference to the tensor or a view of it.
+        tensor.untyped_storage().resize_(0)
+        return True
 
     @hookimpl
     def ds_memory_is_pinned(self, tensor: torch.Tensor) -> bool:

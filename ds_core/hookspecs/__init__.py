@@ -61,6 +61,8 @@ SPEC_MODULES: Final[tuple[ModuleType, ...]] = (
 OPTIONAL_HOOKS: Final[dict[str, str]] = {
     "ds_graph_create": "required only when the backend declares 'graph_capture'",
     "ds_memory_pin": "required only when the backend declares 'pinned_memory'",
+    "ds_memory_alloc_pinned": "required only when the backend declares 'pinned_memory'",
+    "ds_memory_free_pinned": "required only when the backend declares 'pinned_memory'",
     "ds_comm_all_reduce": "the core's default plugin implements it over torch.distributed",
     "ds_comm_all_gather": "the core's default plugin implements it over torch.distributed",
     "ds_comm_reduce_scatter": "the core's default plugin implements it over torch.distributed",

@@ -104,7 +104,8 @@ def ds_memory_info(index: int | None) -> MemoryInfo:
 def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
     """Return a page-locked copy of a host tensor, so device copies can be non-blocking.
 
-    The result's ``is_pinned()`` is ``True``. Gated by the ``pinned_memory`` capability.
+    The result's ``is_pinned()`` is ``True``. Gated by the ``pinned_memory`` capability. To get
+    a pinned buffer without a pageable one first, use ``ds_memory_alloc_pinned``.
 
     :param tensor: a CPU tensor.
     :raises ValueError: when ``tensor`` is not on the host.
@@ -112,6 +113,46 @@ def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
     Device context: may create one.
 
     Use in backends: optional (required with ``pinned_memory``). Facade: ``pin_memory(t)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_alloc_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Return a new page-locked host tensor, allocated pinned (no pageable buffer, no copy).
+
+    The result is a contiguous CPU tensor of ``shape`` and ``dtype`` whose ``is_pinned()`` and
+    ``ds_memory_is_pinned`` are ``True``; its contents are unspecified (as ``torch.empty``'s):
+    write it before reading it. The backend remembers it as its own until
+    ``ds_memory_free_pinned`` releases it. Gated by the ``pinned_memory`` capability.
+
+    :param shape: the size of each dimension, in elements (``()`` for a scalar, ``0`` allowed).
+    :param dtype: the element type.
+    :raises ValueError: when a dimension is negative.
+
+    Device context: may create one.
+
+    Use in backends: optional (required with ``pinned_memory``). Facade:
+    ``alloc_pinned(shape, dtype)``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_memory_free_pinned(tensor: torch.Tensor) -> bool:
+    """Release a tensor ``ds_memory_alloc_pinned`` returned, now rather than at garbage collection.
+
+    Its storage is resized to 0 bytes, so the page-locked block goes back to the vendor's
+    pinned-host allocator (which may keep it cached for the next pinned allocation) even while
+    references to the tensor remain; afterwards ``tensor.untyped_storage().nbytes() == 0``, the
+    tensor (and every view of it) holds no memory and must not be read or written.
+
+    :param tensor: the very tensor object ``ds_memory_alloc_pinned`` returned (not a view).
+    :returns: ``True``.
+    :raises ValueError: when ``tensor`` is not one of this backend's live pinned allocations
+        (an ordinary or ``ds_memory_pin`` tensor, a view, or one already freed).
+
+    Device context: may create one.
+
+    Use in backends: optional (required with ``pinned_memory``). Facade: ``free_pinned(t)``.
     """
 
 

@@ -24,8 +24,10 @@ masters. At each window's boundary:
 
 Then the engine's usual all-gather (stages 1/2) rebuilds full parameters; stage 3 keeps the
 range. With ``offload_param`` the stage-3 range itself is on the host: step 4 is a host-side
-cast into it, and the device sees the parameters only while a gather holds them. On the CPU backend every copy is host to host and nothing is pinned (the backend
-declares ``pinned_memory`` absent), but the path is the same one.
+cast into it, and the device sees the parameters only while a gather holds them. Where pinned,
+every host buffer is allocated page-locked (``alloc_pinned``) and handed back at engine
+teardown (``free_pinned``). On the CPU backend every copy is host to host and nothing is
+pinned (the backend declares ``pinned_memory`` absent), but the path is the same one.
 """
 
 from __future__ import annotations
@@ -75,10 +77,25 @@ class OptimizerOffload:
         self.ranges: list[_HostRange] = []
         self._of: dict[int, _HostRange] = {}
         self._staging: dict[torch.dtype, torch.Tensor] = {}
+        #: every buffer taken from ``alloc_pinned``, handed back by :meth:`release`.
+        self._pinned_buffers: list[torch.Tensor] = []
 
     def _host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.zeros(numel, dtype=dtype, device="cpu")
-        return self.acc.pin_memory(t) if self.pinned else t
+        """A zeroed host buffer: allocated page-locked where pinned (no pageable buffer and
+        copy first), pageable otherwise."""
+        if not self.pinned:
+            return torch.zeros(numel, dtype=dtype, device="cpu")
+        t = self.acc.alloc_pinned((numel,), dtype)
+        self._pinned_buffers.append(t)
+        return t.zero_()
+
+    def _drop(self, t: torch.Tensor) -> None:
+        """Hand a buffer from :meth:`_host` back now (pinned) or leave it to the collector."""
+        for i, owned in enumerate(self._pinned_buffers):
+            if owned is t:
+                del self._pinned_buffers[i]
+                self.acc.free_pinned(t)
+                return
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -103,6 +120,8 @@ class OptimizerOffload:
                 staging = self._staging.get(unit.dtype)
                 if staging is None or staging.numel() < unit.part:
                     self._staging[unit.dtype] = self._host(unit.part, unit.dtype)
+                    if staging is not None:
+                        self._drop(staging)  # outgrown: nothing else references it
 
     def holds(self, unit: FlatUnit | None) -> bool:
         """Whether ``unit``'s masters live on the host."""
@@ -199,10 +218,15 @@ class OptimizerOffload:
         return isinstance(optimizer, DeepSpeedCPUAdam)
 
     def release(self) -> None:
-        """Drop every host buffer (engine teardown)."""
+        """Drop every host buffer (engine teardown); pinned ones are freed now, through
+        ``free_pinned``, so their page-locked memory goes back even while the caller still
+        holds the optimizer (whose parameters are views of the masters: unusable after)."""
         for hr in self.ranges:
             for zp in hr.unit.trainable:
                 zp.master = None
         self.ranges.clear()
         self._of.clear()
         self._staging.clear()
+        buffers, self._pinned_buffers = self._pinned_buffers, []
+        for t in buffers:
+            self.acc.free_pinned(t)

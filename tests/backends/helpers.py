@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Collection
 from typing import Any
+
+import pytest
+import torch
 
 
 def probe_in_subprocess(module: str, vendor: Collection[str] = ()) -> dict[str, Any]:
@@ -42,3 +46,62 @@ def probe_in_subprocess(module: str, vendor: Collection[str] = ()) -> dict[str, 
     assert out.returncode == 0, out.stderr
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
+
+
+class PinCalls:
+    """Records the torch calls a backend pins host memory with: every ``torch.empty`` and
+    ``Tensor.pin_memory`` call, as ``(name, args, kwargs)``. The tensors they return are real
+    but pageable (a CPU build of torch cannot page-lock), so the contract tests check the calls
+    made and the hooks' bookkeeping, not the pinning itself (the conformance suite does that).
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        real_empty = torch.empty
+
+        def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self.calls.append(("torch.empty", args, dict(kwargs)))
+            kwargs.pop("pin_memory", None)
+            return real_empty(*args, **kwargs)
+
+        def pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
+            self.calls.append(("Tensor.pin_memory", (tuple(tensor.shape),), {"device": device}))
+            return tensor.clone()
+
+        monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+
+
+#: What a backend that pins through torch's current accelerator calls for a (3, 5) fp16 buffer.
+EMPTY_PINNED = [
+    ("torch.empty", ((3, 5),), {"dtype": torch.float16, "device": "cpu", "pin_memory": True})
+]
+
+
+def check_pinned_buffers(acc: Any, pins: PinCalls, expected: list[Any]) -> None:
+    """``alloc_pinned``/``free_pinned`` through the facade: the torch calls made are
+    ``expected``; the buffer has the shape and dtype asked for; ``free_pinned`` refuses foreign
+    tensors, views and a second free (ValueError), and empties the storage of the one it frees;
+    a buffer dropped without ``free_pinned`` is forgotten by the backend."""
+    pins.calls.clear()
+    t = acc.alloc_pinned((3, 5), torch.float16)
+    assert pins.calls == expected
+    assert (tuple(t.shape), t.dtype, t.device.type) == ((3, 5), torch.float16, "cpu")
+    with pytest.raises(ValueError, match="non-negative"):
+        acc.alloc_pinned((2, -1), torch.float32)
+    view = t[1]
+    for foreign in (torch.ones(3, 5, dtype=torch.float16), view):
+        with pytest.raises(ValueError, match="alloc_pinned returned"):
+            acc.free_pinned(foreign)
+    assert t.untyped_storage().nbytes() == 30
+    assert acc.free_pinned(t) is True
+    assert t.untyped_storage().nbytes() == 0 and view.untyped_storage().nbytes() == 0
+    with pytest.raises(ValueError, match="not yet freed"):
+        acc.free_pinned(t)
+    owned = acc.entry.plugin._pinned
+    dropped = acc.alloc_pinned((4,), torch.float32)
+    key = id(dropped)
+    assert key in owned
+    del dropped
+    gc.collect()
+    assert key not in owned

@@ -37,7 +37,12 @@ from ds_core.types import DeterminismRecord
 from tests.backends.fakes import fake_xmlir
 from tests.backends.fakes.fake_cuda import FakeCuda, install
 from tests.backends.fakes.fake_device_module import GiB
-from tests.backends.helpers import probe_in_subprocess
+from tests.backends.helpers import (
+    EMPTY_PINNED,
+    PinCalls,
+    check_pinned_buffers,
+    probe_in_subprocess,
+)
 
 pytestmark = pytest.mark.contract
 
@@ -292,6 +297,14 @@ def test_pinning_refuses_a_device_tensor_and_reports_host_tensors(gpu: FakeCuda)
     with pytest.raises(ValueError, match="host tensor"):
         plugin.hooks.ds_memory_pin(torch.empty(4, device="meta"))
     assert plugin.hooks.ds_memory_is_pinned(torch.zeros(4)) is False
+
+
+def test_pinned_buffers_come_from_torch_empty_pinned_and_free_empties_them(
+    gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch.empty(pin_memory=True): one allocation from the CUDA pinned-host allocator.
+    acc = accelerator_for(plugin.hooks, "cuda")
+    check_pinned_buffers(acc, PinCalls(monkeypatch), EMPTY_PINNED)
 
 
 # --------------------------------------------------------------------------- dtypes

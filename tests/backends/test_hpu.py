@@ -24,7 +24,11 @@ from ds_core.plugins import BackendEntry, validate_backend
 from tests.backends.fakes import fake_hpu
 from tests.backends.fakes.fake_device_module import GiB
 from tests.backends.fakes.fake_hpu import FakeFusedAdamW, FakeHpu
-from tests.backends.helpers import probe_in_subprocess
+from tests.backends.helpers import (
+    PinCalls,
+    check_pinned_buffers,
+    probe_in_subprocess,
+)
 
 pytestmark = pytest.mark.contract
 
@@ -298,6 +302,18 @@ def test_pinning_names_the_hpu_device(make_fake: MakeFake, monkeypatch: pytest.M
     assert devices == [torch.device("hpu")]
     with pytest.raises(ValueError, match="host tensor"):
         plugin.hooks.ds_memory_pin(torch.ones(1, device="meta"))
+
+
+def test_pinned_buffers_are_pinned_for_the_hpu_device(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_fake()
+    monkeypatch.setattr(plugin, "package_file_present", lambda *parts: True)
+    expected = [
+        ("torch.empty", ((3, 5),), {"dtype": torch.float16, "device": "cpu"}),
+        ("Tensor.pin_memory", ((3, 5),), {"device": torch.device("hpu")}),
+    ]
+    check_pinned_buffers(_accelerator(), PinCalls(monkeypatch), expected)
 
 
 # --------------------------------------------------------------------------- dtypes

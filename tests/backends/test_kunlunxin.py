@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +27,12 @@ from ds_core.plugins import BackendEntry, validate_backend
 from tests.backends.fakes import fake_xmlir
 from tests.backends.fakes.fake_cuda import FakeCuda, install
 from tests.backends.fakes.fake_device_module import GiB
-from tests.backends.helpers import probe_in_subprocess
+from tests.backends.helpers import (
+    EMPTY_PINNED,
+    PinCalls,
+    check_pinned_buffers,
+    probe_in_subprocess,
+)
 
 pytestmark = pytest.mark.contract
 
@@ -135,6 +141,16 @@ def test_memory_info_is_device_wide(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert (info.total, info.available, info.limit) == (140 * GiB, 100 * GiB, None)
     assert fake.called("mem_get_info") == [("mem_get_info", ("cuda:0",), {})]
     assert fake.called("get_per_process_memory_fraction") == []
+
+
+def test_pinned_buffers_come_from_torch_empty_pinned_and_memory_is_not_self_throttled(
+    host: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch.empty(pin_memory=True) through torch.cuda, as Kunlunxin's ds_memory_pin pins
+    # (UNCONFIRMED on hardware that it page-locks there, as for pin_memory).
+    acc: Any = accelerator()
+    check_pinned_buffers(acc, PinCalls(monkeypatch), EMPTY_PINNED)
+    assert acc.handles_memory_backpressure() is False
 
 
 # --------------------------------------------------------------------------- events

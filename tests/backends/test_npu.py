@@ -25,7 +25,12 @@ from ds_core.types import BackendInfo, ProbeResult
 from tests.backends.fakes import fake_npu
 from tests.backends.fakes.fake_device_module import FakeEvent, GiB
 from tests.backends.fakes.fake_npu import FakeNpu, FakeNpuFusedAdamW
-from tests.backends.helpers import probe_in_subprocess
+from tests.backends.helpers import (
+    EMPTY_PINNED,
+    PinCalls,
+    check_pinned_buffers,
+    probe_in_subprocess,
+)
 
 pytestmark = pytest.mark.contract
 
@@ -211,6 +216,20 @@ def test_memory_info_is_device_wide_without_a_fraction_getter(make_fake: MakeFak
     assert fake.called("mem_get_info")[0][1] == ("npu:1",)
     assert plugin.hooks.ds_memory_stats(None)["allocated_bytes.all.current"] == fake.allocated
     assert plugin.hooks.ds_memory_empty_cache() is True and fake.called("empty_cache")
+
+
+def test_pinned_buffers_come_from_torch_empty_pinned_and_memory_is_not_self_throttled(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_fake()
+    acc = build_accelerator(
+        BackendEntry(
+            "npu", "ds-core-npu", "0.1.0", "ds_backend_npu.plugin:hooks", plugin=plugin.hooks
+        )
+    )
+    check_pinned_buffers(acc, PinCalls(monkeypatch), EMPTY_PINNED)
+    # DeepSpeed's NPU accelerator: handles_memory_backpressure() is is_synchronized_device().
+    assert acc.handles_memory_backpressure() is False
 
 
 def test_bf16_is_claimed_only_where_torch_npu_reports_it(make_fake: MakeFake) -> None:

@@ -22,7 +22,12 @@ from ds_core.errors import DSCoreError
 from ds_core.plugins import BackendEntry, validate_backend
 from tests.backends.fakes.fake_cuda import FakeCuda, install
 from tests.backends.fakes.fake_device_module import GiB
-from tests.backends.helpers import probe_in_subprocess
+from tests.backends.helpers import (
+    EMPTY_PINNED,
+    PinCalls,
+    check_pinned_buffers,
+    probe_in_subprocess,
+)
 
 pytestmark = pytest.mark.contract
 
@@ -136,6 +141,20 @@ def test_dtypes_follow_the_architecture(
 def test_bf16_follows_torch_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     install(monkeypatch, FakeCuda(1, arch="gfx906", bf16=False), cuda=None, hip=HIP)
     assert torch.bfloat16 not in plugin.hooks.ds_dtype_supported()
+
+
+def test_pinned_buffers_come_from_torch_empty_pinned_and_memory_is_not_self_throttled(
+    amd: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    acc = build_accelerator(
+        BackendEntry(
+            "rocm", "ds-core-rocm", "0.1.0", "ds_backend_rocm.plugin:hooks", plugin=plugin.hooks
+        )
+    )
+    check_pinned_buffers(acc, PinCalls(monkeypatch), EMPTY_PINNED)
+    # DeepSpeed's CUDA accelerator (which runs ROCm): handles_memory_backpressure() is
+    # is_synchronized_device(), False on an asynchronous GPU.
+    assert acc.handles_memory_backpressure() is False
 
 
 def test_graph_is_a_hip_backed_cuda_graph_and_off_until_enabled_for_rocm(amd: FakeCuda) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,12 @@ from ds_core.errors import ConfigError, DSCoreError, NotSupportedError
 from ds_core.plugins import BackendEntry, validate_backend
 from tests.backends.fakes.fake_device_module import FakeEvent, GiB
 from tests.backends.fakes.fake_xpu import FakeXpu
-from tests.backends.helpers import probe_in_subprocess
+from tests.backends.helpers import (
+    EMPTY_PINNED,
+    PinCalls,
+    check_pinned_buffers,
+    probe_in_subprocess,
+)
 
 pytestmark = pytest.mark.contract
 
@@ -252,6 +258,16 @@ def test_memory_counters_and_pinning(make_fake: MakeFake) -> None:
     assert fake.called("reset_peak_memory_stats")[0][1] == ("xpu:1",)
     with pytest.raises(ValueError, match="host tensor"):
         plugin.hooks.ds_memory_pin(torch.zeros(1, device="meta"))
+
+
+def test_pinned_buffers_come_from_torch_empty_pinned_and_memory_is_not_self_throttled(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_fake()
+    acc: Any = _accelerator()
+    check_pinned_buffers(acc, PinCalls(monkeypatch), EMPTY_PINNED)
+    # DeepSpeed's XPU accelerator: handles_memory_backpressure() is is_synchronized_device().
+    assert acc.handles_memory_backpressure() is False
 
 
 # --------------------------------------------------------------------------- dtypes

@@ -147,15 +147,53 @@ BROKEN: dict[str, tuple[str, str, str]] = {
         "test_probe_leaves_environment_and_torch_settings_unchanged",
         "the probe sets an environment variable (CUDA_DEVICE_ORDER)",
     ),
+    "pinned_alloc_wrong_dtype": (
+        "memory",
+        "test_alloc_pinned_has_the_shape_and_dtype_asked_and_is_writable",
+        "alloc_pinned returns float32 whatever dtype is asked",
+    ),
+    "pinned_alloc_pageable": (
+        "memory",
+        "test_alloc_pinned_is_page_locked_and_non_blocking_copies_are_correct",
+        "alloc_pinned returns a pageable buffer",
+    ),
+    "pinned_free_keeps_memory": (
+        "memory",
+        "test_free_pinned_releases_the_storage_and_refuses_any_other_tensor",
+        "free_pinned releases nothing",
+    ),
+    "pinned_free_accepts_any": (
+        "memory",
+        "test_free_pinned_releases_the_storage_and_refuses_any_other_tensor",
+        "free_pinned releases tensors that are not its own",
+    ),
+}
+
+#: broken backend -> tests of its category that must pass, so a check that fails is shown to
+#: fail for its planted bug rather than for everything (the pinned-memory clones cannot
+#: page-lock on a CPU build of torch, so their page-locking check fails whatever is planted).
+MUST_PASS: dict[str, tuple[str, ...]] = {
+    "pinned_alloc_wrong_dtype": (
+        "test_free_pinned_releases_the_storage_and_refuses_any_other_tensor",
+    ),
+    "pinned_alloc_pageable": (
+        "test_alloc_pinned_has_the_shape_and_dtype_asked_and_is_writable",
+        "test_free_pinned_releases_the_storage_and_refuses_any_other_tensor",
+    ),
+    "pinned_free_keeps_memory": (
+        "test_alloc_pinned_has_the_shape_and_dtype_asked_and_is_writable",
+    ),
+    "pinned_free_accepts_any": ("test_alloc_pinned_has_the_shape_and_dtype_asked_and_is_writable",),
 }
 
 #: Extra pytest arguments that narrow a broken backend's category run to what catches it
-#: (CI time: the comm category spawns 2- and 4-rank groups; one world size is enough).
+#: (CI time: the comm category spawns 2- and 4-rank groups; one world size is enough; the
+#: pinned-memory clones need only the pinned-memory checks).
 NARROW: dict[str, tuple[str, ...]] = {
     stem: ("-k", "w4" if must.endswith("-w4]") else "w2")
     for stem, (category, must, _) in BROKEN.items()
     if category == "comm"
-}
+} | {stem: ("-k", "pinned") for stem in BROKEN if stem.startswith("pinned_")}
 
 _IDENTITY = """
 

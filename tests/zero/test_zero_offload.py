@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from ds_core.errors import ConfigError
 from ds_core.zero.config import load_config
+from ds_core.zero.offload import OptimizerOffload
 from tests.zero._offload import scenarios
 from tests.zero.conftest import SuiteResults
 from tests.zero.test_zero_stages import check_against_reference
@@ -121,6 +124,63 @@ def test_destroy_releases_every_host_buffer_of_20_engines(
     for r in suite("offload", 2).ranks("teardown"):
         assert r["tracked"] > 0
         assert r["alive"] == [0] * 20
+
+
+class _PinningAccelerator:
+    """Stands in for an accelerator declaring ``pinned_memory`` and records its pinned
+    allocations and frees. A CPU build of torch cannot page-lock, so its buffers are pageable,
+    and filled with 7s (alloc_pinned's contents are unspecified); it has no ``pin_memory``, so
+    a pinning copy would fail."""
+
+    name = "pinning-stand-in"
+    capabilities = frozenset({"pinned_memory"})
+
+    def __init__(self) -> None:
+        self.allocated: list[torch.Tensor] = []
+        self.freed: list[torch.Tensor] = []
+
+    def alloc_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.full(shape, 7, dtype=dtype)
+        self.allocated.append(t)
+        return t
+
+    def free_pinned(self, t: torch.Tensor) -> bool:
+        assert any(t is a for a in self.allocated) and not any(t is f for f in self.freed)
+        t.untyped_storage().resize_(0)
+        self.freed.append(t)
+        return True
+
+
+def _unit(part: int, values: torch.Tensor) -> Any:
+    zp = SimpleNamespace(shard_offset=0, shard_numel=part, master=None)
+    return SimpleNamespace(part=part, dtype=values.dtype, trainable=[zp], owned=lambda: values)
+
+
+def test_pinned_offload_allocates_its_buffers_pinned_and_frees_them_at_release() -> None:
+    acc = _PinningAccelerator()
+    offload = OptimizerOffload(acc, pin_memory=True)  # type: ignore[arg-type]
+    small = _unit(3, torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16))
+    large = _unit(5, torch.arange(5, dtype=torch.bfloat16))
+    offload.make_masters([small, large])
+    shapes = [(tuple(t.shape), t.dtype) for t in acc.allocated]
+    f32, bf16 = torch.float32, torch.bfloat16
+    # master, grad, staging per unit; the large unit's staging replaces the small one's
+    assert shapes == [
+        ((3,), f32),
+        ((3,), f32),
+        ((3,), bf16),
+        ((5,), f32),
+        ((5,), f32),
+        ((5,), bf16),
+    ]
+    assert acc.freed == [acc.allocated[2]]  # the outgrown staging buffer, at once
+    assert torch.equal(offload.buffer(large), torch.zeros(5))  # zeroed, not alloc's 7s
+    assert torch.equal(large.trainable[0].master.detach(), torch.arange(5.0))
+    offload.release()
+    assert len(acc.freed) == 6 and all(t.untyped_storage().nbytes() == 0 for t in acc.allocated)
+    assert large.trainable[0].master is None
+    offload.release()  # a second teardown frees nothing twice
+    assert len(acc.freed) == 6
 
 
 def _zero(section: dict[str, object]) -> dict[str, object]:

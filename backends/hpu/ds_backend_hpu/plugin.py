@@ -325,6 +325,13 @@ class HpuHooks(TorchStyleHooks):
         # registers 'hpu' as torch's current accelerator is UNCONFIRMED.
         return _host_tensor(tensor).pin_memory(torch.device(DEVICE_TYPE))
 
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # torch.empty(pin_memory=True) pins for torch's current accelerator, which the bridge
+        # is not known to register as (UNCONFIRMED, as for ds_memory_pin): pinned for 'hpu'
+        # by name, as DeepSpeed's HPU accelerator pins, at the cost of a transient pageable
+        # buffer of the same size that the pinning copy reads once.
+        return torch.empty(shape, dtype=dtype, device="cpu").pin_memory(torch.device(DEVICE_TYPE))
+
     @hookimpl
     def ds_memory_is_pinned(self, tensor: torch.Tensor) -> bool:
         return bool(_host_tensor(tensor).is_pinned(torch.device(DEVICE_TYPE)))
