@@ -117,3 +117,123 @@ def test_nan_loss_in_fp32_is_skipped_and_reported(api: dict[str, Any]) -> None:
     assert "step 3 skipped: non-finite gradient (inf or NaN)" in res["log"], res["log"]
     step4 = [line for line in res["log"] if line.startswith("step=4 ")]
     assert step4 and "skipped=1" in step4[0], res["log"]
+
+
+# ---------------------------------------------------------------------------------------------
+# config files: one loader for initialize(), load_config() and the example's --config
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+#: case -> (file bytes, key words of the ConfigError); None: the path is made otherwise
+CONFIG_FILES: dict[str, tuple[bytes | None, tuple[str, ...]]] = {
+    "missing": (None, ("does not exist",)),
+    "directory": (None, ("is a directory",)),
+    "empty": (b"", ("is empty",)),
+    "whitespace": (b"  \n\t\n", ("is empty",)),
+    "top_level_array": (b"[1, 2]", ("must hold a JSON object, got list",)),
+    "top_level_string": (b'"stage 2"', ("must hold a JSON object, got str",)),
+    "top_level_number": (b"3", ("must hold a JSON object, got int",)),
+    "invalid_json": (b'{\n  "train_batch_size": 8,,\n}', ("not valid JSON", "line 2 column")),
+    "unclosed_object": (b'{"zero_optimization": {"stage": 2}', ("not valid JSON", "line 1")),
+    "duplicate_key": (
+        b'{"train_batch_size": 8, "train_batch_size": 16}',
+        ("'train_batch_size' twice",),
+    ),
+    "duplicate_nested_key": (
+        b'{"zero_optimization": {"stage": 1, "stage": 3}}',
+        ("'stage' twice", "DeepSpeed refuses"),
+    ),
+    "duplicate_key_hjson": (b"{\n  # hjson\n  a: 1\n  a: 2\n}", ("'a' twice",)),
+    "deep_arrays": (_deep(100_000).encode(), ("more than 32 levels deep", "line 1 column 33")),
+    "deep_objects": (('{"a":' * 5000 + "1" + "}" * 5000).encode(), ("levels deep",)),
+    "latin1": ('{"log_level": "café"}'.encode("latin-1"), ("not UTF-8", "byte 0xe9", "line 1")),
+    "utf16": ('{"train_batch_size": 8}'.encode("utf-16"), ("not UTF-8",)),
+    "binary": (bytes(range(256)), ("not UTF-8",)),
+    "too_large": (b'{"a": "' + b"x" * (4 * 2**20) + b'"}', ("larger than 4 MiB",)),
+    "unknown_accelerator": (b'{"accelerator": {"nosuch": {}}}', ("accelerator.nosuch", "cpu")),
+    "misspelt_accelerator": (b'{"accelerator": {"cpux": {}}}', ("did you mean 'cpu'?",)),
+    "unknown_key": (b'{"zero_optimization": {"stgae": 2}}', ("zero_optimization.stage",)),
+    "wrong_type": (b'{"zero_optimization": {"stage": "two"}}', ("zero_optimization.stage",)),
+    "out_of_range": (b'{"zero_optimization": {"stage": 4}}', ("zero_optimization.stage",)),
+}
+
+#: files that look odd but are valid configs: case -> file bytes
+CONFIG_ACCEPTED: dict[str, bytes] = {
+    "empty_object": b"{}",
+    "utf8_bom": '\ufeff{"train_micro_batch_size_per_gpu": 2}'.encode(),
+    "other_known_backend_section": b'{"accelerator": {"cpu": {}, "npu": {"x": 1}}}',
+    "hjson_comments": b"{\n  # a comment\n  train_micro_batch_size_per_gpu: 2\n}",
+    "nesting_within_limit": b'{"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.99]}}}',
+    "brackets_inside_strings": ('{"accelerator": {"cpu": {"note": "' + "[" * 100 + '"}}}').encode(),
+}
+
+
+def _config_path(tmp_path: Path, case: str, data: bytes | None) -> Path:
+    path = tmp_path / f"{case}.json"
+    if case == "directory":
+        path.mkdir()
+    elif data is not None:
+        path.write_bytes(data)
+    return path
+
+
+def _read_through_example(path: Path) -> Any:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from examples.train_gpt import build_config, parse_args
+    finally:
+        sys.path.remove(str(ROOT))
+    return build_config(parse_args(["--config", str(path)]))
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_FILES))
+def test_bad_config_file_is_one_clear_error(tmp_path: Path, case: str) -> None:
+    from ds_core import ConfigError
+    from ds_core.zero.config import load_config
+
+    data, words = CONFIG_FILES[case]
+    path = _config_path(tmp_path, case, data)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, 1)
+    msg = str(info.value)
+    for word in words:
+        assert word in msg, (word, msg)
+    if not case.startswith(("unknown_", "misspelt_", "wrong_", "out_of_")):
+        assert repr(str(path)) in msg, msg  # file errors name the file
+        # the example reads --config through the same reader: the same error
+        with pytest.raises(ConfigError) as via_example:
+            _read_through_example(path)
+        assert str(via_example.value) == msg
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_ACCEPTED))
+def test_odd_but_valid_config_file_is_accepted(tmp_path: Path, case: str) -> None:
+    from ds_core.zero.config import load_config
+
+    path = _config_path(tmp_path, case, CONFIG_ACCEPTED[case])
+    cfg = load_config(path, 1)
+    if case in ("utf8_bom", "hjson_comments"):
+        assert cfg.train_micro_batch_size_per_gpu == 2
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads anything")
+def test_unreadable_config_file_says_so(tmp_path: Path) -> None:
+    from ds_core import ConfigError
+    from ds_core.zero.config import load_config
+
+    path = tmp_path / "locked.json"
+    path.write_text("{}")
+    path.chmod(0)
+    with pytest.raises(ConfigError, match="cannot be read: Permission denied"):
+        load_config(path, 1)
+
+
+def test_config_of_another_type_is_one_clear_error() -> None:
+    from ds_core import ConfigError
+    from ds_core.zero.config import load_config
+
+    with pytest.raises(ConfigError, match="config must be a dict, a path"):
+        load_config(b"{}", 1)  # type: ignore[arg-type]
