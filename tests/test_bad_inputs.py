@@ -237,3 +237,193 @@ def test_config_of_another_type_is_one_clear_error() -> None:
 
     with pytest.raises(ConfigError, match="config must be a dict, a path"):
         load_config(b"{}", 1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# the example's flags (examples/train_gpt.py, refused before torchrun starts)
+
+
+def _example() -> Any:
+    sys.path.insert(0, str(ROOT))
+    try:
+        import examples.train_gpt as example
+    finally:
+        sys.path.remove(str(ROOT))
+    return example
+
+
+def _not_a_folder(tmp_path: Path) -> str:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    return str(blocker / "out")  # a folder inside a file: unwritable, even for root
+
+
+#: case -> (flags, key words of the one-line error); {bad} is an unwritable folder
+EXAMPLE_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "ranks_0": (["--ranks", "0"], ("argument --ranks: must be >= 1, got 0",)),
+    "ranks_negative": (["--ranks", "-3"], ("argument --ranks: must be >= 1",)),
+    "ranks_word": (["--ranks", "two"], ("--ranks: expected an integer >= 1, got 'two'",)),
+    "steps_0": (["--steps", "0"], ("argument --steps: must be >= 1, got 0",)),
+    "seq_0": (["--seq", "0"], ("argument --seq: must be >= 1",)),
+    "seq_beyond_block": (["--seq", "129"], ("--seq: at most 128 for --model small", "block size")),
+    "micro_batch_0": (["--micro-batch", "0"], ("--micro-batch: must be >= 1",)),
+    "grad_accum_0": (["--grad-accum", "0"], ("--grad-accum: must be >= 1",)),
+    "stage_5": (["--stage", "5"], ("argument --stage: invalid choice",)),
+    "model_unknown": (["--model", "huge"], ("argument --model: invalid choice",)),
+    "lr_negative": (["--lr", "-1"], ("train_gpt: error:", "optimizer.params.lr: must be >= 0")),
+    "out_unwritable": (["--out", "{bad}"], ("train_gpt: error: --out", "cannot write there")),
+    "save_dir_unwritable": (["--save-dir", "{bad}"], ("--save-dir", "cannot write there")),
+    "config_missing": (["--config", "/nonexistent/ds.json"], ("does not exist",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXAMPLE_FLAGS))
+def test_bad_example_flag_is_refused_before_training(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    example = _example()
+    launched: list[Any] = []
+    monkeypatch.setattr(example, "relaunch_under_torchrun", launched.append)
+    flags, words = EXAMPLE_FLAGS[case]
+    bad = _not_a_folder(tmp_path)
+    argv = ["--out", str(tmp_path / "out")] + [f.replace("{bad}", bad) for f in flags]
+    with pytest.raises(SystemExit) as info:
+        example.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, (word, err)
+    assert "Traceback" not in err
+    assert not launched  # refused before torchrun started
+
+
+def test_more_ranks_than_cores_warns_with_the_cost(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    example = _example()
+    cores = len(os.sched_getaffinity(0))
+    args = example.parse_args(["--ranks", str(4 * cores), "--out", str(tmp_path)])
+    example.preflight(args)  # accepted: oversubscription is allowed, with a warning
+    err = capsys.readouterr().err
+    assert f"warning: --ranks {4 * cores} on {cores} cores" in err
+    assert "4.0x as long" in err
+
+
+def test_ranks_within_cores_do_not_warn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    example = _example()
+    example.preflight(example.parse_args(["--ranks", "1", "--out", str(tmp_path / "o")]))
+    assert "warning" not in capsys.readouterr().err
+    assert (tmp_path / "o").is_dir()  # created, and the write probe removed
+    assert list((tmp_path / "o").iterdir()) == []
+
+
+def test_the_example_script_refuses_a_bad_config_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2}, "zero_optimization": {}}')
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--config", str(path)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"train_gpt: error: config file {str(path)!r} gives the key 'zero_optimization' twice "
+        "in one object; keep one (DeepSpeed refuses duplicate keys too, rather than silently "
+        "keep the last)"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# the ds-core command
+
+
+#: case -> (argv, exit status, key words of the one-line error); {bad}: an unwritable folder
+CLI_CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
+    "new_backend_cpu": (["new-backend", "cpu"], 2, ("'cpu' is the name of ds_core's host CPU",)),
+    "new_backend_vendor": (["new-backend", "npu"], 2, ("'npu' is the name", "Huawei Ascend")),
+    "new_backend_bad_name": (["new-backend", "Acme-1"], 2, ("must be lowercase letters",)),
+    "new_backend_unwritable": (
+        ["new-backend", "acme", "--output", "{bad}"],
+        2,
+        ("--output", "cannot write there"),
+    ),
+    "conformance_report_unwritable": (
+        ["conformance", "--backend", "cpu", "--report", "{bad}"],
+        2,
+        ("--report", "cannot write there"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_bad_cli_input_is_one_line_and_exit_status(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ds_core.cli import main
+
+    argv, status, words = CLI_CASES[case]
+    bad = _not_a_folder(tmp_path)
+    assert main([a.replace("{bad}", bad) for a in argv]) == status
+    err = capsys.readouterr().err
+    assert err.startswith(f"ds-core {argv[0]}: error: "), err
+    assert len(err.strip().splitlines()) == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    assert not (tmp_path / "ds-core-acme").exists()
+
+
+def test_new_backend_refuses_an_installed_distribution(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ds_core import cli
+
+    monkeypatch.setattr(
+        cli, "_version", lambda d: "1.0" if d == "ds-core-acme" else "not installed"
+    )
+    assert cli.main(["new-backend", "acme", "--output", str(tmp_path)]) == 2
+    assert "the distribution ds-core-acme is installed" in capsys.readouterr().err
+    assert not (tmp_path / "ds-core-acme").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        ([], "the following arguments are required: command"),
+        (["nosuch"], "invalid choice: 'nosuch'"),
+        (["conformance"], "the following arguments are required: --backend"),
+    ],
+)
+def test_cli_usage_errors_exit_2(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ds_core.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_cli_shows_a_traceback_only_with_debug(tmp_path: Path, debug: bool) -> None:
+    argv = ["--debug"] if debug else []
+    argv += ["conformance", "--backend", "cpu", "--report", _not_a_folder(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_core.cli", *argv],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert ("Traceback" in proc.stderr) is debug, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("ds-core conformance: error: --report")
