@@ -4,6 +4,10 @@
 versions, every known and installed backend with its probe result, the backend that would be
 selected, its capabilities, comm backend, memory and the limit capping it, and op providers.
 It exits non-zero, saying why, on a broken installation.
+
+Exit status of every subcommand: 0 success, 1 a failure, 2 a usage error (a bad flag, a path
+that cannot be written). A user mistake is one ``ds-core <command>: error: ...`` line on
+stderr, never a traceback; ``ds-core --debug <command>`` shows the traceback too.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import json
 import os
 import platform
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ds_core.accelerator import build_accelerator
@@ -22,7 +28,7 @@ from ds_core.checkpoint import cli as checkpoint_cli
 from ds_core.errors import DSCoreError
 from ds_core.hookspecs import HOOKSPEC_VERSION
 from ds_core.known_backends import KNOWN_BACKENDS, install_hint
-from ds_core.plugins import ENV_ACCELERATOR, choose, discover
+from ds_core.plugins import BACKEND_GROUP, ENV_ACCELERATOR, choose, discover
 from ds_core.scaffold import write_backend
 
 Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -198,9 +204,33 @@ def _conformance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: passed to pytest")
 
 
+class UsageError(DSCoreError):
+    """A subcommand's arguments are wrong (exit status 2)."""
+
+
+def writable_folder(folder: str, flag: str) -> None:
+    """Create ``folder`` and write a probe file in it: an unwritable output folder is an error
+    before the work, not after it.
+
+    :raises UsageError: naming the flag, the folder and why.
+    """
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".ds-core-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(
+            f"{flag} {folder}: cannot write there ({exc.strerror or exc}); choose a writable folder"
+        ) from None
+
+
 def _conformance(args: argparse.Namespace) -> int:
     import importlib
 
+    if args.report:  # before the suite runs: its results are not lost at the end
+        writable_folder(args.report, "--report")
     try:
         # Imported by name: the suite is a separate distribution, absent from most installs.
         runner = importlib.import_module("ds_conformance.runner")
@@ -239,12 +269,30 @@ def _new_backend_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def taken_backend_name(name: str) -> str | None:
+    """Why ``name`` cannot be a new backend's name (a backend ds_core knows, an installed
+    backend entry point or an installed ``ds-core-<name>`` distribution: the package would
+    replace or clash with it), or ``None``."""
+    if name in KNOWN_BACKENDS:
+        return f"'{name}' is the name of ds_core's {KNOWN_BACKENDS[name].vendor} backend"
+    installed = {ep.name: ep for ep in md.entry_points(group=BACKEND_GROUP)}
+    if name in installed:
+        return f"a backend named '{name}' is installed ({installed[name].value})"
+    dist = f"ds-core-{name.replace('_', '-')}"
+    if _version(dist) != "not installed":
+        return f"the distribution {dist} is installed"
+    return None
+
+
 def _new_backend(args: argparse.Namespace) -> int:
+    taken = taken_backend_name(args.name)
+    if taken is not None:
+        raise UsageError(f"{taken}; choose another name")
+    writable_folder(args.output, "--output")
     try:
         root = write_backend(args.name, args.device_type, args.output)
     except (ValueError, FileExistsError) as exc:
-        print(f"ds-core new-backend: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     print(f"wrote {root}\nnext: pip install -e {root} && ds-core conformance --backend {args.name}")
     return 0
 
@@ -262,12 +310,23 @@ def _commands() -> dict[str, Command]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ds-core", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error (for a bug report)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _commands()
     for name, (add_args, _run) in commands.items():
         add_args(sub.add_parser(name))
     args = parser.parse_args(argv)
-    return commands[args.command][1](args)
+    try:
+        return commands[args.command][1](args)
+    except (DSCoreError, OSError) as exc:
+        # A user's mistake or the environment's (a backend that fails, a full disk): one
+        # line. Anything else is a bug in ds_core and keeps its traceback.
+        if args.debug:
+            traceback.print_exc()
+        print(f"ds-core {args.command}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, UsageError) else 1
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import sys
 import time
@@ -39,10 +38,28 @@ from tqdm import tqdm  # noqa: E402
 import ds_core  # noqa: E402
 from ds_core import comm  # noqa: E402
 from ds_core.comm.counting import CommCounter  # noqa: E402
-from ds_core.zero.config import load_config  # noqa: E402
+from ds_core.zero.config import load_config, read_config_file  # noqa: E402
 from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
 
 MiB = 2**20
+
+
+def at_least(low: int) -> Any:
+    """An argparse type: an integer >= ``low`` (the message gives the valid range)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {low}, got {text!r}"
+            ) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,20 +67,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="DeepSpeed-style JSON config (flags given here win)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 2)")
     p.add_argument("--bf16", action="store_true", default=None, help="train in bfloat16")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
-    p.add_argument("--micro-batch", type=int, help="sequences per rank per micro-step (8)")
-    p.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (1)")
+    p.add_argument("--steps", type=at_least(1), default=100, help="optimizer steps (default 100)")
+    p.add_argument("--micro-batch", type=at_least(1), help="sequences per rank per micro-step (8)")
+    p.add_argument("--grad-accum", type=at_least(1), help="micro-steps per optimizer step (1)")
     p.add_argument("--lr", type=float, help="peak learning rate (2e-3)")
-    p.add_argument("--seq", type=int, default=64, help="characters per sequence (64)")
+    p.add_argument("--seq", type=at_least(1), default=64, help="characters per sequence (64)")
     p.add_argument("--model", default="small", choices=sorted(PRESETS), help="size (small)")
     p.add_argument("--seed", type=int, default=1234)
     # not --nproc: torchrun would take it for an abbreviation of its --nproc-per-node
-    p.add_argument("--ranks", type=int, default=2, help="ranks when started without torchrun")
+    p.add_argument(
+        "--ranks", type=at_least(1), default=2, help="ranks when started without torchrun"
+    )
     p.add_argument("--out", default="out/train_gpt", help="folder for the log and the plot")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
     p.add_argument("--save-dir", help="write a checkpoint here after the last step")
     p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    block = PRESETS[args.model].block_size
+    if args.seq > block:
+        p.error(
+            f"argument --seq: at most {block} for --model {args.model} (its block size), got {args.seq}"
+        )
+    return args
+
+
+def check_writable(folder: str, flag: str, rank: int = 0) -> None:
+    """Create ``folder`` and write a probe file in it, so an unwritable ``--out`` or
+    ``--save-dir`` is an error before training, not after it (losing the run's results).
+
+    :raises ds_core.ConfigError: naming the flag, the folder and why.
+    """
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}-{rank}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ds_core.ConfigError(
+            f"{flag} {folder}: cannot write there ({exc.strerror or exc}); choose a writable folder"
+        ) from None
+
+
+def preflight(args: argparse.Namespace, rank: int = 0) -> None:
+    """What can be refused before any work: the config (one message, not one per rank) and
+    the output folders; more ranks than cores is allowed with a warning saying the cost."""
+    if "LOCAL_RANK" not in os.environ:
+        load_config(build_config(args), args.ranks)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cores and args.ranks > cores:
+            print(
+                f"train_gpt: warning: --ranks {args.ranks} on {cores} cores: ranks share cores "
+                f"(about {args.ranks / cores:.1f} per core), so each step takes about "
+                f"{args.ranks / cores:.1f}x as long as with {cores} ranks and memory grows with "
+                "every rank",
+                file=sys.stderr,
+            )
+    check_writable(args.out, "--out", rank)
+    if args.save_dir:
+        check_writable(args.save_dir, "--save-dir", rank)
 
 
 def relaunch_under_torchrun(args: argparse.Namespace) -> None:
@@ -93,8 +155,8 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_print": 10**9,  # the progress bar reports; keep the engine quiet
         "log_level": "warning",
     }
-    if args.config:
-        config = json.loads(Path(args.config).read_text())
+    if args.config:  # the loader initialize() uses: one clear error for a bad file
+        config = read_config_file(args.config)
     if args.stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.stage
     if args.bf16:
@@ -151,12 +213,14 @@ def write_plot(path: Path, rows: list[dict[str, float]], mem_by_rank: list[list[
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "LOCAL_RANK" not in os.environ and args.ranks > 1:
+    if "LOCAL_RANK" not in os.environ:
         try:  # a bad config is one message here, not one per rank from torchrun
-            load_config(build_config(args), args.ranks)
+            preflight(args)
         except ds_core.ConfigError as exc:
-            sys.exit(f"train_gpt: {exc}")
-        relaunch_under_torchrun(args)
+            print(f"train_gpt: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        if args.ranks > 1:
+            relaunch_under_torchrun(args)
     # one thread per rank on the host, unless asked otherwise
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -171,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         comm.barrier()
     except ds_core.ConfigError as exc:
         if rank == 0:
-            print(f"train_gpt: {exc}", file=sys.stderr)
+            print(f"train_gpt: error: {exc}", file=sys.stderr)
         sys.exit(2)
     finally:
         ds_core.destroy_distributed()
@@ -180,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
 def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
     # the config, validated up front: an error names the field, on every rank alike
     config = load_config(build_config(args), world)
+    preflight(args, rank)
 
     # build data: the same generated corpus on every rank, a different sample stream per rank
     tokens = encode(make_corpus(seed=args.seed))

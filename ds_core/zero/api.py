@@ -20,6 +20,7 @@ from torch import nn
 from ds_core import comm
 from ds_core.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from ds_core.errors import ConfigError
+from ds_core.zero import guards as _guards
 from ds_core.zero.config import DSConfig
 from ds_core.zero.gathered import GatheredParameters
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
@@ -145,6 +146,7 @@ class DeepSpeedEngineAPI:
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's weights and buffers by the module's own names, full at every stage
         (stage-3 parameters are all-gathered: collective, every rank must call it)."""
+        _guards.require_alive(self, "module_state_dict")
         full = self.gathered_state_dict()
         out: dict[str, torch.Tensor] = OrderedDict()
         params = dict(self.module.named_parameters(remove_duplicate=False))
@@ -173,6 +175,7 @@ class DeepSpeedEngineAPI:
         :raises KeyError: with ``strict``, any missing or unexpected key.
         :raises ValueError: a tensor whose shape differs from the module's.
         """
+        _guards.require_alive(self, "load_state_dict")
         state = strip_module_prefix(state_dict)
         expected = self.module.state_dict(keep_vars=True)
         missing = [k for k in expected if k not in state]
@@ -211,6 +214,7 @@ class DeepSpeedEngineAPI:
         Stage-3 partitioned parameters are all-gathered one unit at a time; the others are
         copied. Expert parameters are this rank's local experts.
         """
+        _guards.require_alive(self, "gathered_state_dict")
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for unit in self.units:
@@ -316,6 +320,7 @@ class DeepSpeedEngineAPI:
         universal: bool = False,
     ) -> bool:
         """DeepSpeed's ``save_checkpoint``; see :func:`ds_core.checkpoint.save_checkpoint`."""
+        _guards.require_alive(self, "save_checkpoint")
         self._settle()  # counters and the schedule as of the last step
         save_checkpoint(
             cast("ZeroEngine", self),
@@ -338,6 +343,7 @@ class DeepSpeedEngineAPI:
         load_module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """DeepSpeed's ``load_checkpoint``; see :func:`ds_core.checkpoint.load_checkpoint`."""
+        _guards.require_alive(self, "load_checkpoint")
         return load_checkpoint(
             cast("ZeroEngine", self),
             load_dir,
@@ -355,6 +361,7 @@ class DeepSpeedEngineAPI:
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """DeepSpeed's ``save_16bit_model``; see :func:`ds_core.checkpoint.save_16bit_model`."""
+        _guards.require_alive(self, "save_16bit_model")
         return save_16bit_model(
             cast("ZeroEngine", self), save_dir, save_filename, exclude_frozen_parameters
         )

@@ -33,6 +33,7 @@ from pydantic import (
 
 from ds_core.errors import ConfigError
 from ds_core.zero.config_errors import ConfigProblemsError, fail, messages, unknown_key_message
+from ds_core.zero.config_file import read_config_file
 from ds_core.zero.config_optim import (
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
@@ -45,7 +46,7 @@ from ds_core.zero.config_optim import (
 from ds_core.zero.config_sections import (
     ActivationCheckpointingConfig,
     TorchAutocastConfig,
-    parse_config_text,
+    accelerator_section_errors,
 )
 from ds_core.zero.config_types import FROZEN as _FROZEN
 from ds_core.zero.config_types import Bool, Float, Int, as_int
@@ -66,6 +67,7 @@ __all__ = [
     "WarmupLRParams",
     "ZeroConfig",
     "load_config",
+    "read_config_file",
     "OPTIMIZER_TYPES",
     "SCHEDULER_TYPES",
 ]
@@ -471,20 +473,7 @@ def _read(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str
     if isinstance(config, Mapping):
         return dict(config)
     if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            data = parse_config_text(text, path)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} does not exist") from None
-        except OSError as exc:
-            raise ConfigError(f"config file {path!r} cannot be read: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"config file {path!r} must hold a JSON object, got {type(data).__name__}"
-            )
-        return data
+        return read_config_file(config)
     raise ConfigError(
         f"config must be a dict, a path to a JSON file or None, got {type(config).__name__}"
     )
@@ -556,7 +545,7 @@ def load_config(
         raw["bf16"] = raw.pop("bfloat16")
 
     ignored: list[str] = []
-    errors: list[str] = []
+    errors: list[str] = accelerator_section_errors(raw.get("accelerator"))
     raw = strip_known_extras(raw, (), ignored, errors)
     for section in ("zero_optimization", "fp16", "bf16"):
         if isinstance(raw.get(section), dict):

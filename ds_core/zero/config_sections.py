@@ -1,20 +1,28 @@
 """Config sections added for DeepSpeed compatibility (``torch_autocast``,
-``activation_checkpointing``) and reading hjson files, apart from the core schema in
-:mod:`ds_core.zero.config`."""
+``activation_checkpointing``), apart from the core schema in :mod:`ds_core.zero.config`.
+(Reading config files, JSON or hjson, is :mod:`ds_core.zero.config_file`.)"""
 
 from __future__ import annotations
 
-import json
+import difflib
+import importlib.metadata as md
 from typing import Any
 
 import torch
 from pydantic import BaseModel, field_validator
 
-from ds_core.errors import ConfigError
+from ds_core.known_backends import KNOWN_BACKENDS
+from ds_core.plugins import BACKEND_GROUP
+from ds_core.zero.config_file import parse_config_text
 from ds_core.zero.config_types import FROZEN as _FROZEN
 from ds_core.zero.config_types import Bool, Int
 
-__all__ = ["ActivationCheckpointingConfig", "TorchAutocastConfig", "parse_config_text"]
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "TorchAutocastConfig",
+    "accelerator_section_errors",
+    "parse_config_text",
+]
 
 
 _AUTOCAST_DTYPES = {
@@ -67,23 +75,23 @@ class ActivationCheckpointingConfig(BaseModel):
     profile: Bool = False
 
 
-def parse_config_text(text: str, path: str) -> Any:
-    """JSON, else hjson (DeepSpeed reads config files with hjson: comments, unquoted keys)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        error = (
-            f"config file {path!r} is not valid JSON: {exc.msg} at line {exc.lineno} "
-            f"column {exc.colno}"
-        )
-    try:
-        import hjson
-    except ImportError:
-        raise ConfigError(
-            f"{error}; if it is an hjson file (as DeepSpeed accepts), install the optional "
-            "dependency: pip install 'ds-core[hjson]'"
-        ) from None
-    try:
-        return json.loads(json.dumps(hjson.loads(text)))
-    except Exception as exc:  # hjson raises its own HjsonDecodeError
-        raise ConfigError(f"{error}; nor valid hjson: {exc}") from None
+def accelerator_section_errors(section: Any) -> list[str]:
+    """Problems in ``accelerator``: each key must name a backend ds_core knows
+    (:data:`~ds_core.known_backends.KNOWN_BACKENDS`) or one installed here (an entry point in
+    ``ds_core.backends``). A config may carry sections for backends other than the one
+    selected (only the selected one's is applied), but a misspelt or unknown name would
+    otherwise be ignored without a word."""
+    if not isinstance(section, dict):
+        return []  # the schema reports the wrong type
+    installed = {ep.name for ep in md.entry_points(group=BACKEND_GROUP)}
+    known = sorted(set(KNOWN_BACKENDS) | installed)
+    errors = []
+    for name in section:
+        if name not in known:
+            match = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+            hint = f"; did you mean '{match[0]}'?" if match else ""
+            errors.append(
+                f"accelerator.{name}: no backend is named '{name}' (known or installed: "
+                f"{', '.join(known)}){hint}"
+            )
+    return errors

@@ -38,6 +38,7 @@ from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
 from ds_core.zero import capture as _capture
+from ds_core.zero import guards as _guards
 from ds_core.zero.accounting import model_state_bytes
 from ds_core.zero.api import DeepSpeedEngineAPI
 from ds_core.zero.config import DSConfig
@@ -83,9 +84,13 @@ class ZeroEngine(DeepSpeedEngineAPI):
         model_parameters: Iterable[Any] | None = None,
         lr_scheduler: Any = None,
     ) -> None:
+        _guards.check_model(model, optimizer is not None or config.optimizer is not None)
         self.config = config
         zcfg = config.zero_optimization
         self.stage: int = zcfg.stage
+        #: names this engine in errors: ``engine #N (ZeRO stage S, built at file:line)``.
+        self.label = _guards.new_label(self.stage)
+        self._destroyed = False
         self.gas: int = config.gradient_accumulation_steps
         self.clip: float = config.gradient_clipping
         self.overlap_comm = bool(zcfg.overlap_comm)
@@ -199,6 +204,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         #: the loader whose position checkpoints keep (``initialize(training_data=...)`` sets
         #: it; any :class:`~ds_core.checkpoint.ResumableLoader` may be assigned).
         self.training_dataloader: Any = None
+        #: gradients this engine's current backward received (0 after it: not connected).
+        self._grads_seen = 0
+        _guards.claim(model, self.label)
 
     # ------------------------------------------------------------------ Initialization #
 
@@ -327,6 +335,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 # gradient stays on ``p.grad`` as in plain torch; zero_grad() discards it, and
                 # if kept autograd adds it to this engine's next backward.
                 return
+            self._grads_seen += 1
             grad = p.grad
             p.grad = None  # the reducer's copy is the only one kept
             if grad is not None:
@@ -361,7 +370,12 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (stage 3 gathers and releases each module's parameters), with
-        ``fp16.auto_cast`` / ``torch_autocast`` applied (see :class:`DeepSpeedEngineAPI`)."""
+        ``fp16.auto_cast`` / ``torch_autocast`` applied (see :class:`DeepSpeedEngineAPI`).
+
+        :raises EngineDestroyedError: after :meth:`destroy` (as every call that uses the
+            engine's buffers: backward, step, checkpoints, state dicts).
+        """
+        _guards.require_alive(self, "forward")
         args, kwargs = self._cast_inputs(args, kwargs)
         self.tput_timer.start()
         with self._autocast():
@@ -382,8 +396,15 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
         Gradients are reduced while backward runs (see [Note: streaming reduction]); with
         ``overlap_comm`` the last collectives may still be in flight when this returns.
+
+        :raises TypeError: ``loss`` is not a tensor.
+        :raises ValueError: ``loss`` has more than one element or does not require grad.
+        :raises RuntimeError: no optimizer, or the backward reached none of the model's
+            trainable parameters (a loss not computed from this engine's forward).
         """
+        _guards.require_alive(self, "backward")
         self._require_optimizer("backward")
+        _guards.check_loss(loss)
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
@@ -394,6 +415,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if self.coordinator is not None:
             self.coordinator.begin_backward()
         self._in_backward = True
+        self._grads_seen = 0
         try:
             scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
         finally:
@@ -401,6 +423,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
             if self.coordinator is not None:
                 self.coordinator.release_all()
         self.reducer.end_backward()
+        if self._grads_seen == 0:
+            raise RuntimeError(
+                "backward(loss): the loss reached none of the model's trainable parameters; "
+                "compute it from this engine's forward (engine(inputs)), not another model's"
+            )
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` updates: every ``gradient_accumulation_steps``
@@ -418,15 +445,22 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """Call after every micro-batch's backward; updates the parameters at the boundary.
 
         :raises RuntimeError: no optimizer (a forward-only engine), inside ``no_sync()``, or
-            gradients on the parameters from a backward the engine did not run and none
-            from its own (they would be silently ignored).
+            at the boundary with no ``backward()`` since the last update: gradients on the
+            parameters from a backward the engine did not run (they would be silently
+            ignored), or none at all. DeepSpeed does not check this: its update would apply
+            weight decay and move the optimizer's moments on absent gradients.
         """
+        _guards.require_alive(self, "step")
         self._require_optimizer("step")
         if self._no_sync:
             raise RuntimeError("step() inside no_sync() is not allowed (DeepSpeed forbids it)")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self._loss_count == 0:
             self._check_no_stray_gradients()
+            raise RuntimeError(
+                "step(): no engine.backward(loss) since the last update, so there are no "
+                "gradients to apply; call backward before each step"
+            )
         self.micro_steps += 1
         if boundary:
             self._boundary_step()
@@ -593,7 +627,13 @@ class ZeroEngine(DeepSpeedEngineAPI):
         return model_state_bytes(self)
 
     def destroy(self) -> None:
-        """Release every buffer and hook the engine owns; the engine is unusable after."""
+        """Release every buffer and hook the engine owns; the engine is unusable after (every
+        call raises :class:`~ds_core.zero.guards.EngineDestroyedError`), and so is its model,
+        whose parameters are emptied. A second call does nothing."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        _guards.release(self.module, self.label)
         if self.determinism is not None and self.determinism.active:
             self.determinism.disable()
         for h in self._hooks:

@@ -21,6 +21,7 @@ from ds_core.checkpoint.loader import ResumableLoader
 from ds_core.errors import ConfigError
 from ds_core.zero.config import DSConfig, load_config
 from ds_core.zero.engine import ZeroEngine
+from ds_core.zero.guards import check_model
 
 __all__ = ["add_config_arguments", "initialize", "make_dataloader"]
 
@@ -124,12 +125,16 @@ def initialize(
     :param config: a dict, a JSON/hjson file path, or a loaded ``DSConfig``.
     :param config_params: DeepSpeed's older name for ``config``.
     :returns: ``(engine, optimizer, dataloader or None, lr_scheduler or None)``.
-    :raises ds_core.ConfigError: no model, no config or two configs, an invalid config, or an
+    :raises ds_core.ConfigError: no config or two configs, an invalid config, or an
         optimizer that needs whole gradients with stages 1-3.
+    :raises ds_core.ConfigError: ``model`` is not an ``nn.Module``, already belongs to a live
+        engine (named in the message) or to a destroyed one, or, for a training engine, has no
+        parameter with ``requires_grad``.
     :raises ds_core.ConfigError: ``mpu`` given.
     """
-    if model is None:
-        raise ConfigError("initialize() needs model=")
+    # before any distributed set-up: a wrong model is one clear error (the engine checks the
+    # rest: trainable parameters, once the config says whether it trains)
+    model = check_model(model, training=False)
     if mpu is not None:
         raise ConfigError(
             "initialize(mpu=...): model parallelism is not supported; ds_core is data-parallel "
