@@ -650,8 +650,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             for g in self.optimizer.param_groups:
                 g["params"] = []
         for unit in self.units:
-            unit.release()
-            unit.flat = unit.shard = None
+            unit.free()
         self.units.clear()
         self._gathered_after_step.clear()
         for zp in self.zparams.values():

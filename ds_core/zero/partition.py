@@ -196,9 +196,10 @@ class FlatUnit:
         if mode is Mode.PARTITIONED:
             if self.host_shard:
                 acc = get_accelerator()
-                self.shard = torch.empty(self.part, dtype=self.dtype, device="cpu")
                 if "pinned_memory" in acc.capabilities:
-                    self.shard, self.pinned = acc.pin_memory(self.shard), True
+                    self.shard, self.pinned = acc.alloc_pinned((self.part,), self.dtype), True
+                else:
+                    self.shard = torch.empty(self.part, dtype=self.dtype, device="cpu")
             else:
                 self.shard = torch.empty(self.part, dtype=self.dtype, device=device)
             self.shard[self._owned_tail() :].zero_()
@@ -296,6 +297,14 @@ class FlatUnit:
         for zp in self.zparams:
             zp.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.flat.untyped_storage().resize_(0)
+
+    def free(self) -> None:
+        """Drop the unit's storage (engine teardown); a pinned host shard goes back to the
+        backend's pinned allocator."""
+        self.release()
+        if self.pinned and self.shard is not None:
+            get_accelerator().free_pinned(self.shard)
+        self.flat = self.shard = None
 
     @property
     def gathered(self) -> bool:

@@ -20,6 +20,7 @@ import torch
 from ds_core.errors import ConfigError
 from ds_core.zero.config import load_config
 from ds_core.zero.offload import OptimizerOffload
+from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
 from tests.zero._offload import scenarios
 from tests.zero.conftest import SuiteResults
 from tests.zero.test_zero_stages import check_against_reference
@@ -153,7 +154,9 @@ class _PinningAccelerator:
 
 def _unit(part: int, values: torch.Tensor) -> Any:
     zp = SimpleNamespace(shard_offset=0, shard_numel=part, master=None)
-    return SimpleNamespace(part=part, dtype=values.dtype, trainable=[zp], owned=lambda: values)
+    return SimpleNamespace(
+        part=part, dtype=values.dtype, trainable=[zp], owned=lambda: values, host_shard=False
+    )
 
 
 def test_pinned_offload_allocates_its_buffers_pinned_and_frees_them_at_release() -> None:
@@ -256,3 +259,39 @@ def test_config_reads_deepspeed_param_offload_spellings() -> None:
     knobs = {"device": "cpu", "buffer_count": 4, "buffer_size": 1e8, "max_in_cpu": 1e9}
     cfg = load_config(_zero({"stage": 3, "offload_param": knobs}), 1)
     assert cfg.zero_optimization.offload_param.pin_memory is True
+
+
+class _GatheringStandIn(_PinningAccelerator):
+    """The pinning stand-in plus a one-rank all-gather that records what it was handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gather_inputs: list[torch.Tensor] = []
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+        self.gather_inputs.append(inp)
+        out.copy_(inp)
+        return SimpleNamespace(wait=lambda: None)
+
+
+def test_a_pinned_host_shard_is_gathered_through_a_device_copy_and_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    acc = _GatheringStandIn()
+    monkeypatch.setattr("ds_core.zero.partition.get_accelerator", lambda: acc)
+    weight = torch.nn.Parameter(torch.arange(6, dtype=torch.bfloat16).view(2, 3))
+    zp = ZeroParam("w", weight, Mode.PARTITIONED, None, 1, 0, None)
+    unit = FlatUnit([zp], Mode.PARTITIONED, torch.device("cpu"), host_shard=True)
+    assert unit.pinned and acc.allocated == [unit.shard]
+    assert unit.shard is not None and (unit.shard.shape, unit.shard.dtype) == ((6,), torch.bfloat16)
+    unit.place(zp, torch.arange(6, dtype=torch.float32).view(2, 3))
+    unit.gather()
+    # the collective reads a device copy of the host shard, never the host buffer itself
+    (src,) = acc.gather_inputs
+    assert src.data_ptr() != unit.shard.data_ptr()
+    assert torch.equal(weight.data, torch.arange(6, dtype=torch.bfloat16).view(2, 3))
+    unit.release()
+    assert weight.numel() == 0
+    shard = unit.shard
+    unit.free()
+    assert acc.freed == [shard] and shard.untyped_storage().nbytes() == 0
