@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="DeepSpeed-style JSON config (flags given here win)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 2)")
     p.add_argument("--bf16", action="store_true", default=None, help="train in bfloat16")
+    p.add_argument(
+        "--offload",
+        choices=("none", "optimizer", "all"),
+        help="ZeRO-Offload: fp32 masters and Adam state on the host (optimizer), and at stage 3 "
+        "the parameter shards too (all)",
+    )
     p.add_argument("--steps", type=at_least(1), default=100, help="optimizer steps (default 100)")
     p.add_argument("--micro-batch", type=at_least(1), help="sequences per rank per micro-step (8)")
     p.add_argument("--grad-accum", type=at_least(1), help="micro-steps per optimizer step (1)")
@@ -136,6 +142,17 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> None:
     os.execv(sys.executable, cmd)
 
 
+def offload_label(config: Any) -> str:
+    """`` + offload (optimizer[, params])`` for the banner, or nothing."""
+    zero = config.zero_optimization
+    parts = [
+        name
+        for name, section in (("optimizer", zero.offload_optimizer), ("params", zero.offload_param))
+        if section.device != "none"
+    ]
+    return f" + offload ({', '.join(parts)})" if parts else ""
+
+
 def build_config(args: argparse.Namespace) -> dict[str, Any]:
     """The DeepSpeed-style config: the JSON file if given, else defaults; flags override."""
     config: dict[str, Any] = {
@@ -161,6 +178,11 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         config.setdefault("zero_optimization", {})["stage"] = args.stage
     if args.bf16:
         config["bf16"] = {**config.get("bf16", {}), "enabled": True}
+    if args.offload is not None:
+        zero = config.setdefault("zero_optimization", {})
+        on = {"device": "cpu"}
+        zero["offload_optimizer"] = on if args.offload != "none" else {"device": "none"}
+        zero["offload_param"] = on if args.offload == "all" else {"device": "none"}
     if args.micro_batch is not None:
         config.pop("train_batch_size", None)
         config["train_micro_batch_size_per_gpu"] = args.micro_batch
@@ -279,8 +301,9 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
     if rank == 0:
         print(
             f"GPT {args.model}: {n_params / 1e6:.1f} M parameters | ZeRO stage "
-            f"{config.zero_optimization.stage} | {config.precision} | {world} ranks on {acc.device_name()} "
-            f"({acc.communication_backend_name()}) | batch {micro}×{args.seq}×{accum}×{world}",
+            f"{config.zero_optimization.stage}{offload_label(config)} | {config.precision} | "
+            f"{world} ranks on {acc.device_name()} ({acc.communication_backend_name()}) | "
+            f"batch {micro}×{args.seq}×{accum}×{world}",
             file=sys.stderr,
         )
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,3 +80,27 @@ def test_a_bad_config_is_one_clear_message(tmp_path: Path) -> None:
     proc = run_example(tmp_path, "--config", str(path), "--steps", "2")
     assert proc.returncode != 0
     assert "did you mean 'zero_optimization.stage'?" in proc.stderr
+
+
+def logged_losses(folder: Path) -> list[float]:
+    with open(folder / "train_log.csv") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "offload"), [(2, "optimizer"), (3, "all")])
+def test_an_offload_run_matches_the_run_without_it(
+    tmp_path: Path, stage: int, offload: str
+) -> None:
+    """ZeRO-Offload (host masters and Adam state, cpu_adam; at stage 3 host parameter shards
+    too) trains the example to the same losses as the device run, within 5e-5."""
+    flags = ["--stage", str(stage), "--steps", "6", "--micro-batch", "4", "--lr", "1e-2"]
+    plain = run_example(tmp_path / "plain", *flags)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    off = run_example(tmp_path / "offload", *flags, "--offload", offload)
+    assert off.returncode == 0, off.stderr[-4000:]
+    label = "optimizer" if offload == "optimizer" else "optimizer, params"
+    assert f"ZeRO stage {stage} + offload ({label}) |" in off.stderr
+    want, got = logged_losses(tmp_path / "plain"), logged_losses(tmp_path / "offload")
+    assert len(got) == len(want) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=5e-5, atol=5e-5)
