@@ -104,8 +104,13 @@ class OptimizerOffload:
         its piece of it, initialised from the unit's current (device) values."""
         with torch.no_grad():
             for unit in units:
-                master = self._host(unit.part, torch.float32)
-                master.copy_(unit.owned())  # device -> host, cast to fp32 on the way
+                if unit.host_shard and unit.dtype == torch.float32:
+                    # An fp32 host shard (offload_param) already is the master's dtype on the
+                    # master's device: the optimizer steps it in place, no second copy.
+                    master = unit.owned()
+                else:
+                    master = self._host(unit.part, torch.float32)
+                    master.copy_(unit.owned())  # device -> host, cast to fp32 on the way
                 grad = self._host(unit.part, torch.float32)
                 hr = _HostRange(unit, master, grad)
                 self.ranges.append(hr)
@@ -186,7 +191,8 @@ class OptimizerOffload:
             for hr in self.ranges:
                 unit = hr.unit
                 if unit.host_shard:  # offload_param: host to host, cast on the way
-                    unit.owned().copy_(hr.master)
+                    if hr.master.data_ptr() != unit.owned().data_ptr():
+                        unit.owned().copy_(hr.master)
                     continue
                 if unit.dtype == torch.float32:
                     # The host master stays unchanged until the next step, whose gradient copy
@@ -206,8 +212,13 @@ class OptimizerOffload:
 
     def host_bytes(self) -> dict[str, int]:
         """Host bytes of the offload buffers: ``master``, ``grads`` (fp32 accumulators the
-        optimizer reads), ``staging``; optimizer state is counted by the engine."""
-        master = sum(hr.master.numel() * 4 for hr in self.ranges)
+        optimizer reads), ``staging``; optimizer state is counted by the engine. An fp32 host
+        shard that is its own master (``offload_param``) counts as parameters, not here."""
+        master = sum(
+            hr.master.numel() * 4
+            for hr in self.ranges
+            if hr.master.data_ptr() != hr.unit.owned().data_ptr()  # not the aliased shard
+        )
         grads = sum(hr.grad.numel() * 4 for hr in self.ranges)
         staging = sum(t.numel() * t.element_size() for t in self._staging.values())
         return {"master": master, "grads": grads, "staging": staging}
