@@ -73,7 +73,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
     ``lr_scheduler``, ``global_steps`` (boundaries seen, skipped ones included),
     ``global_samples``, ``skipped_steps``, ``micro_steps``, ``zparams`` (one
     :class:`ZeroParam` per unique parameter, by name), ``units`` (the flat units they live in),
-    ``reducer`` (the gradient path), ``loss_scaler`` (fp16) and ``last_grad_norm``.
+    ``reducer`` (the gradient path), ``loss_scaler`` (fp16), ``last_grad_norm`` and ``mesh``
+    (the data-parallel × tensor-parallel :class:`~ds_core.comm.Mesh`; AutoTP in
+    :mod:`ds_core.tp`).
     """
 
     def __init__(

@@ -294,12 +294,23 @@ def refusals() -> dict[str, Any]:
             layer.self_attn.num_heads = 3  # q_proj still splits evenly: the head count cannot
         return m
 
+    engine, _, _, _ = ds_core.initialize(
+        model=TinyLlama(),
+        config={"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}},
+    )
+    try:
+        engine.save_checkpoint("/nonexistent/tp-checkpoint")
+        checkpoint = "accepted"
+    except NotImplementedError as exc:
+        checkpoint = str(exc)
+    engine.destroy()
     bad_pattern = {"layer_specs": [{"patterns": [r"layers\.0\.mlp\.up_proj"]}]}
     embed = {"layer_specs": [{"patterns": [r"model\.embed_tokens"], "partition_type": "row"}]}
     return {
         "no_match": attempt(TinyLlama, {"autotp_size": 2, "partition_config": bad_pattern}),
         "embedding": attempt(TinyLlama, {"autotp_size": 2, "partition_config": embed}),
         "heads": attempt(odd_heads, {"autotp_size": 2}),
+        "checkpoint": checkpoint,
     }
 
 
