@@ -24,6 +24,7 @@ from ds_core.errors import (
     NotSupportedError,
 )
 from ds_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
+from ds_core.tp import tp_model_init
 from ds_core.zero import add_config_arguments, initialize
 
 __version__ = "0.1.0"
@@ -49,5 +50,6 @@ __all__ = [
     "register_plugin",
     "reset_accelerator",
     "set_accelerator",
+    "tp_model_init",
     "unregister_plugin",
 ]

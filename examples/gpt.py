@@ -48,8 +48,11 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        B, T, C = x_BTC.shape
-        q, k, v = self.qkv(x_BTC).split(C, dim=2)
+        B, T, _ = x_BTC.shape
+        # Widths come from the projection, not the input: under AutoTP (--tp) ``qkv`` holds
+        # this rank's slice of each of q, k, v and ``n_head`` is the local head count.
+        q, k, v = self.qkv(x_BTC).chunk(3, dim=2)
+        C = q.shape[-1]
         # (B, T, C) -> (B, H, T, C/H)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)

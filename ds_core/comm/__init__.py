@@ -22,6 +22,7 @@ from ds_core.comm.groups import (
     on_destroy,
     reset_expert_groups,
 )
+from ds_core.comm.mesh import Mesh, device_mesh, reset_device_mesh
 from ds_core.default_plugin import DefaultCollectives, torch_reduce_op
 
 __all__ = [
@@ -32,6 +33,9 @@ __all__ = [
     "reduce_scatter",
     "DefaultCollectives",
     "ExpertGroups",
+    "Mesh",
+    "device_mesh",
+    "reset_device_mesh",
     "destroy_distributed",
     "expert_groups",
     "get_local_rank",

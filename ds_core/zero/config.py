@@ -45,6 +45,7 @@ from ds_core.zero.config_optim import (
 )
 from ds_core.zero.config_sections import (
     ActivationCheckpointingConfig,
+    TensorParallelConfig,
     TorchAutocastConfig,
     accelerator_section_errors,
 )
@@ -357,6 +358,9 @@ class DSConfig(BaseModel):
         default_factory=ActivationCheckpointingConfig
     )
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """AutoTP: split the model's linear layers over ``autotp_size`` ranks inside
+    ``initialize()``; batch sizes then count data-parallel replicas (see :mod:`ds_core.tp`)."""
     dataloader_drop_last: Bool = False
     """The loader ``initialize(training_data=...)`` returns drops a last short batch, as in
     DeepSpeed. (Default: false)"""
@@ -523,7 +527,9 @@ def load_config(
     """Validate a DeepSpeed-style config for ``world_size`` data-parallel ranks.
 
     :param config: a dict, a path to a JSON file, or None (all defaults, micro-batch 1).
-    :param world_size: number of data-parallel ranks (≥ 1), used to derive batch sizes.
+    :param world_size: number of ranks (≥ 1), used to derive batch sizes: with
+        ``tensor_parallel.autotp_size`` T, batch sizes count ``world_size / T`` data-parallel
+        replicas (DeepSpeed's rule); otherwise every rank is one.
     :returns: the frozen :class:`DSConfig`, with all three batch sizes filled in.
     :raises ConfigError: naming every offending field by its dotted path and why: unknown keys
         (with the closest known key), wrong types, out-of-range values, inconsistent batch
@@ -547,7 +553,7 @@ def load_config(
     ignored: list[str] = []
     errors: list[str] = accelerator_section_errors(raw.get("accelerator"))
     raw = strip_known_extras(raw, (), ignored, errors)
-    for section in ("zero_optimization", "fp16", "bf16"):
+    for section in ("zero_optimization", "fp16", "bf16", "tensor_parallel"):
         if isinstance(raw.get(section), dict):
             raw[section] = strip_known_extras(raw[section], (section,), ignored, errors)
 
@@ -562,6 +568,17 @@ def load_config(
         elif problems:
             raw.pop(key, None)
 
+    tp_section = raw.get("tensor_parallel")
+    tp = tp_section.get("autotp_size", 0) if isinstance(tp_section, dict) else 0
+    if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1:
+        # Batch sizes count data-parallel replicas: a TP group trains on one micro-batch.
+        if world_size % tp:
+            errors.append(
+                f"tensor_parallel.autotp_size: {tp} does not divide the world size "
+                f"{world_size}; choose a divisor of the number of ranks"
+            )
+        else:
+            world_size //= tp
     try:
         tb, mb, gas = _batch_sizes(raw, world_size)
     except ConfigProblemsError as exc:

@@ -19,6 +19,9 @@ from ds_core.zero.config_types import Bool, Int
 
 __all__ = [
     "ActivationCheckpointingConfig",
+    "TPLayerSpecConfig",
+    "TPPartitionConfig",
+    "TensorParallelConfig",
     "TorchAutocastConfig",
     "accelerator_section_errors",
     "parse_config_text",
@@ -95,3 +98,111 @@ def accelerator_section_errors(section: Any) -> list[str]:
                 f"{', '.join(known)}){hint}"
             )
     return errors
+
+
+_PARTITION_TYPES = ("column", "row", "skip", "replicate")
+
+
+class TPLayerSpecConfig(BaseModel):
+    """One ``tensor_parallel.partition_config.layer_specs`` entry (DeepSpeed's ``TPLayerSpec``):
+    regular expressions matched with ``re.match`` against ``<full module path>.weight``, and
+    how the matching ``nn.Linear`` is split. See :mod:`ds_core.tp`."""
+
+    model_config = _FROZEN
+
+    patterns: list[str]
+    partition_type: str = "column"
+    """``column``, ``row``, or ``skip`` (DeepSpeed's word; ``replicate`` is a synonym)."""
+    shape: list[int] | None = None
+    """``[k, -1]``: the weight holds ``k`` equal sub-parameters along dim 0 (a fused
+    ``[q; k; v]`` is ``[3, -1]``), each split on its own. Other shapes: not supported yet."""
+    partition_dim: Int | None = None
+    """Only the default is supported: 0 for column, 1 for row."""
+    model_types: list[str] | None = None
+    """Not supported yet (no model type is known to ds_core): must be absent."""
+    gather_output: Bool = False
+    """Not supported yet: must be false."""
+
+    @field_validator("patterns")
+    @classmethod
+    def _regexes(cls, value: list[str]) -> list[str]:
+        import re
+
+        if not value:
+            raise ValueError("needs at least one pattern")
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{pattern!r} is not a regular expression: {exc}") from None
+        return value
+
+    @field_validator("partition_type")
+    @classmethod
+    def _kind(cls, value: str) -> str:
+        kind = value.lower()
+        if kind not in _PARTITION_TYPES:
+            raise ValueError(f"must be one of {', '.join(_PARTITION_TYPES)}, got {value!r}")
+        return "skip" if kind == "replicate" else kind
+
+    @field_validator("shape")
+    @classmethod
+    def _shape(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(value) != 2 or value[1] != -1 or value[0] < 1):
+            raise ValueError(
+                f"only [k, -1] (k equal fused sub-parameters along dim 0) is supported, "
+                f"got {value!r}"
+            )
+        return value
+
+    @field_validator("model_types")
+    @classmethod
+    def _no_model_types(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            raise ValueError("not supported yet (ds_core knows no model type); remove it")
+        return value
+
+    @field_validator("gather_output")
+    @classmethod
+    def _no_gather(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported yet (a column split keeps its output sharded)")
+        return value
+
+
+class TPPartitionConfig(BaseModel):
+    """``tensor_parallel.partition_config`` (DeepSpeed's ``AutoTPConfig.from_dict`` keys)."""
+
+    model_config = _FROZEN
+
+    use_default_specs: Bool = True
+    """Apply the name heuristics to Linear modules no ``layer_specs`` entry matches."""
+    layer_specs: list[TPLayerSpecConfig] = []
+    strict_mode: Bool = False
+    """Fail when an ``nn.Linear`` is left unsplit without a spec saying ``skip``."""
+    lm_head_patterns: list[str] = ["lm_head", "embed_out"]
+    """Module names (last path component) the heuristics never split."""
+    embedding_partition_dim: Int = 1
+    """Accepted for DeepSpeed configs; embeddings stay replicated (sharding them is not
+    supported yet)."""
+    tp_size: Int | None = None
+    """DeepSpeed overwrites it with ``autotp_size``; if given it must equal that."""
+
+
+class TensorParallelConfig(BaseModel):
+    """``tensor_parallel``: AutoTP for training (DeepSpeed's ``TPTrainingConfig`` keys that
+    ds_core implements; the others are refused in :mod:`ds_core.zero.deepspeed_keys`)."""
+
+    model_config = _FROZEN
+
+    autotp_size: Int = 0
+    """Ranks each split layer is spread over; 0 or 1 disables AutoTP. (Default: 0)"""
+    partition_config: TPPartitionConfig | None = None
+    """Path patterns that override the name heuristics (see :mod:`ds_core.tp`)."""
+
+    @field_validator("autotp_size")
+    @classmethod
+    def _non_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"must be >= 0, got {value}")
+        return value

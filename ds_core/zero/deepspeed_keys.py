@@ -54,6 +54,7 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
     ),
     ("fp16",): frozenset({"fp16_master_weights_and_grads"}),
     ("bf16",): frozenset({"immediate_grad_update"}),
+    ("tensor_parallel",): frozenset({"tp_overlap_comm"}),
 }
 
 NOT_YET = "not supported yet"
@@ -75,7 +76,6 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "autotuning",
             "checkpoint",
             "hybrid_engine",
-            "tensor_parallel",
             "sequence_parallel_size",
             "seq_parallel_communication_data_type",
             "eigenvalue",
@@ -100,6 +100,17 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
     ),
     ("fp16",): frozenset({"consecutive_hysteresis"}),
     ("bf16",): frozenset({"bf16_master_weights_and_grads", "bf16_optimizer_states"}),
+    ("tensor_parallel",): frozenset(
+        {
+            "tp",
+            "preset_model",
+            "dtype",
+            "injection_policy_tuple",
+            "keep_module_on_host",
+            "replace_with_kernel_inject",
+            "kernel_inject",
+        }
+    ),
 }
 
 #: (section path, key) -> test that the value requests nothing (DeepSpeed's default / "off")

@@ -37,6 +37,7 @@ from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
+from ds_core.tp import apply_autotp, is_tp_sharded, model_tp_size, replaced_parameters
 from ds_core.zero import capture as _capture
 from ds_core.zero import guards as _guards
 from ds_core.zero.accounting import model_state_bytes
@@ -73,7 +74,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
     ``lr_scheduler``, ``global_steps`` (boundaries seen, skipped ones included),
     ``global_samples``, ``skipped_steps``, ``micro_steps``, ``zparams`` (one
     :class:`ZeroParam` per unique parameter, by name), ``units`` (the flat units they live in),
-    ``reducer`` (the gradient path), ``loss_scaler`` (fp16) and ``last_grad_norm``.
+    ``reducer`` (the gradient path), ``loss_scaler`` (fp16), ``last_grad_norm`` and ``mesh``
+    (the data-parallel × tensor-parallel :class:`~ds_core.comm.Mesh`; AutoTP in
+    :mod:`ds_core.tp`).
     """
 
     def __init__(
@@ -107,6 +110,17 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.world = comm.get_world_size()
         self.rank = comm.get_rank()
         self.norm_dtype = torch.float64 if self.acc.is_fp64_supported() else torch.float32
+        # The mesh: ZeRO partitions, reduces and averages over the data-parallel group only;
+        # AutoTP splits the model over the tensor-parallel group first (see ds_core.tp).
+        tpcfg = config.tensor_parallel
+        self.mesh = comm.device_mesh(max(tpcfg.autotp_size, model_tp_size(model), 1))
+        if tpcfg.autotp_size > 1:
+            if any(hasattr(p, INIT_ATTR) for p in model.parameters()):
+                raise ConfigError(
+                    "tensor_parallel with a model built under ds_core.zero.Init is not "
+                    "supported yet; build the model normally (stage 3 partitions it here)"
+                )
+            apply_autotp(model, self.mesh, tpcfg.partition_config)
 
         # - precision
         self.fp16 = bool(config.fp16.enabled)
@@ -146,7 +160,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.reducer = GradReducer(
             # Backward produces gradients roughly in reverse order of registration.
             list(reversed(self.units)),
-            self.world,
+            self.mesh.dp_size,
             self.stage,
             self.gas,
             self.acc,
@@ -154,6 +168,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
             bool(config.prescale_gradients),
             float(config.gradient_predivide_factor),
             self.overlap_comm,
+            tp_rank=self.mesh.tp_rank,
+            tp_size=self.mesh.tp_size,
         )
         if self.offload is not None:
             # Stages 2/3 (and 1 without accumulation) sum each micro-batch on the host.
@@ -214,9 +230,16 @@ class ZeroEngine(DeepSpeedEngineAPI):
         zcfg = self.config.zero_optimization
         ep = expert_parallel_size(p)
         if ep is not None and ep > 1:
+            if self.mesh.tp_size > 1:
+                raise ConfigError(
+                    f"{name}: expert parameters with tensor parallelism (AutoEP + AutoTP) are "
+                    "not supported yet"
+                )
             groups = expert_groups(ep)
             group, gworld = groups.edp_group, groups.edp_world
             grank = comm.get_rank(group) if group is not None else self.rank
+        elif self.mesh.tp_size > 1:
+            group, gworld, grank = self.mesh.dp_group, self.mesh.dp_size, self.mesh.dp_rank
         else:
             group, gworld, grank = None, self.world, self.rank
         numel = getattr(p, INIT_ATTR)[2] if hasattr(p, INIT_ATTR) else p.numel()
@@ -227,6 +250,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         else:
             mode = Mode.REPLICATED
         zp = ZeroParam(name, p, mode, group, gworld, grank, ep)
+        zp.tp_sharded = is_tp_sharded(p)
         if hasattr(p, INIT_ATTR):
             # Built under zero.Init: the parameter is a placeholder until placed.
             _, zp.shape, zp.numel = getattr(p, INIT_ATTR)
@@ -301,6 +325,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
             g = expert_groups(ep)
             if g.edp_world > 1:
                 self.acc.broadcast(t, self.rank % ep, g.edp_group)
+        elif zp is not None and zp.tp_sharded:
+            # A TP shard is equal across its DP group only (from the group's first rank).
+            if self.mesh.dp_size > 1:
+                self.acc.broadcast(t, self.mesh.dp_src, self.mesh.dp_group)
         else:
             self.acc.broadcast(t, 0, None)
 
@@ -346,11 +374,15 @@ class ZeroEngine(DeepSpeedEngineAPI):
     def _build_optimizer(self, optimizer: Any, model_parameters: Iterable[Any] | None) -> Any:
         if optimizer is None and self.config.optimizer is None:
             return None  # forward only: step() and backward() say so
+        masters = {k: zp.master for k, zp in self._by_param.items()}
+        for old, shard in replaced_parameters(self.module).items():
+            # An optimizer built before AutoTP split the model names the full parameters.
+            masters.setdefault(old, masters.get(id(shard)))
         return bind_optimizer(
             optimizer,
             model_parameters,
             self.config.optimizer,
-            {k: zp.master for k, zp in self._by_param.items()},
+            masters,
             [zp.param for zp in self._trainable],
             self.stage,
             host_adam=self.offload is not None,

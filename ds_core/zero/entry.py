@@ -19,6 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ds_core import comm
 from ds_core.checkpoint.loader import ResumableLoader
 from ds_core.errors import ConfigError
+from ds_core.tp import model_tp_size
 from ds_core.zero.config import DSConfig, load_config
 from ds_core.zero.engine import ZeroEngine
 from ds_core.zero.guards import check_model
@@ -119,7 +120,8 @@ def initialize(
     :param lr_scheduler: an ``LRScheduler`` on ``optimizer``, or a callable
         ``optimizer -> scheduler``; else the config's ``scheduler`` section, if any.
     :param distributed_port: ``MASTER_PORT`` when the environment sets none.
-    :param mpu: model-parallel unit: not supported (ds_core is data-parallel only).
+    :param mpu: model-parallel unit: not supported (tensor parallelism comes from
+        ``tensor_parallel.autotp_size`` or :func:`ds_core.tp_model_init`).
     :param dist_init_required: as :func:`ds_core.init_distributed`.
     :param collate_fn: the loader's ``collate_fn``.
     :param config: a dict, a JSON/hjson file path, or a loaded ``DSConfig``.
@@ -137,12 +139,18 @@ def initialize(
     model = check_model(model, training=False)
     if mpu is not None:
         raise ConfigError(
-            "initialize(mpu=...): model parallelism is not supported; ds_core is data-parallel "
-            "only (drop mpu, or keep DeepSpeed for tensor/pipeline parallel models)"
+            "initialize(mpu=...): an external model-parallel unit is not supported; use "
+            "tensor_parallel.autotp_size in the config (AutoTP) or ds_core.tp_model_init, "
+            "or keep DeepSpeed for pipeline-parallel models"
         )
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     cfg_src = _config_from(args, config, config_params)
-    cfg = cfg_src if isinstance(cfg_src, DSConfig) else load_config(cfg_src, comm.get_world_size())
+    world = comm.get_world_size()
+    cfg = cfg_src if isinstance(cfg_src, DSConfig) else load_config(cfg_src, world)
+    split = model_tp_size(model)
+    if split > 1 and cfg.tensor_parallel.autotp_size <= 1 and not isinstance(cfg_src, DSConfig):
+        # Split by tp_model_init beforehand: batch sizes count data-parallel replicas.
+        cfg = load_config(cfg_src, world // split)
     engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
     loader = None
     if training_data is not None:
@@ -151,8 +159,8 @@ def initialize(
             make_dataloader(
                 training_data,
                 cfg.train_micro_batch_size_per_gpu,
-                engine.world,
-                engine.rank,
+                engine.mesh.dp_size,  # a TP group's ranks read the same samples
+                engine.mesh.dp_rank,
                 cfg.dataloader_drop_last,
                 collate_fn,
             ),

@@ -73,6 +73,7 @@ class ZeroParam:
         "param",
         "shape",
         "shard_offset",
+        "tp_sharded",
         "trainable",
         "unit",
     )
@@ -96,6 +97,9 @@ class ZeroParam:
         self.trainable = param.requires_grad
         self.mode = mode
         self.expert_ep_size = expert_ep_size
+        #: a tensor-parallel shard (see :mod:`ds_core.tp`): its values differ on each TP rank,
+        #: so it counts on every TP rank in the gradient norm; replicated ones only on TP rank 0.
+        self.tp_sharded = False
         #: the group the parameter is partitioned and reduced over (EDP group for experts).
         self.group = group
         self.group_world = group_world
@@ -165,6 +169,8 @@ class FlatUnit:
         self.group = first.group
         self.group_world = first.group_world
         self.group_rank = first.group_rank
+        #: holds tensor-parallel shards (units never mix shards and TP-replicated parameters).
+        self.tp_sharded = first.tp_sharded
         #: ranks the layout is cut into (1 when replicated).
         self.world = 1 if mode is Mode.REPLICATED else first.group_world
         self.rank = 0 if mode is Mode.REPLICATED else first.group_rank
@@ -333,10 +339,10 @@ def bucketize(zparams: list[ZeroParam], limit_numel: int) -> list[list[ZeroParam
     """Split ``zparams`` (in order) into buckets of one group and dtype, each up to
     ``limit_numel`` elements; a larger parameter gets a bucket of its own."""
     buckets: list[list[ZeroParam]] = []
-    open_: dict[tuple[int, torch.dtype], int] = {}
+    open_: dict[tuple[int, torch.dtype, bool], int] = {}
     sizes: dict[int, int] = {}
     for zp in zparams:
-        key = (id(zp.group), zp.dtype)
+        key = (id(zp.group), zp.dtype, zp.tp_sharded)
         idx = open_.get(key)
         if idx is None or sizes[idx] + zp.numel > limit_numel:
             buckets.append([])

@@ -115,6 +115,9 @@ class GradReducer:
     :param prescale: DeepSpeed's ``prescale_gradients``.
     :param predivide: DeepSpeed's ``gradient_predivide_factor``.
     :param overlap: ``overlap_comm``: asynchronous collectives on a side stream.
+    :param tp_rank: this rank's tensor-parallel rank: units of TP-replicated parameters count
+        in the global norm on TP rank 0 only (their gradients are equal across the TP group).
+    :param tp_size: ranks of the TP group (the norm sums over ``world × tp_size`` ranks).
     """
 
     def __init__(
@@ -128,8 +131,12 @@ class GradReducer:
         prescale: bool,
         predivide: float,
         overlap: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         self.policy = policy_for(stage, gas)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self.world = world
         self.acc = acc
         self.device = acc.device()
@@ -337,12 +344,16 @@ class GradReducer:
 
     def reduced_buffers(self) -> Iterator[torch.Tensor]:
         """This rank's reduced gradients that count in the global norm: a replicated unit
-        counts only on its group's first rank, so each element counts once in the world."""
+        counts only on its group's first rank, and a unit replicated across the TP group only
+        on TP rank 0, so each element counts once in the world."""
         if self.host is not None:
             for ug in self.units:
-                yield self.host.buffer(ug.unit)
+                if ug.unit.tp_sharded or self.tp_rank == 0:
+                    yield self.host.buffer(ug.unit)
             return
         for ug in self.units:
+            if not ug.unit.tp_sharded and self.tp_rank != 0:
+                continue
             if ug.reduced is not None and (not self.policy.all_reduce or ug.unit.group_rank == 0):
                 yield ug.reduced
 
@@ -352,9 +363,10 @@ class GradReducer:
         total = torch.zeros((), dtype=dtype, device=self.device)
         for buf in self.reduced_buffers():
             total += _sum_of_squares(buf, dtype).to(self.device)  # host buffers under offload
-        if self.world > 1:
+        if self.world * self.tp_size > 1:
             # Every range and expert is held by exactly one rank (replicas are counted on the
-            # group's first rank only), so the sum over the world counts each once.
+            # group's first rank only, TP replicas on TP rank 0), so the sum over the world
+            # counts each once.
             self.acc.all_reduce(total, "sum", None)
         return total.sqrt()
 

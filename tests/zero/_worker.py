@@ -709,6 +709,10 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         from tests.zero import _offload
 
         return _offload.jobs(world)
+    if suite == "autotp":
+        from tests.zero import _autotp
+
+        return _autotp.jobs(world)
     raise SystemExit(f"unknown suite {suite}")
 
 

@@ -288,7 +288,6 @@ def test_performance_knobs_are_accepted_with_one_warning() -> None:
         "zero_optimization.reduce_scatter",
         "zero_optimization.round_robin_gradients",
         "zero_optimization.sub_group_size",
-        "zero_optimization.offload_param",
     ):
         assert key in text
 
@@ -302,8 +301,10 @@ def test_no_warning_without_ignored_keys() -> None:
 @pytest.mark.parametrize(
     ("config", "path"),
     [
-        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload_param"),
-        ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param"),
+        (
+            {"zero_optimization": {"zero_quantized_weights": True}},
+            "zero_optimization.zero_quantized_weights",
+        ),
         ({"compression_training": {"weight_quantization": {}}}, "compression_training"),
         ({"amp": {"enabled": True}}, "amp"),
         ({"fp16": {"consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis"),
