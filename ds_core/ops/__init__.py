@@ -9,9 +9,10 @@ Two ways to build, one mechanism underneath:
 - :func:`build_shared_library` compiles C/C++ into a plain shared library and returns a
   ``ctypes.CDLL``. The compiler runs as an argument list (no shell) and a build takes about a
   second. Use it for kernels over raw buffers (pass ``tensor.data_ptr()``): ``cpu_adam`` is
-  built this way, so it does not depend on torch's C++ ABI, pybind11 or ninja.
-- :func:`build_extension` builds a torch C++ extension with ``torch.utils.cpp_extension``
-  (needs ninja; torch's flags and ABI), for code that must take ``at::Tensor`` arguments.
+  built this way, so it does not depend on torch's C++ ABI or pybind11.
+- :func:`build_extension` builds a torch C++ extension with the flags and ABI macros
+  ``torch.utils.cpp_extension`` would use, in one compiler command (no shell, no ninja), for
+  code that must take ``at::Tensor`` arguments.
 
 Both share the cache: ``$DS_CORE_OPS_CACHE``, else ``$XDG_CACHE_HOME/ds_core/ops``, else
 ``~/.cache/ds_core/ops``, created with mode 0700 and refused when owned by another user. A build

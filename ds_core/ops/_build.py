@@ -12,6 +12,7 @@ import os
 import shlex
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -220,6 +221,35 @@ def build_shared_library(
     return lib
 
 
+def _torch_extension_flags(module_name: str) -> list[str]:
+    """Compile flags of a torch extension: the ones ``torch.utils.cpp_extension`` uses."""
+    import torch
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-fPIC", "-shared", "-std=c++17"]
+    flags += [f"-I{d}" for d in cpp_extension.include_paths()]
+    flags.append(f"-I{sysconfig.get_paths()['include']}")
+    flags += [
+        f"-DTORCH_EXTENSION_NAME={module_name}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    ]
+    # pybind11 refuses to share types with a module built under other ABI tags.
+    for tag in ("COMPILER_TYPE", "STDLIB", "BUILD_ABI"):
+        value = getattr(torch._C, f"_PYBIND11_{tag}", None)
+        if value is not None:
+            flags.append(f'-DPYBIND11_{tag}="{value}"')  # an argv entry: the quotes are kept
+    return flags
+
+
+def _torch_extension_ldflags() -> list[str]:
+    """Link flags of a torch extension (libtorch is already loaded when it is imported)."""
+    from torch.utils import cpp_extension
+
+    out = [f"-L{d}" for d in cpp_extension.library_paths()]
+    return [*out, "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+
+
 def build_extension(
     name: str,
     sources: Sequence[str | os.PathLike[str]],
@@ -232,11 +262,12 @@ def build_extension(
 ) -> ModuleType:
     """Build a torch C++ extension (``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``) and import it.
 
-    Compiled by ``torch.utils.cpp_extension.load`` into the cache folder of its key, so it
-    gets exactly the flags and ABI torch expects; that path needs ``ninja``, which runs the
-    compile commands it is given through ``/bin/sh``. Later runs import the cached module
-    directly after checking its hash. Prefer :func:`build_shared_library` for code that only
-    needs raw buffers: it builds in about a second and runs no shell.
+    One compile-and-link command, run as a list of arguments (no shell, no ninja), with the
+    include paths, library paths and ABI macros ``torch.utils.cpp_extension`` would pass
+    (``_GLIBCXX_USE_CXX11_ABI`` and pybind11's ABI tags read from the running torch), into the
+    cache folder of its key. Later runs import the cached module directly after checking its
+    hash. Prefer :func:`build_shared_library` for code that only needs raw buffers: it builds
+    in about a second, where torch's headers make an extension take a minute or more.
 
     :param name: op name; the Python module is named ``<name>_<key prefix>``.
     :param sources: C++ files.
@@ -244,17 +275,13 @@ def build_extension(
     :param depends: files whose contents must be part of the key (headers).
     :param quiet: do not print build progress.
     :returns: the imported extension module.
-    :raises OpBuildError: no C++ compiler, no ninja, or a failed build or import.
+    :raises OpBuildError: no C++ compiler, or a failed build (with the command and the
+        compiler's last lines) or import.
     """
     paths = _sources(name, sources)
     tc = toolchain()
     if tc.cxx is None:
         raise OpBuildError(f"op '{name}' needs a C++ compiler; install g++ or clang, or set CXX")
-    if tc.ninja is None:
-        raise OpBuildError(
-            f"op '{name}' is a torch C++ extension, which torch builds with ninja; "
-            "`pip install ninja` or install it from the system's packages"
-        )
     flags = [*cflags, *(f"-I{Path(d).resolve()}" for d in include_dirs)]
     key = make_key(
         name,
@@ -269,32 +296,28 @@ def build_extension(
     built: dict[str, ModuleType] = {}
 
     def build(folder: Path) -> Path:
-        from torch.utils import cpp_extension
-
-        env_cxx = os.environ.get("CXX")
-        os.environ["CXX"] = tc.cxx or "c++"
+        fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{artefact_name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(tmp_name)
         try:
-            built[module_name] = cpp_extension.load(
-                name=module_name,
-                sources=[str(p) for p in paths],
-                extra_cflags=list(flags),
-                extra_ldflags=list(ldflags),
-                build_directory=str(folder),
-                verbose=False,
-            )
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-            raise OpBuildError(
-                f"op '{name}' (torch extension) failed to build in {folder}:\n{_tail(str(exc))}"
-            ) from exc
-        finally:
-            if env_cxx is None:
-                os.environ.pop("CXX", None)
-            else:
-                os.environ["CXX"] = env_cxx
-        artefact = folder / artefact_name
-        if not artefact.is_file():
-            raise OpBuildError(f"op '{name}': torch reported success but {artefact} is missing")
-        return artefact
+            cmd = [
+                tc.cxx or "c++",
+                *_torch_extension_flags(module_name),
+                *flags,
+                *map(str, paths),
+                "-o",
+                str(tmp),
+                *_torch_extension_ldflags(),
+                *ldflags,
+            ]
+            _run(cmd, name, folder)
+            final = folder / artefact_name
+            os.replace(tmp, final)  # atomic: a reader sees the old file or the whole new one
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        return final
 
     def load(artefact: Path) -> ModuleType:
         # Importing the same single-phase extension twice re-runs its init; reuse torch's.

@@ -64,7 +64,6 @@ class Toolchain:
     :param cxx: path of the C++ compiler, or ``None``.
     :param cxx_version: first line of ``c++ --version``.
     :param openmp: whether ``cc -fopenmp`` compiles and links a parallel loop.
-    :param ninja: path of ``ninja`` (torch C++ extensions need it), or ``None``.
     """
 
     cc: str | None
@@ -72,7 +71,6 @@ class Toolchain:
     cxx: str | None
     cxx_version: str
     openmp: bool
-    ninja: str | None
 
     @property
     def has_c(self) -> bool:
@@ -144,5 +142,4 @@ def toolchain() -> Toolchain:
         cxx=cxx,
         cxx_version=_version(cxx),
         openmp=_openmp_links(cc),
-        ninja=shutil.which("ninja"),
     )

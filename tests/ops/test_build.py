@@ -11,6 +11,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -225,9 +226,20 @@ def test_loose_cache_permissions_are_tightened(cache: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(ops.toolchain().ninja is None, reason="torch extensions need ninja")
-def test_torch_extension_builds_and_runs(cache: Path, tmp_path: Path) -> None:
+@pytest.mark.skipif(ops.toolchain().cxx is None, reason="torch extensions need a C++ compiler")
+def test_torch_extension_builds_and_runs(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import torch
+
+    calls: list[tuple[Any, dict[str, Any]]] = []
+    real_run = subprocess.run
+
+    def recording_run(cmd: Any, **kwargs: Any) -> Any:
+        calls.append((cmd, kwargs))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr("ds_core.ops._build.subprocess.run", recording_run)
 
     src = _source(
         tmp_path,
@@ -243,6 +255,12 @@ def test_torch_extension_builds_and_runs(cache: Path, tmp_path: Path) -> None:
     mod = ops.build_extension("t_twice", [src], quiet=True)
     assert torch.equal(mod.twice(torch.arange(4.0)), torch.arange(4.0) * 2)
     assert ops.build_extension("t_twice", [src], quiet=True) is mod
+    # one compiler command, an argument list run without a shell (no ninja, no /bin/sh)
+    builds = [(cmd, kw) for cmd, kw in calls if str(src) in cmd]
+    assert len(builds) == 1
+    cmd, kwargs = builds[0]
+    assert isinstance(cmd, list) and cmd[0] == ops.toolchain().cxx
+    assert not kwargs.get("shell", False)
 
 
 def test_a_plugin_ships_a_compiled_op_through_its_provider_hook(
