@@ -427,3 +427,23 @@ def test_cli_shows_a_traceback_only_with_debug(tmp_path: Path, debug: bool) -> N
     assert proc.returncode == 2
     assert ("Traceback" in proc.stderr) is debug, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("ds-core conformance: error: --report")
+
+
+def test_cli_help_lists_each_subcommand_with_a_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_core.cli import HELP, _commands, main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name in _commands():
+        assert name in out and " ".join(HELP[name].split()) in out, name
+
+
+def test_cli_version_prints_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_core.cli import _version, main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ds-core {_version('ds-core')}"
