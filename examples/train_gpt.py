@@ -63,6 +63,8 @@ from tqdm import tqdm  # noqa: E402
 import ds_core  # noqa: E402
 from ds_core import comm  # noqa: E402
 from ds_core.comm.counting import CommCounter  # noqa: E402
+from ds_core.errors import DSCoreError  # noqa: E402
+from ds_core.plugins import ENV_ACCELERATOR, choose, discover  # noqa: E402
 from ds_core.zero.config import load_config, read_config_file  # noqa: E402
 from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
 
@@ -152,6 +154,8 @@ def preflight(args: argparse.Namespace, rank: int = 0) -> None:
     the output folders; more ranks than cores is allowed with a warning saying the cost."""
     if "LOCAL_RANK" not in os.environ:
         load_config(build_config(args), args.ranks)
+        if os.environ.get(ENV_ACCELERATOR):  # a bad DS_ACCELERATOR: one line, before any rank
+            choose(os.environ[ENV_ACCELERATOR], discover())
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if cores and args.ranks > cores:
             print(
@@ -392,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     if "LOCAL_RANK" not in os.environ:
         try:  # a bad config is one message here, not one per rank from torchrun
             preflight(args)
-        except ds_core.ConfigError as exc:
+        except (ds_core.ConfigError, DSCoreError) as exc:
             print(f"train_gpt: error: {exc}", file=sys.stderr)
             sys.exit(2)
         if args.ranks > 1:
