@@ -183,8 +183,8 @@ def _report(args: argparse.Namespace) -> int:
 
 def _conformance_args(p: argparse.ArgumentParser) -> None:
     p.description = (
-        'Run the conformance suite (pip install "ds-core[conformance]") against an installed '
-        "backend; print the Markdown report; exit non-zero on any failure."
+        "Run the conformance suite (pip install -e conformance, from a ds_core checkout) against "
+        "an installed backend; print the Markdown report; exit non-zero on any failure."
     )
     p.add_argument("--backend", required=True, metavar="NAME", help="backend under test")
     p.add_argument("--report", metavar="DIR", help="write conformance.json and conformance.md")
@@ -236,7 +236,8 @@ def _conformance(args: argparse.Namespace) -> int:
         runner = importlib.import_module("ds_conformance.runner")
     except ImportError:
         print(
-            'the conformance suite is not installed: pip install "ds-core[conformance]"',
+            "the conformance suite is not installed: pip install -e conformance (from a "
+            "ds_core checkout; ds-core-conformance is not on the package index)",
             file=sys.stderr,
         )
         return 2
@@ -297,6 +298,15 @@ def _new_backend(args: argparse.Namespace) -> int:
     return 0
 
 
+#: subcommand -> its one line in ``ds-core --help``
+HELP = {
+    "report": "describe the installation: versions, backends, the selected one (no device used)",
+    "conformance": "run the conformance suite against an installed backend",
+    "new-backend": "write an installable backend package skeleton (ds-core-NAME/)",
+    "checkpoint": "inspect, convert and export checkpoints",
+}
+
+
 #: subcommand -> (add arguments, run). Other modules add theirs in :func:`_commands`.
 def _commands() -> dict[str, Command]:
     commands: dict[str, Command] = {
@@ -309,14 +319,20 @@ def _commands() -> dict[str, Command]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ds-core", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="ds-core",
+        description="ds_core's command line: describe the installation, test and scaffold "
+        "backends, handle checkpoints. Exit status: 0 success, 1 failure, 2 usage error.",
+    )
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of an error (for a bug report)"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"ds-core {_version('ds-core')}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     commands = _commands()
     for name, (add_args, _run) in commands.items():
-        add_args(sub.add_parser(name))
+        line = HELP.get(name, "")
+        add_args(sub.add_parser(name, help=line, description=line))
     args = parser.parse_args(argv)
     try:
         return commands[args.command][1](args)

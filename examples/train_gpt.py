@@ -15,16 +15,41 @@ file. 100 steps of a 3.2 M-parameter GPT on 8 × 64 characters per rank take abo
 on a 2-core machine, start-up included, the loss falling from 3.6 to about 1.2. Rank 0 shows
 a tqdm progress bar (step, loss, tokens/s, memory from the memory hooks), prints a summary (final loss, time, peak memory per rank, bytes communicated per
 step), and writes ``train_log.csv`` and ``train_gpt.png`` (loss and memory per step) to
-``--out`` (default ``out/train_gpt``).
+``--out`` (default ``out/train_gpt``); the CSV gets a row per step as it goes (flushed), with
+every rank's memory.
+
+Started plainly, the script is the torchrun agent itself (``torch.distributed.run`` in this
+process, quiet unless ``LOGLEVEL`` is set), so what goes wrong reads as one line:
+
+* a rank that fails writes its root error to a run folder; the launcher prints the first
+  rank's (``train_gpt: error: rank N: ...``, the full traceback's path after it) instead of
+  torchrun's dump, and exits with that rank's status (2 for a configuration mistake, else 1);
+* Ctrl+C (SIGINT to the launcher; torchrun forwards it to each rank, whose own session a
+  terminal does not reach) stops every rank at the next step boundary: a rank's SIGINT only
+  sets a flag, and the ranks agree through the per-step all-gather of the logged loss, so no
+  rank is left waiting in a collective. Rank 0 prints one ``train_gpt: interrupted ...``
+  line, the CSV keeps every finished step, ``--save-on-interrupt`` saves a checkpoint to
+  ``--save-dir`` first (every rank takes part), and the exit status is 130;
+* a rank whose agent dies (``kill -9`` of the launcher or of torchrun) gets SIGTERM from the
+  kernel (``prctl(PR_SET_PDEATHSIG)`` via ctypes, Linux) and exits, rather than running on
+  unsupervised; where prctl is unavailable a thread polls ``os.getppid()`` each second.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
+import json
+import logging
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +63,8 @@ from tqdm import tqdm  # noqa: E402
 import ds_core  # noqa: E402
 from ds_core import comm  # noqa: E402
 from ds_core.comm.counting import CommCounter  # noqa: E402
+from ds_core.errors import DSCoreError  # noqa: E402
+from ds_core.plugins import ENV_ACCELERATOR, choose, discover  # noqa: E402
 from ds_core.zero.config import load_config, read_config_file  # noqa: E402
 from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
 
@@ -87,8 +114,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="out/train_gpt", help="folder for the log and the plot")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
     p.add_argument("--save-dir", help="write a checkpoint here after the last step")
+    p.add_argument(
+        "--save-on-interrupt",
+        action="store_true",
+        help="on Ctrl+C, save a checkpoint to --save-dir at the step boundary before stopping",
+    )
     p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
     args = p.parse_args(argv)
+    if args.save_on_interrupt and not args.save_dir:
+        p.error("argument --save-on-interrupt: needs --save-dir (where to save)")
     block = PRESETS[args.model].block_size
     if args.seq > block:
         p.error(
@@ -120,6 +154,8 @@ def preflight(args: argparse.Namespace, rank: int = 0) -> None:
     the output folders; more ranks than cores is allowed with a warning saying the cost."""
     if "LOCAL_RANK" not in os.environ:
         load_config(build_config(args), args.ranks)
+        if os.environ.get(ENV_ACCELERATOR):  # a bad DS_ACCELERATOR: one line, before any rank
+            choose(os.environ[ENV_ACCELERATOR], discover())
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if cores and args.ranks > cores:
             print(
@@ -134,12 +170,133 @@ def preflight(args: argparse.Namespace, rank: int = 0) -> None:
         check_writable(args.save_dir, "--save-dir", rank)
 
 
+#: the launcher's run folder (rank errors, the interrupt marker) and its pid, for the ranks
+RUN_DIR_ENV, LAUNCHER_PID_ENV = "TRAIN_GPT_RUN_DIR", "TRAIN_GPT_LAUNCHER_PID"
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl+C'd command
+
+
 def relaunch_under_torchrun(args: argparse.Namespace) -> None:
-    """Started as a plain script: become ``torchrun --nproc_per_node N`` of ourselves."""
+    """Started as a plain script: run ``torchrun --standalone --nproc_per_node N`` of ourselves
+    in this process (this process is the agent), then exit with one line for what went wrong."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; torchrun's default
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={args.ranks}", str(Path(__file__).resolve()), *sys.argv[1:]]
-    os.execv(sys.executable, cmd)
+    run_dir = Path(tempfile.mkdtemp(prefix="train_gpt-run-"))
+    os.environ[RUN_DIR_ENV] = str(run_dir)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    argv = [f"--nproc_per_node={args.ranks}", str(Path(__file__).resolve()), *args.argv]
+    code = 0
+    try:
+        from torch.distributed import run as torchrun
+
+        quiet_torchrun_log()
+        torchrun.run(torchrun.parse_args(["--standalone", *argv]))
+    except KeyboardInterrupt:  # before torchrun's own handler: no rank has started
+        code = INTERRUPTED
+    except Exception as exc:  # the ranks' outcome: ChildFailedError, SignalException
+        code = report_ranks(run_dir, exc)
+    if code == INTERRUPTED and not (run_dir / "interrupted").exists():
+        print("train_gpt: interrupted before the first step: nothing to keep", file=sys.stderr)
+    if code in (0, INTERRUPTED):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    sys.exit(code)
+
+
+def quiet_torchrun_log() -> None:
+    """torchrun's agent log (closing signals, failures and their dump) stays quiet unless
+    ``LOGLEVEL`` was set: the launcher says what happened in one line."""
+    level = os.environ.get("LOGLEVEL", "CRITICAL")
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(level)
+
+
+def report_ranks(run_dir: Path, exc: Exception) -> int:
+    """The launcher's one line for a failed run: the first rank's root error (the earliest
+    error file a rank wrote), else what torchrun saw; returns the exit status."""
+    errors = []
+    for path in run_dir.glob("rank*.json"):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if errors:
+        first = min(errors, key=lambda e: e["time"])
+        print(
+            f"train_gpt: error: rank {first['rank']}: {first['error']} "
+            f"(traceback: {first['traceback']})",
+            file=sys.stderr,
+        )
+        return int(first["status"])
+    if (run_dir / "interrupted").exists() or type(exc).__name__ == "SignalException":
+        return INTERRUPTED
+    failures = getattr(exc, "failures", None)
+    if failures:  # a rank died without a word: killed, out of memory, a crash in C++
+        rank, failure = min(failures.items(), key=lambda kv: kv[1].timestamp)
+        if failure.exitcode == INTERRUPTED:
+            return INTERRUPTED
+        how = (
+            f"killed by {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exit status {failure.exitcode}"
+        )
+        print(f"train_gpt: error: rank {rank}: {how}, with no error message", file=sys.stderr)
+        return 1
+    print(
+        f"train_gpt: error: torchrun: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr
+    )
+    return 1
+
+
+def record_rank_error(exc: BaseException, rank: int, status: int) -> bool:
+    """Under the launcher, write this rank's root error (one line) and its traceback to the
+    run folder for the launcher to print; returns False when not under the launcher."""
+    folder = os.environ.get(RUN_DIR_ENV)
+    if not folder:
+        return False
+    tb = Path(folder) / f"rank{rank}-traceback.txt"
+    tb.write_text("".join(traceback.format_exception(exc)))
+    line = (
+        " ".join(str(exc).split())
+        if isinstance(exc, ds_core.ConfigError)
+        else (f"{type(exc).__name__}: " + " ".join(str(exc).split()))
+    )
+    record = {"rank": rank, "error": line, "traceback": str(tb), "status": status}
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps({**record, "time": time.time()}))
+    return True
+
+
+def exit_with_parent() -> None:
+    """A rank exits when its agent dies (``kill -9`` of torchrun or of the launcher) instead of
+    training on unsupervised: ``PR_SET_PDEATHSIG`` asks the kernel for SIGTERM when the
+    parent goes (Linux); elsewhere a daemon thread polls ``os.getppid()`` every second."""
+    parent = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.prctl(1, signal.SIGTERM, 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        ok = False
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+    if ok:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="train_gpt-parent-watch", daemon=True).start()
+
+
+class StopFlag:
+    """SIGINT in a rank sets a flag (never an exception mid-collective); the ranks agree on
+    it at the step boundary, through the all-gather of the logged loss."""
+
+    def __init__(self) -> None:
+        self.set = False
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.set = True
 
 
 def offload_label(config: Any) -> str:
@@ -235,35 +392,49 @@ def write_plot(path: Path, rows: list[dict[str, float]], mem_by_rank: list[list[
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if "LOCAL_RANK" not in os.environ:
         try:  # a bad config is one message here, not one per rank from torchrun
             preflight(args)
-        except ds_core.ConfigError as exc:
+        except (ds_core.ConfigError, DSCoreError) as exc:
             print(f"train_gpt: error: {exc}", file=sys.stderr)
             sys.exit(2)
         if args.ranks > 1:
             relaunch_under_torchrun(args)
+    exit_with_parent()
+    stop = StopFlag()
     # one thread per rank on the host, unless asked otherwise
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
-    # init distributed
-    ds_core.init_distributed(timeout=300)
-    rank, world = comm.get_rank(), comm.get_world_size()
-    acc = ds_core.get_accelerator()
+    rank = int(os.environ.get("RANK", "0"))
+    status = 0
     try:
-        train(args, rank, world, acc)
+        # init distributed
+        ds_core.init_distributed(timeout=300)
+        rank, world = comm.get_rank(), comm.get_world_size()
+        acc = ds_core.get_accelerator()
+        if not train(args, rank, world, acc, stop):
+            status = INTERRUPTED
         # leave together: a gloo rank that tears down while a peer is still busy (rank 0
         # writing the plot) can abort at exit
         comm.barrier()
     except ds_core.ConfigError as exc:
-        if rank == 0:
+        status = 2
+        if not record_rank_error(exc, rank, status) and rank == 0:
             print(f"train_gpt: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as exc:
+        status = 1
+        if not record_rank_error(exc, rank, status):
+            raise  # under torchrun directly: the traceback as Python prints it
     finally:
         ds_core.destroy_distributed()
+    if status:
+        sys.exit(status)
 
 
-def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
+def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopFlag) -> bool:
+    """Train, logging a CSV row per step; False when Ctrl+C stopped it (at a step boundary,
+    every rank alike, after saving a checkpoint if ``--save-on-interrupt``)."""
     # the config, validated up front: an error names the field, on every rank alike
     config = load_config(build_config(args), world)
     preflight(args, rank)
@@ -307,12 +478,14 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
             file=sys.stderr,
         )
 
-    # train
+    # train: the CSV gets each step's row as it goes (flushed), so an interrupted run keeps them
     bar = progress_bar(args.steps) if rank == 0 else None
     rows: list[dict[str, float]] = []
-    mem_mib: list[float] = []
+    mem_by_rank: list[list[float]] = [[] for _ in range(world)]
+    log = csv_log(Path(args.out) / "train_log.csv", world) if rank == 0 else None
     tokens_per_step = micro * args.seq * accum * world
     t_start = time.perf_counter()
+    interrupted = False
     for step in range(start + 1, args.steps + 1):
         t0, bytes0 = time.perf_counter(), counter.total_bytes()
         loss_sum = torch.zeros((), device=device)
@@ -324,24 +497,65 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
             loss_sum += loss.detach().float()
         dt = time.perf_counter() - t0
         comm_bytes = counter.total_bytes() - bytes0
-        # the mean loss over ranks, for the log only (after comm_bytes was read, so not counted)
-        mean_loss = loss_sum / accum
-        comm.all_reduce(mean_loss, op="avg")
-        mem_mib.append(acc.memory_allocated() / MiB)
-        rows.append(
-            {"step": step, "loss": float(mean_loss), "seconds": dt, "comm_bytes": comm_bytes,
-             "tokens_per_s": tokens_per_step / dt, "memory_mib_rank0": mem_mib[-1]}
-        )  # fmt: skip
+        # every rank's loss, memory and stop flag, for the log and for agreeing to stop (after
+        # comm_bytes was read, so not counted)
+        mine = torch.stack(
+            [
+                loss_sum / accum,
+                torch.tensor(acc.memory_allocated() / MiB, device=device),
+                torch.tensor(float(stop.set), device=device),
+            ]
+        ).float()
+        everyone = torch.empty(world * 3, device=device)
+        comm.all_gather(everyone, mine)
+        per_rank = everyone.view(world, 3).cpu()
+        mean_loss = float(per_rank[:, 0].mean())
+        for r in range(world):
+            mem_by_rank[r].append(float(per_rank[r, 1]))
+        row: dict[str, float] = {
+            "step": step, "loss": mean_loss, "seconds": dt, "comm_bytes": comm_bytes,
+            "tokens_per_s": tokens_per_step / dt,
+            **{f"memory_mib_rank{r}": mem_by_rank[r][-1] for r in range(world)},
+        }  # fmt: skip
+        rows.append(row)
+        if log is not None:
+            log.writerow(row)
         if bar is not None:
             bar.set_postfix_str(
-                f"loss {float(mean_loss):.3f} | tok/s {tokens_per_step / dt:,.0f} | "
-                f"mem {mem_mib[-1]:.0f} MiB",
+                f"loss {mean_loss:.3f} | tok/s {tokens_per_step / dt:,.0f} | "
+                f"mem {mem_by_rank[0][-1]:.0f} MiB",
                 refresh=False,
             )
             bar.update(1)
+        if bool(per_rank[:, 2].any()) and step < args.steps:
+            interrupted = True
+            break
     if bar is not None:
         bar.close()
+    if log is not None:
+        log.close()
     elapsed = time.perf_counter() - t_start
+    if interrupted:
+        saved = ""
+        if args.save_on_interrupt:
+            engine.save_checkpoint(args.save_dir)
+            saved = (
+                f"; checkpoint {args.save_dir}/global_step{engine.global_steps} "
+                f"(continue with --resume {args.save_dir})"
+            )
+        engine.destroy()
+        ds_core.unregister_plugin(counter)
+        if rank == 0:
+            done = rows[-1]["step"] if rows else start
+            print(
+                f"train_gpt: interrupted after step {done} of {args.steps}: {len(rows)} rows "
+                f"kept in {Path(args.out) / 'train_log.csv'}{saved}",
+                file=sys.stderr,
+            )
+            folder = os.environ.get(RUN_DIR_ENV)
+            if folder:
+                (Path(folder) / "interrupted").write_text(str(done))
+        return False
     if args.save_dir:
         engine.save_checkpoint(args.save_dir)
         if rank == 0:
@@ -349,41 +563,59 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any) -> None:
     # finish collectives still in flight (stage-3 prefetches) before the process group goes
     engine.destroy()
 
-    # summary: peak memory and memory curves from every rank
-    mine = torch.tensor([acc.max_memory_allocated() / MiB, *mem_mib], device=device)
-    gathered = torch.empty(world * mine.numel(), device=device)
-    comm.all_gather(gathered, mine)
-    everyone = [{"peak": float(r[0]), "mem": r[1:].tolist()} for r in gathered.view(world, -1)]
+    # summary: peak memory from every rank
+    peak = torch.tensor([acc.max_memory_allocated() / MiB], device=device)
+    peaks = torch.empty(world, device=device)
+    comm.all_gather(peaks, peak)
     ds_core.unregister_plugin(counter)
     if rank != 0:
-        return
+        return True
     per_step = [r["comm_bytes"] for r in rows[1:]] or [rows[0]["comm_bytes"]]
     comm_per_step = sorted(per_step)[len(per_step) // 2]
     print(
         f"\nsummary: final loss {rows[-1]['loss']:.4f} (first {rows[0]['loss']:.4f}) | "
         f"{len(rows)} steps in {elapsed:.1f} s ({tokens_per_step * len(rows) / elapsed:,.0f} "
         f"tokens/s) | peak memory per rank "
-        + ", ".join(f"{e['peak']:.0f} MiB" for e in everyone)
+        + ", ".join(f"{float(p):.0f} MiB" for p in peaks)
         + f" | communicated {comm_per_step / MiB:.1f} MiB per step per rank "
         f"({comm_per_step / (4 * n_params):.2f} Ψ, Ψ = fp32 gradient bytes)"
     )
 
-    # log and plot
+    # the plot (the log is written already)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "train_log.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     if args.no_plot:
         print(f"log: {out / 'train_log.csv'}")
-        return
+        return True
     try:
-        write_plot(out / "train_gpt.png", rows, [e["mem"] for e in everyone])
+        write_plot(out / "train_gpt.png", rows, mem_by_rank)
     except ImportError:
         print(f"log: {out / 'train_log.csv'} (pip install matplotlib for the plot)")
-        return
+        return True
     print(f"log: {out / 'train_log.csv'}  plot: {out / 'train_gpt.png'}")
+    return True
+
+
+class CsvLog:
+    """``train_log.csv`` written as the run goes: the header, then one flushed row per step."""
+
+    def __init__(self, path: Path, fields: list[str]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "w", newline="")
+        self.writer = csv.DictWriter(self.file, fieldnames=fields)
+        self.writer.writeheader()
+        self.file.flush()
+
+    def writerow(self, row: dict[str, float]) -> None:
+        self.writer.writerow(row)
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def csv_log(path: Path, world: int) -> CsvLog:
+    fields = ["step", "loss", "seconds", "comm_bytes", "tokens_per_s"]
+    return CsvLog(path, fields + [f"memory_mib_rank{r}" for r in range(world)])
 
 
 if __name__ == "__main__":

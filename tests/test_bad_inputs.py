@@ -427,3 +427,115 @@ def test_cli_shows_a_traceback_only_with_debug(tmp_path: Path, debug: bool) -> N
     assert proc.returncode == 2
     assert ("Traceback" in proc.stderr) is debug, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("ds-core conformance: error: --report")
+
+
+def test_cli_help_lists_each_subcommand_with_a_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_core.cli import HELP, _commands, main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name in _commands():
+        assert name in out and " ".join(HELP[name].split()) in out, name
+
+
+def test_cli_version_prints_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_core.cli import _version, main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ds-core {_version('ds-core')}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the environment: the launcher's variables and DS_ACCELERATOR
+
+_LAUNCH = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": "29533"}
+
+#: case -> (variables over a one-rank launch, key words of the ConfigError)
+ENV_ERRORS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "world_size_word": ({"WORLD_SIZE": "two"}, ("WORLD_SIZE='two'", "an integer >= 1")),
+    "world_size_0": ({"WORLD_SIZE": "0"}, ("WORLD_SIZE='0'", "an integer >= 1")),
+    "world_size_float": ({"WORLD_SIZE": "2.0"}, ("WORLD_SIZE='2.0'",)),
+    "rank_negative": ({"RANK": "-1"}, ("RANK='-1'", "an integer >= 0")),
+    "rank_beyond_world": ({"RANK": "3"}, ("RANK=3 and WORLD_SIZE=1", "below WORLD_SIZE")),
+    "rank_empty": ({"RANK": ""}, ("RANK=''",)),
+    "local_rank_word": ({"LOCAL_RANK": "x"}, ("LOCAL_RANK='x'",)),
+    "local_rank_negative": ({"LOCAL_RANK": "-2"}, ("LOCAL_RANK='-2'",)),
+    "master_port_word": ({"MASTER_PORT": "http"}, ("MASTER_PORT='http'", "from 1 to 65535")),
+    "master_port_beyond": ({"MASTER_PORT": "70000"}, ("MASTER_PORT='70000'", "1 to 65535")),
+    "master_port_0": ({"MASTER_PORT": "0"}, ("MASTER_PORT='0'",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENV_ERRORS))
+def test_bad_launcher_variable_is_one_clear_error(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ds_core import ConfigError
+    from ds_core.comm.groups import check_launcher_env
+
+    env, words = ENV_ERRORS[case]
+    for name, value in {**_LAUNCH, **env}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as info:
+        check_launcher_env()  # what init_distributed checks before torch reads them
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+#: DS_ACCELERATOR value -> key words of the BackendSelectionError
+ACCELERATOR_ERRORS = {
+    "nosuch": ("'nosuch' is not installed", "installed backends: cpu"),
+    "cpux": ("Did you mean 'cpu'?",),
+    "CPU": ("'CPU' is not installed",),
+    "cpu ": ("'cpu ' is not installed",),
+}
+
+
+@pytest.mark.parametrize("value", sorted(ACCELERATOR_ERRORS))
+def test_bad_ds_accelerator_is_one_clear_error(value: str) -> None:
+    from ds_core.errors import DSCoreError
+    from ds_core.plugins import choose, discover
+
+    with pytest.raises(DSCoreError) as info:
+        choose(value, discover())
+    for word in ACCELERATOR_ERRORS[value]:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_the_example_refuses_a_bad_ds_accelerator_before_any_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("DS_ACCELERATOR", "nosuch")
+    example = _example()
+    launched: list[Any] = []
+    monkeypatch.setattr(example, "relaunch_under_torchrun", launched.append)
+    with pytest.raises(SystemExit) as info:
+        example.main(["--out", str(tmp_path)])
+    assert info.value.code == 2 and not launched
+    err = capsys.readouterr().err
+    assert err.startswith("train_gpt: error: backend 'nosuch' is not installed"), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_good_launcher_variables_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ds_core.comm.groups import check_launcher_env
+
+    # LOCAL_RANK beyond the device count is the backend's check (the CPU has no device index)
+    for name, value in {**_LAUNCH, "LOCAL_RANK": "7", "WORLD_SIZE": "8", "RANK": "7"}.items():
+        monkeypatch.setenv(name, value)
+    check_launcher_env()
+
+
+def test_the_example_save_on_interrupt_needs_a_save_dir(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    example = _example()
+    with pytest.raises(SystemExit) as info:
+        example.parse_args(["--save-on-interrupt"])
+    assert info.value.code == 2
+    assert "--save-on-interrupt: needs --save-dir" in capsys.readouterr().err

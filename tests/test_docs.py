@@ -101,3 +101,38 @@ def test_the_docs_name_modules_and_commands_at_all() -> None:
 )
 def test_the_check_itself(kind: str, name: str, ok: bool) -> None:
     assert exists(kind, name) is ok
+
+
+def test_the_readme_python_snippet_runs_as_pasted(tmp_path: Path) -> None:
+    import os
+    import re
+    import subprocess
+    import sys
+
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "README.md has no Python snippet"
+    for i, block in enumerate(blocks):
+        proc = subprocess.run(
+            [sys.executable, "-c", block],
+            cwd=tmp_path,
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, (i, proc.stderr[-3000:])
+
+
+def test_the_readme_says_how_long_the_tests_take_and_the_fast_subset() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert "about 20 minutes on 2 cores" in text
+    assert 'pytest -m "not slow"' in text
+    assert '"slow:' in (ROOT / "pyproject.toml").read_text()  # the marker the README names
+
+
+def test_the_backend_guide_installs_the_suite_from_the_checkout() -> None:
+    guide = (ROOT / "docs" / "writing-a-backend.md").read_text()
+    assert 'pip install "ds-core[conformance]"' not in guide  # not on the index
+    assert "pip install -e . -e conformance" in guide
+    assert "ties with" in guide or "a tie" in guide

@@ -26,6 +26,48 @@ _lock = threading.RLock()
 _destroy_callbacks: list[Callable[[], None]] = []
 
 
+#: launcher variable -> (lowest, highest) valid value
+_LAUNCHER_INTS = {
+    "WORLD_SIZE": (1, None),
+    "RANK": (0, None),
+    "LOCAL_RANK": (0, None),
+    "MASTER_PORT": (1, 65535),
+}
+
+
+def check_launcher_env() -> None:
+    """The launcher's variables, checked before torch reads them: a bad one is one
+    :class:`~ds_core.ConfigError` naming it (not ``int()``'s ``ValueError`` or a connect
+    timeout minutes later).
+
+    :raises ConfigError: a variable that is not an integer in its range, or ``RANK`` not
+        below ``WORLD_SIZE``.
+    """
+    from ds_core.errors import ConfigError
+
+    values: dict[str, int] = {}
+    for name, (low, high) in _LAUNCHER_INTS.items():
+        text = os.environ.get(name)
+        if text is None:
+            continue
+        span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(
+                f"environment variable {name}={text!r}: expected {span} (set by torchrun "
+                "or your launcher)"
+            ) from None
+        if value < low or (high is not None and value > high):
+            raise ConfigError(f"environment variable {name}={text!r}: expected {span}")
+        values[name] = value
+    if "RANK" in values and "WORLD_SIZE" in values and values["RANK"] >= values["WORLD_SIZE"]:
+        raise ConfigError(
+            f"environment variables RANK={values['RANK']} and WORLD_SIZE={values['WORLD_SIZE']}: "
+            "RANK must be below WORLD_SIZE"
+        )
+
+
 def init_distributed(
     timeout: datetime.timedelta | float | None = None,
     init_method: str | None = None,
@@ -56,6 +98,7 @@ def init_distributed(
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     kwargs: dict[str, Any] = {"backend": acc.communication_backend_name()}
+    check_launcher_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if acc.device_type != "cpu":  # host ranks share the one host device; nothing to pick
         count = acc.device_count()

@@ -73,7 +73,7 @@ class TemplateBackendHooks(TorchStyleHooks):
         return BackendInfo(
             name=NAME,
             device_type=DEVICE_TYPE,
-            priority=0,
+            priority=0,  # ties with the built-in cpu backend: select with DS_ACCELERATOR
             hookspec_version=HOOKSPEC_VERSION,
             vendor_version=md.version("torch"),
             description=f"{NAME} backend on torch device type {DEVICE_TYPE}",

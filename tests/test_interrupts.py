@@ -1,0 +1,159 @@
+"""Signals and failing ranks under the example's launcher (issue 16, items 4 and 5), with real
+processes: Ctrl+C (SIGINT to the launcher's process group, as a terminal sends it) stops every
+rank, prints one line and keeps the CSV rows (and a loadable checkpoint with
+``--save-on-interrupt``); ``kill -9`` of the agent takes its ranks with it; a rank that fails
+is one line naming the rank. Bounds are generous timeouts, never timing thresholds."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+ENV.pop("LOGLEVEL", None)
+TINY = ["--model", "tiny", "--seq", "32", "--no-plot"]
+
+pytestmark = pytest.mark.slow
+
+
+def start(tmp_path: Path, *flags: str) -> subprocess.Popen[str]:
+    """``python examples/train_gpt.py`` in its own session, as a shell runs a job."""
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *TINY]
+    cmd += ["--out", str(tmp_path / "out"), *flags]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def rows(tmp_path: Path) -> list[dict[str, str]]:
+    try:
+        with open(tmp_path / "out" / "train_log.csv") as f:
+            return list(csv.DictReader(f))
+    except FileNotFoundError:
+        return []
+
+
+def wait_for_rows(proc: subprocess.Popen[str], tmp_path: Path, n: int = 2) -> None:
+    deadline = time.monotonic() + 180
+    while len(rows(tmp_path)) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no CSV rows within 180 s"
+        time.sleep(0.2)
+
+
+def children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_ctrl_c_stops_every_rank_with_one_line_and_keeps_the_log(
+    tmp_path: Path, save: bool
+) -> None:
+    flags = ["--steps", "100000"]
+    if save:
+        flags += ["--save-dir", str(tmp_path / "ckpt"), "--save-on-interrupt"]
+    proc = start(tmp_path, *flags)
+    wait_for_rows(proc, tmp_path)
+    ranks = children(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl+C sends
+    _out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err
+    assert not any(alive(pid) for pid in ranks)
+    assert "Traceback" not in err and "SignalException" not in err, err
+    lines = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(lines) == 1, err
+    kept = rows(tmp_path)
+    assert kept and [int(r["step"]) for r in kept] == list(range(1, len(kept) + 1))
+    assert lines[0].startswith(f"train_gpt: interrupted after step {len(kept)} of 100000: ")
+    assert {"memory_mib_rank0", "memory_mib_rank1"} <= set(kept[0])  # every rank's memory
+    assert all(float(r["memory_mib_rank1"]) > 0 for r in kept)
+    # every other stderr line is the run's own (banner, progress bar), not torchrun's log
+    assert not [line for line in err.splitlines() if "torch/distributed" in line], err
+    if not save:
+        assert "checkpoint" not in lines[0]
+        return
+    step = len(kept)
+    assert f"checkpoint {tmp_path / 'ckpt'}/global_step{step}" in lines[0]
+    # the checkpoint resumes: two more steps from where the interrupt left off
+    resumed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *TINY, "--steps",
+         str(step + 2), "--resume", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out2")],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stderr
+    with open(tmp_path / "out2" / "train_log.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [step + 1, step + 2]
+
+
+def test_kill_9_of_the_agent_takes_its_ranks_with_it(tmp_path: Path) -> None:
+    proc = start(tmp_path, "--steps", "100000")
+    wait_for_rows(proc, tmp_path)
+    ranks = children(proc.pid)  # the launcher is torchrun's agent: the ranks are its children
+    assert len(ranks) == 2, ranks
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 60
+    while any(alive(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "ranks ran on unsupervised after kill -9"
+        time.sleep(0.2)
+    assert rows(tmp_path)  # the rows written so far stay
+
+
+def test_a_failing_rank_is_one_line_naming_the_rank(tmp_path: Path) -> None:
+    # a real mistake that only shows inside the ranks: resuming a checkpoint of another model
+    ckpt = tmp_path / "ckpt"
+    first = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *TINY, "--steps", "2",
+         "--save-dir", str(ckpt), "--out", str(tmp_path / "o1")],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--model", "small",
+         "--seq", "32", "--no-plot", "--steps", "4", "--resume", str(ckpt),
+         "--out", str(tmp_path / "o2")],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode in (1, 2), proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("train_gpt: error: rank "), proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    tb = errors[0].rsplit("(traceback: ", 1)[1].rstrip(")")
+    assert "Traceback" in Path(tb).read_text()  # the full story is kept, one path away
