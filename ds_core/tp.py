@@ -46,6 +46,11 @@ over the DP group only, averages gradients over the DP size, and counts TP shard
 the gradient norm (summed over the whole mesh) and replicated parameters once (on TP rank 0),
 since their gradients are equal on every TP rank: every rank of a TP group sees the same
 batch and the same full activations.
+
+**Checkpoints.** ``save_checkpoint(..., universal=True)`` stores each split parameter once,
+gathered to its full name and shape (:data:`TP_ATTR` and :data:`TP_FUSED_ATTR` say how), and
+a load at any TP size cuts it again; see [Note: TP in checkpoints] in
+:mod:`ds_core.checkpoint._tp`. A native-format save of a TP engine is refused.
 """
 
 from __future__ import annotations
