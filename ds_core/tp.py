@@ -46,6 +46,11 @@ over the DP group only, averages gradients over the DP size, and counts TP shard
 the gradient norm (summed over the whole mesh) and replicated parameters once (on TP rank 0),
 since their gradients are equal on every TP rank: every rank of a TP group sees the same
 batch and the same full activations.
+
+**Checkpoints.** ``save_checkpoint(..., universal=True)`` stores each split parameter once,
+gathered to its full name and shape (:data:`TP_ATTR` and :data:`TP_FUSED_ATTR` say how), and
+a load at any TP size cuts it again; see [Note: TP in checkpoints] in
+:mod:`ds_core.checkpoint._tp`. A native-format save of a TP engine is refused.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from ds_core.errors import ConfigError
 
 __all__ = [
     "TP_ATTR",
+    "TP_FUSED_ATTR",
     "CopyToTP",
     "LinearColumnParallel",
     "LinearRowParallel",
@@ -83,6 +89,9 @@ log = logging.getLogger("ds_core.tp")
 #: attribute on a tensor-parallel parameter: ``"column"`` or ``"row"`` (its values differ on
 #: each TP rank). Replicated parameters (including a row-parallel layer's bias) lack it.
 TP_ATTR = "ds_tensor_parallel"
+#: attribute on a column-parallel parameter of a fused weight: its number of equal
+#: sub-parameters along dim 0 (``[q; k; v]``: 3), each split separately; absent means 1.
+TP_FUSED_ATTR = "ds_tensor_parallel_fused"
 #: attribute on the root module of a converted model: its TP size.
 _MODEL_ATTR = "ds_autotp_size"
 #: attribute on the root module: ``id(replaced parameter) -> its shard``.
@@ -188,17 +197,23 @@ class LinearColumnParallel(nn.Module):
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: Mesh, requires_grad: bool
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        mesh: Mesh,
+        requires_grad: bool,
+        fused: int = 1,
     ) -> None:
         super().__init__()
         self.group = mesh.tp_group
         self.tp_size = mesh.tp_size
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight, requires_grad=requires_grad)
-        setattr(self.weight, TP_ATTR, "column")
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
-        if self.bias is not None:
-            setattr(self.bias, TP_ATTR, "column")
+        for p in (self.weight, self.bias):
+            if p is not None:
+                setattr(p, TP_ATTR, "column")
+                setattr(p, TP_FUSED_ATTR, fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -418,7 +433,7 @@ def apply_autotp(model: nn.Module, mesh: Mesh, partition_config: Any = None) -> 
         if split.kind == "column":
             bias = None if b is None else _slice_rows(b, split.fused, tp, mesh.tp_rank)
             new = LinearColumnParallel(
-                _slice_rows(w, split.fused, tp, mesh.tp_rank), bias, mesh, grad
+                _slice_rows(w, split.fused, tp, mesh.tp_rank), bias, mesh, grad, split.fused
             )
             if leaf in _ATTENTION and parent_path not in heads_done:
                 _local_heads(parent, parent_path or "<model>", tp)

@@ -9,6 +9,7 @@ backend installed, the CPU), batches go to its device, and the log's loss is ave
     python examples/train_gpt.py                                      # same: starts torchrun
     python -m examples.train_gpt --stage 3 --bf16 --steps 100
     torchrun --nproc_per_node 2 examples/train_gpt.py --config examples/ds_config.json
+    python examples/train_gpt.py --tp 2                               # AutoTP over 2 ranks
 
 Flags or a DeepSpeed-style JSON config (``--config``); flags given explicitly override the
 file. 100 steps of a 3.2 M-parameter GPT on 8 × 64 characters per rank take about 45 seconds
@@ -99,6 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("none", "optimizer", "all"),
         help="ZeRO-Offload: fp32 masters and Adam state on the host (optimizer), and at stage 3 "
         "the parameter shards too (all)",
+    )
+    p.add_argument(
+        "--tp",
+        type=at_least(1),
+        help="AutoTP: split the linear layers over this many adjacent ranks "
+        "(tensor_parallel.autotp_size; the ranks of one TP group read the same batch)",
     )
     p.add_argument("--steps", type=at_least(1), default=100, help="optimizer steps (default 100)")
     p.add_argument("--micro-batch", type=at_least(1), help="sequences per rank per micro-step (8)")
@@ -333,6 +340,8 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         config = read_config_file(args.config)
     if args.stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.stage
+    if args.tp is not None:
+        config["tensor_parallel"] = {**config.get("tensor_parallel", {}), "autotp_size": args.tp}
     if args.bf16:
         config["bf16"] = {**config.get("bf16", {}), "enabled": True}
     if args.offload is not None:
@@ -443,7 +452,10 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
     tokens = encode(make_corpus(seed=args.seed))
     micro = config.train_micro_batch_size_per_gpu
     device = acc.device()
-    data = Batches(tokens, micro, args.seq, seed=args.seed, rank=rank, device=device)
+    # the ranks of one tensor-parallel group (adjacent ranks) read the same stream
+    tp = max(config.tensor_parallel.autotp_size, 1)
+    dp = world // tp
+    data = Batches(tokens, micro, args.seq, seed=args.seed, rank=rank // tp, device=device)
 
     # build model: same seed everywhere (the engine also broadcasts rank 0's weights)
     torch.manual_seed(args.seed)
@@ -473,8 +485,9 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
         print(
             f"GPT {args.model}: {n_params / 1e6:.1f} M parameters | ZeRO stage "
             f"{config.zero_optimization.stage}{offload_label(config)} | {config.precision} | "
-            f"{world} ranks on {acc.device_name()} ({acc.communication_backend_name()}) | "
-            f"batch {micro}×{args.seq}×{accum}×{world}",
+            f"{world} ranks on {acc.device_name()} ({acc.communication_backend_name()})"
+            f"{f' | TP={tp} x DP={dp}' if tp > 1 else ''} | "
+            f"batch {micro}×{args.seq}×{accum}×{dp}",
             file=sys.stderr,
         )
 
@@ -483,7 +496,7 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
     rows: list[dict[str, float]] = []
     mem_by_rank: list[list[float]] = [[] for _ in range(world)]
     log = csv_log(Path(args.out) / "train_log.csv", world) if rank == 0 else None
-    tokens_per_step = micro * args.seq * accum * world
+    tokens_per_step = micro * args.seq * accum * dp
     t_start = time.perf_counter()
     interrupted = False
     for step in range(start + 1, args.steps + 1):
@@ -538,7 +551,7 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
     if interrupted:
         saved = ""
         if args.save_on_interrupt:
-            engine.save_checkpoint(args.save_dir)
+            engine.save_checkpoint(args.save_dir, universal=tp > 1)
             saved = (
                 f"; checkpoint {args.save_dir}/global_step{engine.global_steps} "
                 f"(continue with --resume {args.save_dir})"
@@ -557,7 +570,8 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
                 (Path(folder) / "interrupted").write_text(str(done))
         return False
     if args.save_dir:
-        engine.save_checkpoint(args.save_dir)
+        # a tensor-parallel engine saves the universal format (TP shards gathered, by name)
+        engine.save_checkpoint(args.save_dir, universal=tp > 1)
         if rank == 0:
             print(f"saved {args.save_dir}/global_step{engine.global_steps}", file=sys.stderr)
     # finish collectives still in flight (stage-3 prefetches) before the process group goes

@@ -104,3 +104,48 @@ def test_an_offload_run_matches_the_run_without_it(
     want, got = logged_losses(tmp_path / "plain"), logged_losses(tmp_path / "offload")
     assert len(got) == len(want) == 6
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=5e-5, atol=5e-5)
+
+
+def _losses(folder: Path) -> list[float]:
+    with open(folder / "train_log.csv") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+def _one_rank(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--model", "tiny", "--seq", "32",
+        "--ranks", "1", "--no-plot", "--out", str(out), *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow
+def test_train_gpt_tp2_matches_tp1_and_its_checkpoint_resumes_at_tp1(tmp_path: Path) -> None:
+    """``--tp 2`` on 2 ranks (one TP group: both read rank 0's stream) logs the losses of one
+    rank without TP; its (universal) checkpoint resumes on 1 rank and exports the plain GPT."""
+    from ds_core.checkpoint import consolidated_state_dict
+    from examples.gpt import GPT, PRESETS
+
+    common = ("--stage", "2", "--micro-batch", "4", "--lr", "1e-2")
+    ck = tmp_path / "ck"
+    tp = run_example(
+        tmp_path / "tp", *common, "--tp", "2", "--steps", "3", "--no-plot", "--save-dir", str(ck)
+    )
+    assert tp.returncode == 0, tp.stderr[-4000:]
+    assert "TP=2 x DP=1" in tp.stderr
+    # the same run without TP on 1 rank (the schedule depends on --steps: the same here)
+    ck1 = tmp_path / "ck1"
+    ref = _one_rank(tmp_path / "ref", *common, "--steps", "3", "--save-dir", str(ck1))
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    torch.testing.assert_close(
+        _losses(tmp_path / "tp"), _losses(tmp_path / "ref"), rtol=1e-5, atol=1e-6
+    )
+    for src, out in ((ck, "resumed"), (ck1, "resumed1")):
+        run = _one_rank(tmp_path / out, *common, "--steps", "5", "--resume", str(src))
+        assert run.returncode == 0, run.stderr[-4000:]
+    torch.testing.assert_close(
+        _losses(tmp_path / "resumed"), _losses(tmp_path / "resumed1"), rtol=1e-5, atol=1e-6
+    )
+    model = GPT(PRESETS["tiny"])  # the fused qkv comes back as [q; k; v], unsharded
+    model.load_state_dict(consolidated_state_dict(ck))

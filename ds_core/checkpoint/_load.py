@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_core.checkpoint import _io, _state
+from ds_core.checkpoint import _io, _state, _tp
 from ds_core.checkpoint._io import CheckpointError
 from ds_core.checkpoint._reader import CheckpointReader
 from ds_core.checkpoint._save import agree
@@ -119,16 +119,21 @@ def _plan(
     """
     plan: list[tuple[ZeroParam, str, bool]] = []
     missing: list[str] = []
-    same_world = reader.format == "native" and reader.world_size == engine.world
+    # A native checkpoint is never of a TP engine (refused on save): its fragments are pieces
+    # of full parameters, never of this rank's TP shard.
+    same_world = (
+        reader.format == "native" and reader.world_size == engine.world and _tp.tp_size(engine) == 1
+    )
     for zp in engine.zparams.values():
         key = _state.param_key(zp, engine.rank)
         info = reader.params.get(key)
         if info is None:
             missing.append(key)
             continue
-        if list(info["shape"]) != list(zp.shape):
+        shape = _tp.full_shape(engine, zp)
+        if list(info["shape"]) != list(shape):
             raise CheckpointError(
-                f"parameter {key!r}: shape {tuple(zp.shape)} in the model, "
+                f"parameter {key!r}: shape {tuple(shape)} in the model, "
                 f"{tuple(info['shape'])} in {reader.folder}"
             )
         if bool(info["trainable"]) != zp.trainable:
@@ -163,11 +168,13 @@ def _plan(
     return plan
 
 
-def _owned(zp: ZeroParam, full: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a full tensor, in the layout of ``zp.master``."""
+def _owned(engine: ZeroEngine, zp: ZeroParam, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a full tensor, in the layout of ``zp.master``: its TP shard (see
+    [Note: TP in checkpoints] in :mod:`ds_core.checkpoint._tp`), then its DP piece of that."""
+    shard = _tp.cut(engine, zp, full)
     if zp.mode.value == _state.REPLICATED:
-        return full.reshape(zp.shape)
-    return full.reshape(-1)[zp.lo : zp.hi]
+        return shard
+    return shard.reshape(-1)[zp.lo : zp.hi]
 
 
 def _load_param(
@@ -186,7 +193,7 @@ def _load_param(
 
     def pick(t: torch.Tensor) -> torch.Tensor:
         # A native fragment already is this rank's slice; a full tensor is cut to it.
-        return t.view(master_shape) if own_fragment else _owned(zp, t)
+        return t.view(master_shape) if own_fragment else _owned(engine, zp, t)
 
     with torch.no_grad():
         if zp.master is not None:
@@ -196,7 +203,7 @@ def _load_param(
             if want_opt:
                 engine.optimizer.state[zp.master] = _opt_state(engine, zp, src, pick)
         else:
-            _load_frozen(zp, src["frozen"])
+            _load_frozen(zp, _tp.cut(engine, zp, src["frozen"]).contiguous())
     if reader.format == "universal":
         reader.release(_io.param_file(key))
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_core.checkpoint import _io, _state
+from ds_core.checkpoint import _io, _state, _tp
 from ds_core.checkpoint._io import CheckpointError
 
 if TYPE_CHECKING:
@@ -90,8 +90,14 @@ def stores(zp: ZeroParam) -> bool:
 
 
 def _validate(
-    engine: ZeroEngine, save_dir: Any, tag: str | None, client_state: Any
+    engine: ZeroEngine, save_dir: Any, tag: str | None, client_state: Any, universal: bool
 ) -> tuple[Path, str]:
+    if not universal and _tp.tp_size(engine) > 1:
+        raise CheckpointError(
+            f"save_checkpoint of a tensor-parallel engine (autotp_size {_tp.tp_size(engine)}) "
+            "needs the universal format: pass universal=True (it stores each TP-sharded "
+            "parameter once, unsharded, under its full name, and reloads at any TP size)"
+        )
     root = _io.check_save_dir(save_dir)
     tag = _io.validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     if not isinstance(client_state, Mapping):
@@ -132,7 +138,9 @@ def save_checkpoint(
     :raises CheckpointError: bad arguments (before anything is written), state that cannot
         be stored, or a failure on any rank (the previous checkpoint and ``latest`` stay).
     """
-    root, tag = _validate(engine, save_dir, tag, {} if client_state is None else client_state)
+    root, tag = _validate(
+        engine, save_dir, tag, {} if client_state is None else client_state, universal
+    )
     args = {"dir": str(root.resolve()), "tag": tag, "universal": universal}
     every = all_gather_json(engine, args)
     if any(a != every[0] for a in every):
@@ -246,6 +254,13 @@ def _gather_full(engine: ZeroEngine, zp: ZeroParam, piece: torch.Tensor) -> torc
     return full
 
 
+def gather_param(engine: ZeroEngine, zp: ZeroParam, piece: torch.Tensor) -> torch.Tensor:
+    """The full, unsharded tensor of ``zp`` in its full shape from this rank's piece: gathered
+    over its DP group, then over the TP group when it is a TP shard (collective; see [Note: TP
+    in checkpoints] in :mod:`ds_core.checkpoint._tp`)."""
+    return _tp.gather(engine, zp, _gather_full(engine, zp, piece).view(zp.shape))
+
+
 def _encode(v: Any) -> dict[str, Any]:
     if isinstance(v, torch.Tensor):
         return {"dtype": str(v.dtype).removeprefix("torch."), "value": v.item()}
@@ -295,21 +310,23 @@ def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dic
             writer = zp.group_rank == 0
         else:  # spread the writing over the group
             writer = zp.group_rank == i % zp.group_world
+        # TP ranks hold the same replicated parameter, and each the full one after a gather
+        writer = writer and _tp.tp_rank(engine) == 0
         key = _state.param_key(zp, engine.rank)
         entry: dict[str, Any] = {}
         if zp.master is not None:
             layout = agreed.get(key, {"tensors": {}, "scalars": {}})
-            entry["fp32"] = _gather_full(engine, zp, zp.master).view(zp.shape)
+            entry["fp32"] = gather_param(engine, zp, zp.master)
             state = _state.optimizer_state(engine, zp.master)
             entry["state"] = {}
             for k, dtype in sorted(layout["tensors"].items()):
                 mine = state.get(k)
                 if mine is None:  # an empty piece without state contributes nothing
                     mine = torch.zeros(0, dtype=getattr(torch, dtype), device=engine.device)
-                entry["state"][k] = _gather_full(engine, zp, mine).view(zp.shape)
+                entry["state"][k] = gather_param(engine, zp, mine)
             entry["scalars"] = {k: _decode(v) for k, v in layout["scalars"].items()}
         else:
-            entry["frozen"] = _gather_full(engine, zp, piece_value(zp)).view(zp.shape)
+            entry["frozen"] = gather_param(engine, zp, piece_value(zp))
         if writer:
             rel = _io.param_file(key)
             files[rel] = _io.save_object(tmp / rel, _to_host(entry))

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ds_core.accelerator import get_accelerator
+from ds_core.checkpoint import _tp
 from ds_core.checkpoint._io import FORMAT_VERSION, CheckpointError
 
 if TYPE_CHECKING:
@@ -254,15 +255,18 @@ def param_table(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, dict[str,
     """
     table: dict[str, dict[str, Any]] = {}
     for zp in engine.zparams.values():
+        shape = _tp.full_shape(engine, zp)  # a TP shard is stored whole
+        split = _tp.split_of(engine, zp)
         info = {
             "name": zp.name,
-            "shape": list(zp.shape),
-            "numel": zp.numel,
+            "shape": list(shape),
+            "numel": shape.numel(),
             "dtype": str(zp.dtype).removeprefix("torch."),
             "trainable": zp.trainable,
             "saved": zp.trainable or not exclude_frozen,
             "mode": zp.mode.value,
             "ep_size": zp.expert_ep_size or 1,
+            "tp": None if split is None else {"kind": split[0], "fused": split[1]},
         }
         for ep_rank in range(zp.expert_ep_size or 1):
             table[param_key(zp, ep_rank)] = dict(info)
@@ -307,6 +311,7 @@ def build_meta(
         "checkpoint_id": checkpoint_id,
         "tag": tag,
         "world_size": engine.world,
+        "tp_size": _tp.tp_size(engine),
         "stage": engine.stage,
         "dtype": str(engine.model_dtype or torch.float32).removeprefix("torch."),
         "versions": versions(),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_core.checkpoint import _io, _save, _state
+from ds_core.checkpoint import _io, _save, _state, _tp
 from ds_core.checkpoint._io import CheckpointError
 from ds_core.checkpoint._reader import CheckpointReader
 
@@ -227,9 +227,9 @@ def save_16bit_model(
         if exclude_frozen_parameters and not zp.trainable:
             continue
         if zp.mode.value == _state.PARTITIONED:
-            full = _save._gather_full(engine, zp, _save.piece_value(zp)).view(zp.shape)
-        else:
-            full = zp.param.detach()
+            full = _save.gather_param(engine, zp, _save.piece_value(zp))
+        else:  # whole on this rank; a TP shard is gathered over the TP group
+            full = _tp.gather(engine, zp, zp.param.detach())
         if engine.rank == 0:
             state[zp.name] = full.to("cpu").clone()
         del full

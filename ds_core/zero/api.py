@@ -310,14 +310,6 @@ class DeepSpeedEngineAPI:
 
     # -- checkpoints (ds_core.checkpoint) ---------------------------------------------
 
-    def _refuse_tp_checkpoint(self, what: str) -> None:
-        mesh = getattr(self, "mesh", None)
-        if mesh is not None and mesh.tp_size > 1:
-            raise NotImplementedError(
-                f"{what} of a tensor-parallel engine (autotp_size {mesh.tp_size}) is not "
-                "supported yet: checkpoints would hold TP shards under full parameter names"
-            )
-
     def save_checkpoint(
         self,
         save_dir: str,
@@ -329,7 +321,6 @@ class DeepSpeedEngineAPI:
     ) -> bool:
         """DeepSpeed's ``save_checkpoint``; see :func:`ds_core.checkpoint.save_checkpoint`."""
         _guards.require_alive(self, "save_checkpoint")
-        self._refuse_tp_checkpoint("save_checkpoint")
         self._settle()  # counters and the schedule as of the last step
         save_checkpoint(
             cast("ZeroEngine", self),
@@ -353,7 +344,6 @@ class DeepSpeedEngineAPI:
     ) -> tuple[str | None, dict[str, Any] | None]:
         """DeepSpeed's ``load_checkpoint``; see :func:`ds_core.checkpoint.load_checkpoint`."""
         _guards.require_alive(self, "load_checkpoint")
-        self._refuse_tp_checkpoint("load_checkpoint")
         return load_checkpoint(
             cast("ZeroEngine", self),
             load_dir,

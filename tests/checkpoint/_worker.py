@@ -425,6 +425,10 @@ def jobs(suite: str, world: int, root: Path) -> dict[str, Callable[[], dict[str,
         }
     if suite == "reshard_w1":
         return {"s0_universal": reshard_load(0, 1, "universal", root)}
+    if suite.startswith("tp_"):
+        from tests.checkpoint import _tp
+
+        return _tp.jobs(suite, root)
     raise SystemExit(f"unknown suite {suite}")
 
 

@@ -279,6 +279,7 @@ def train(sc: TPScenario) -> dict[str, Any]:
 def refusals() -> dict[str, Any]:
     """Configs AutoTP must refuse, each error's message (collective: every rank runs it)."""
     import ds_core
+    from ds_core.checkpoint import CheckpointError
 
     def attempt(build_model: Callable[[], nn.Module], tp_cfg: dict[str, Any]) -> str:
         cfg = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": tp_cfg}
@@ -298,10 +299,10 @@ def refusals() -> dict[str, Any]:
         model=TinyLlama(),
         config={"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}},
     )
-    try:
+    try:  # native format: refused before anything is written
         engine.save_checkpoint("/nonexistent/tp-checkpoint")
         checkpoint = "accepted"
-    except NotImplementedError as exc:
+    except CheckpointError as exc:
         checkpoint = str(exc)
     engine.destroy()
     bad_pattern = {"layer_specs": [{"patterns": [r"layers\.0\.mlp\.up_proj"]}]}

@@ -109,7 +109,7 @@ def test_wrong_partition_configs_are_refused(suite: Callable[[str, int], SuiteRe
         assert "match no module" in res["no_match"] and "layers" in res["no_match"]
         assert "model.embed_tokens" in res["embedding"] and "nn.Linear" in res["embedding"]
         assert "num_heads" in res["heads"] and "self_attn" in res["heads"]
-        assert "not supported yet" in res["checkpoint"]  # TP checkpoints: a later milestone
+        assert "universal=True" in res["checkpoint"]  # native TP saves: tests/checkpoint/test_tp.py
 
 
 # --------------------------------------------------------------------------- in one process
