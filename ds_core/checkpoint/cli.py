@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         summary = inspect_checkpoint(args.src, args.tag, verify=not args.no_verify)
     except CheckpointError as exc:
-        print(f"ds-core checkpoint {args.checkpoint_command}: {exc}", file=sys.stderr)
+        print(f"ds-core checkpoint {args.checkpoint_command}: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(summary, indent=1))
