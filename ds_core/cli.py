@@ -27,6 +27,7 @@ from ds_core.accelerator import build_accelerator
 from ds_core.checkpoint import cli as checkpoint_cli
 from ds_core.errors import DSCoreError
 from ds_core.hookspecs import HOOKSPEC_VERSION
+from ds_core.io import io_status
 from ds_core.known_backends import KNOWN_BACKENDS, install_hint
 from ds_core.plugins import BACKEND_GROUP, ENV_ACCELERATOR, choose, discover
 from ds_core.scaffold import write_backend
@@ -119,6 +120,7 @@ def collect_report() -> tuple[dict[str, Any], list[str]]:
             "limit_source": mem.limit_source,
         },
         "op_providers": ops,
+        "async_io": io_status(),
         "visible_devices_envs": acc.visible_devices_envs(),
         "export_env_prefixes": acc.export_envs(),
     }
@@ -155,6 +157,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"  memory total     {_gib(mem['total_bytes'])}  available {_gib(mem['available_bytes'])}",
         f"  memory limit     {_gib(mem['limit_bytes'])} ({mem['limit_source'] or 'no process limit below the device capacity'})",
         f"  visible devices  {', '.join(sel['visible_devices_envs']) or '-'}",
+        f"  async I/O        {sel.get('async_io', '-')}",
         "  op providers:",
     ]
     for op in sel["op_providers"] or [{"name": "none", "compatible": False, "reason": ""}]:

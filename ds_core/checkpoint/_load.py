@@ -24,6 +24,7 @@ from ds_core.checkpoint import _io, _state, _tp
 from ds_core.checkpoint._io import CheckpointError
 from ds_core.checkpoint._reader import CheckpointReader
 from ds_core.checkpoint._save import agree
+from ds_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -59,6 +60,11 @@ def load_checkpoint(
         or from another save; a model that does not match the checkpoint. The message names
         the file or the parameter.
     """
+    if getattr(engine.offload, "folder", None) is not None:
+        raise ConfigError(
+            "checkpoints of NVMe-resident optimizer state (offload_optimizer.device='nvme') are "
+            "not supported yet; use offload_optimizer.device='cpu' to save or load"
+        )
     root = Path(load_dir)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"load_dir {str(root)!r} is not a folder")

@@ -20,6 +20,7 @@ import torch
 
 from ds_core.checkpoint import _io, _state, _tp
 from ds_core.checkpoint._io import CheckpointError
+from ds_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -138,6 +139,11 @@ def save_checkpoint(
     :raises CheckpointError: bad arguments (before anything is written), state that cannot
         be stored, or a failure on any rank (the previous checkpoint and ``latest`` stay).
     """
+    if getattr(engine.offload, "folder", None) is not None:
+        raise ConfigError(
+            "checkpoints of NVMe-resident optimizer state (offload_optimizer.device='nvme') are "
+            "not supported yet; use offload_optimizer.device='cpu' to save or load"
+        )
     root, tag = _validate(
         engine, save_dir, tag, {} if client_state is None else client_state, universal
     )

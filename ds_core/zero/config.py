@@ -34,6 +34,7 @@ from pydantic import (
 from ds_core.errors import ConfigError
 from ds_core.zero.config_errors import ConfigProblemsError, fail, messages, unknown_key_message
 from ds_core.zero.config_file import read_config_file
+from ds_core.zero.config_nvme import AioConfig
 from ds_core.zero.config_optim import (
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
@@ -143,34 +144,38 @@ class OffloadOptimizerConfig(BaseModel):
 
     model_config = _FROZEN
 
-    device: Literal["none", "cpu"] = "none"
+    device: Literal["none", "cpu", "nvme"] = "none"
     """``cpu`` keeps the fp32 master shards and the optimizer state in host memory and steps
-    them there (cpu_adam); ``none`` turns offload off. (Default: none)"""
+    them there (cpu_adam); ``nvme`` keeps them in files under ``nvme_path`` and swaps one
+    ``sub_group_size`` piece at a time through ``buffer_count`` host buffers (ZeRO-Infinity);
+    ``none`` turns offload off. (Default: none)"""
     pin_memory: Bool = True
     """Page-lock the host buffers where the backend declares ``pinned_memory``; elsewhere
     the engine logs that it runs unpinned. (Default: true)"""
     buffer_count: Int = Field(default=4, gt=0)
-    """DeepSpeed's NVMe buffer count; no effect with ``device: cpu``. (Default: 4)"""
+    """``nvme``: host swap buffers, each holding one sub-group's master and Adam moments; at
+    least 2 (one updated while the next is read). No effect with ``device: cpu``. (Default: 4)"""
     fast_init: Bool = False
     """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
     ratio: Float = 1.0
     """Fraction of the state to offload; only 1.0 (all) is supported. (Default: 1.0)"""
     nvme_path: str | None = None
-    """DeepSpeed's NVMe folder; NVMe offload is not supported yet. (Default: none)"""
+    """``nvme``: the folder of the swap files (one sub-folder per rank, removed at
+    ``destroy()``); required with ``device: nvme``. (Default: none)"""
     pipeline_read: Bool = False
     """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
     pipeline_write: Bool = False
     """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _nvme(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("device") == "nvme":
-            raise ValueError(f"device='nvme' is {NOT_YET}; use 'cpu' or 'none'")
-        return data
-
     @model_validator(mode="after")
     def _whole(self) -> OffloadOptimizerConfig:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device='nvme' needs nvme_path (the folder of the swap files)")
+        if self.device == "nvme" and self.buffer_count < 2:
+            raise ValueError(
+                f"buffer_count={self.buffer_count}: NVMe offload needs at least 2 buffers (one "
+                "sub-group updated while the next is read)"
+            )
         if self.ratio != 1.0:
             raise ValueError(f"ratio={self.ratio}: partial offload is {NOT_YET}; use 1.0")
         return self
@@ -235,6 +240,9 @@ class ZeroConfig(BaseModel):
     """Let ``engine.save_16bit_model`` gather stage-3 parameters into a consolidated file
     (DeepSpeed's legacy spelling ``stage3_gather_fp16_weights_on_model_save`` is read too).
     (Default: false)"""
+    sub_group_size: Int = Field(default=1_000_000_000, gt=0)
+    """Elements of optimizer state stepped (and, with NVMe offload, swapped) as one piece:
+    each unit's range is cut into sub-groups of at most this many elements. (Default: 1e9)"""
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     """Optimizer offload (stages 1-3). DeepSpeed's legacy ``cpu_offload: true`` (with
     ``cpu_offload_use_pin_memory``) means ``{"device": "cpu"}``. (Default: off)"""
@@ -271,7 +279,7 @@ class ZeroConfig(BaseModel):
     def _offload_stage(self) -> ZeroConfig:
         if self.offload_optimizer.device != "none" and self.stage == 0:
             raise ValueError(
-                "offload_optimizer.device='cpu' needs stage 1, 2 or 3 (stage 0 keeps no "
+                f"offload_optimizer.device='{self.offload_optimizer.device}' needs stage 1, 2 or 3 (stage 0 keeps no "
                 "partitioned optimizer state); set zero_optimization.stage"
             )
         if self.offload_param.device != "none" and self.stage != 3:
@@ -361,6 +369,8 @@ class DSConfig(BaseModel):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """AutoTP: split the model's linear layers over ``autotp_size`` ranks inside
     ``initialize()``; batch sizes then count data-parallel replicas (see :mod:`ds_core.tp`)."""
+    aio: AioConfig = Field(default_factory=AioConfig)
+    """Asynchronous I/O of NVMe offload's swap files (see :mod:`ds_core.io`)."""
     dataloader_drop_last: Bool = False
     """The loader ``initialize(training_data=...)`` returns drops a last short batch, as in
     DeepSpeed. (Default: false)"""

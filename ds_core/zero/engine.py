@@ -44,6 +44,7 @@ from ds_core.zero.accounting import model_state_bytes
 from ds_core.zero.api import DeepSpeedEngineAPI
 from ds_core.zero.config import DSConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
+from ds_core.zero.nvme import NvmeOptimizerOffload
 from ds_core.zero.offload import OptimizerOffload
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
 from ds_core.zero.precision import (
@@ -142,6 +143,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.offload: OptimizerOffload | None = None
         if zcfg.offload_optimizer.device == "cpu":
             self.offload = OptimizerOffload(self.acc, zcfg.offload_optimizer.pin_memory)
+        elif zcfg.offload_optimizer.device == "nvme":  # see [Note: NVMe optimizer swap]
+            self.offload = NvmeOptimizerOffload(
+                self.acc, zcfg.offload_optimizer, config.aio, zcfg.sub_group_size, self.rank
+            )
 
         # - module, partitioned as it is placed: one full parameter on the device at a time
         self.module = model

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +28,9 @@ from tests.zero._common import (
     reference_state,
 )
 
+#: A real file system folder (O_DIRECT behaves differently on tmpfs); ``None``: the default.
+NVME_TEST_ROOT = os.environ.get("DS_CORE_NVME_TEST_DIR") or None
+
 
 @dataclass
 class OffloadScenario(Scenario):
@@ -34,6 +40,9 @@ class OffloadScenario(Scenario):
     config_optimizer: bool = True  # the config's AdamW (DeepSpeedCPUAdam under offload)
     bf16: bool = False
     param_offload: bool = False  # zero_optimization.offload_param = {"device": "cpu"}
+    nvme: bool = False  # offload_optimizer.device = "nvme" (a fresh folder per run)
+    sub_group_size: int | None = None
+    buffer_count: int = 2
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()
@@ -44,6 +53,16 @@ class OffloadScenario(Scenario):
                 "device": "cpu",
                 "pin_memory": self.pin,
             }
+        if self.nvme:
+            cfg["zero_optimization"]["offload_optimizer"] = {
+                "device": "nvme",
+                "nvme_path": tempfile.mkdtemp(prefix="ds_core_nvme_test_", dir=NVME_TEST_ROOT),
+                "buffer_count": self.buffer_count,
+                "pin_memory": self.pin,
+            }
+            cfg["aio"] = {"block_size": 8192, "queue_depth": 4, "intra_op_parallelism": 2}
+        if self.sub_group_size is not None:
+            cfg["zero_optimization"]["sub_group_size"] = self.sub_group_size
         if self.param_offload:
             cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": self.pin}
         if self.config_optimizer:
@@ -88,6 +107,31 @@ def scenarios() -> dict[str, OffloadScenario]:
     return out
 
 
+def nvme_scenarios() -> dict[str, OffloadScenario]:
+    """NVMe optimizer offload next to the same run with host offload (small sub-groups, so a
+    unit spans several swap files and parameters straddle sub-group boundaries)."""
+    out: dict[str, OffloadScenario] = {}
+    for stage in (1, 2, 3):
+        for gas in (1, 3):
+            base = dict(stage=stage, world=2, gas=gas, steps=4, sub_group_size=37)
+            out[f"s{stage}_gas{gas}_cpu"] = OffloadScenario(**base)  # type: ignore[arg-type]
+            out[f"s{stage}_gas{gas}_nvme"] = OffloadScenario(nvme=True, **base)  # type: ignore[arg-type]
+    out["s2_nvme_big_subgroup"] = OffloadScenario(stage=2, world=2, steps=3, nvme=True)
+    out["s3_param_cpu"] = OffloadScenario(stage=3, world=2, steps=3, param_offload=True)
+    out["s3_param_nvme"] = OffloadScenario(
+        stage=3, world=2, steps=3, param_offload=True, nvme=True, sub_group_size=50,
+        buffer_count=3,
+    )  # fmt: skip
+    return out
+
+
+def nvme_jobs(world: int) -> dict[str, Callable[[], dict[str, Any]]]:
+    out: dict[str, Callable[[], dict[str, Any]]] = {
+        name: (lambda sc=sc: train(sc)) for name, sc in nvme_scenarios().items()
+    }
+    return out
+
+
 def train(sc: OffloadScenario) -> dict[str, Any]:
     import ds_core
     from ds_core import comm
@@ -122,9 +166,7 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
     probe = torch.randn(6, IN, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         eval_out = engine(probe)
-    masters = {
-        zp.name: zp.master.detach().clone() for zp in engine._trainable if zp.master is not None
-    }
+    masters = _masters(engine)
     out = {
         "losses": losses,
         "norms": norms,
@@ -142,7 +184,36 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
         "host_accumulates": engine.reducer.host is not None,
         "host_shards": [u.host_shard for u in engine.units if u.mode is Mode.PARTITIONED],
     }
+    folder = getattr(engine.offload, "folder", None)
+    if folder is not None:  # NVMe: the swap files during training, and the buffers
+        out["swap_files"] = sorted(os.listdir(folder))
+        out["sub_groups"] = len(engine.offload.sub_groups)
+        out["swap_buffers"] = [t.numel() for t in engine.offload._buffers]
+        out["sg_max"] = engine.offload._sg_max
     engine.destroy()
+    if folder is not None:
+        out["swap_left"] = os.path.exists(folder)
+        shutil.rmtree(os.path.dirname(os.path.dirname(folder)), ignore_errors=True)  # nvme_path
+    return out
+
+
+def _masters(engine: Any) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's fp32 master piece; NVMe-resident ones read through the engine."""
+    out: dict[str, torch.Tensor] = {}
+    read = getattr(engine.offload, "read_state", None)
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    for zp in engine._trainable:
+        if zp.master is None:
+            continue
+        if read is not None and engine.offload.holds(zp.unit):
+            if id(zp.unit) not in states:
+                states[id(zp.unit)] = read(zp.unit)
+            m = states[id(zp.unit)]["master"]
+            out[zp.name] = m[zp.shard_offset : zp.shard_offset + zp.shard_numel].view(
+                zp.master.shape
+            )
+        else:
+            out[zp.name] = zp.master.detach().clone()
     return out
 
 

@@ -709,6 +709,10 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         from tests.zero import _offload
 
         return _offload.jobs(world)
+    if suite == "nvme":
+        from tests.zero import _offload
+
+        return _offload.nvme_jobs(world)
     if suite == "autotp":
         from tests.zero import _autotp
 

@@ -270,7 +270,6 @@ def test_performance_knobs_are_accepted_with_one_warning() -> None:
             "contiguous_gradients": True,
             "reduce_scatter": True,
             "round_robin_gradients": False,
-            "sub_group_size": 1e9,
             "offload_param": {"device": "none"},
         },
     }
@@ -287,7 +286,6 @@ def test_performance_knobs_are_accepted_with_one_warning() -> None:
         "zero_optimization.contiguous_gradients",
         "zero_optimization.reduce_scatter",
         "zero_optimization.round_robin_gradients",
-        "zero_optimization.sub_group_size",
     ):
         assert key in text
 

@@ -205,7 +205,7 @@ def test_config_accepts_deepspeed_offload_spellings() -> None:
     ("section", "message"),
     [
         ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs stage 1, 2 or 3"),
-        ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "'nvme' is not supported yet"),
+        ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "'nvme' needs nvme_path"),
         ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "partial offload"),
         ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param.*needs stage 3"),
         ({"stage": 3, "offload_param": {"device": "nvme"}}, "'nvme' is not supported yet"),

@@ -1,0 +1,299 @@
+"""Optimizer state on NVMe (``offload_optimizer.device = "nvme"``), stages 1-3.
+
+[Note: NVMe optimizer swap]
+A sibling of :class:`~ds_core.zero.offload.OptimizerOffload` (see [Note: offload data path]):
+the gradient side is unchanged (each unit's host ``grad`` range, accumulated as there), only
+the fp32 master and the two Adam moments leave host memory. Each unit's range is cut into
+sub-groups of at most ``zero_optimization.sub_group_size`` elements; a sub-group's file,
+``<nvme_path>/ds_core_swap/rank<R>.<pid>/sg<N>.swp``, holds three regions (master, exp_avg,
+exp_avg_sq), each starting at a 4 KiB-aligned offset so ``O_DIRECT`` moves them whole.
+
+The step, per sub-group in order, through ``buffer_count`` host buffers (each one sub-group's
+three regions, pinned where the backend has it):
+
+1. the next sub-group's read is submitted into the next buffer (after any write still
+   draining from that buffer) before the current one is touched: its I/O runs while
+2. the current sub-group is updated by ``DeepSpeedCPUAdam``'s kernel (the same kernel and
+   scalars as the host-offload step, so the same bits), piece by piece per parameter with
+   that parameter's group's hyperparameters, the gradient multiplier fused;
+3. the updated master goes to the unit's device range (16-bit through a staging buffer the
+   size of a sub-group, cast on the host, as host offload does), and
+4. the buffer is written back asynchronously; the step ends when every write has landed.
+
+The optimizer's parameters (``zp.master``) are storage-less (``meta``) placeholders that
+carry the parameter groups (learning rate, betas, weight decay, as schedulers change them);
+``optimizer.state`` stays empty and the step count is kept here. The swap folder is created
+(and checked writable) at engine start, every file is written then, and the folder is removed
+at ``destroy()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_core.accelerator import Accelerator
+from ds_core.errors import ConfigError
+from ds_core.io import ALIGN, AsyncIO
+from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
+from ds_core.zero.config import OffloadOptimizerConfig
+from ds_core.zero.config_nvme import AioConfig
+from ds_core.zero.offload import OptimizerOffload, _HostRange
+from ds_core.zero.partition import FlatUnit
+
+log = logging.getLogger("ds_core.zero")
+
+__all__ = ["NvmeOptimizerOffload"]
+
+_REGIONS = 3  # master, exp_avg, exp_avg_sq
+
+
+class _SubGroup:
+    __slots__ = ("hr", "n", "path", "start")
+
+    def __init__(self, hr: _HostRange, start: int, n: int, path: str) -> None:
+        self.hr, self.start, self.n, self.path = hr, start, n, path
+
+
+class NvmeOptimizerOffload(OptimizerOffload):
+    """Masters and Adam moments in swap files (see [Note: NVMe optimizer swap]).
+
+    :param acc: the accelerator. :param cfg: ``offload_optimizer`` (``device: nvme``).
+    :param aio: the ``aio`` section. :param sub_group_size: elements per sub-group.
+    :param rank: this process's global rank (names its swap folder).
+    :raises ConfigError: when the swap folder cannot be created or written.
+    """
+
+    def __init__(
+        self,
+        acc: Accelerator,
+        cfg: OffloadOptimizerConfig,
+        aio: AioConfig,
+        sub_group_size: int,
+        rank: int,
+    ) -> None:
+        super().__init__(acc, cfg.pin_memory)
+        assert cfg.nvme_path is not None
+        self.buffer_count = int(cfg.buffer_count)
+        self.sub_group_size = int(sub_group_size)
+        self.folder = os.path.join(
+            os.path.abspath(cfg.nvme_path), "ds_core_swap", f"rank{rank}.{os.getpid()}"
+        )
+        try:
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"offload_optimizer.nvme_path: cannot create the swap folder {self.folder}: "
+                f"{exc.strerror or exc}; choose a writable folder on a local disk"
+            ) from exc
+        if not os.access(self.folder, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"offload_optimizer.nvme_path: the swap folder {self.folder} is not writable "
+                "by this user; choose a writable folder"
+            )
+        self.io = AsyncIO(
+            block_size=aio.block_size,
+            queue_depth=aio.queue_depth,
+            intra_op_parallelism=aio.intra_op_parallelism,
+            thread_count=2,  # one sub-group's read and the previous one's write at once
+        )
+        log.info(
+            "offload_optimizer: NVMe swap in %s (%s I/O, O_DIRECT %s), sub_group_size %d, "
+            "%d buffers",
+            self.folder,
+            self.io.implementation,
+            "on" if self.io._direct(os.path.join(self.folder, "x")) else "off",
+            self.sub_group_size,
+            self.buffer_count,
+        )
+        self.sub_groups: list[_SubGroup] = []
+        self._buffers: list[torch.Tensor] = []
+        self._stride = 0  # bytes between regions in a file, 4 KiB-aligned
+        self._sg_max = 0
+        self.step_count = 0
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def make_masters(self, units: Iterable[FlatUnit]) -> None:
+        """Cut each unit's range into sub-groups, write their initial masters (the unit's
+        current values in fp32) and zero moments to the files, and give every trainable
+        parameter a storage-less master carrying its shape for the optimizer."""
+        units = list(units)
+        sizes = [u.part for u in units if u.part > 0]
+        self._sg_max = min(self.sub_group_size, max(sizes, default=1))
+        self._stride = -(-self._sg_max * 4 // ALIGN) * ALIGN
+        for _ in range(min(self.buffer_count, 1 + sum(-(-s // self._sg_max) for s in sizes))):
+            self._buffers.append(self._host(_REGIONS * self._stride // 4, torch.float32))
+        with torch.no_grad():
+            for unit in units:
+                grad = self._host(unit.part, torch.float32)
+                hr = _HostRange(unit, torch.empty(unit.part, device="meta"), grad)
+                self.ranges.append(hr)
+                self._of[id(unit)] = hr
+                for zp in unit.trainable:
+                    piece = slice(zp.shard_offset, zp.shard_offset + zp.shard_numel)
+                    zp.master = nn.Parameter(hr.master[piece])
+                for start in range(0, unit.part, self._sg_max):
+                    n = min(self._sg_max, unit.part - start)
+                    path = os.path.join(self.folder, f"sg{len(self.sub_groups)}.swp")
+                    self.sub_groups.append(_SubGroup(hr, start, n, path))
+                if unit.dtype != torch.float32 and not unit.host_shard:
+                    staging = self._staging.get(unit.dtype)
+                    if staging is None:
+                        self._staging[unit.dtype] = self._host(self._sg_max, unit.dtype)
+            # Initial contents, through the buffers: the master from the unit, zero moments.
+            for i, sg in enumerate(self.sub_groups):
+                buf = self._buffers[i % len(self._buffers)]
+                self.io.wait()  # the buffer's previous write has landed
+                buf.zero_()
+                buf[: sg.n].copy_(sg.hr.unit.owned()[sg.start : sg.start + sg.n])
+                self._write(sg, buf)
+            self.io.wait()
+
+    def _regions(self, sg: _SubGroup, buf: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        words = self._stride // 4
+        return [(buf[k * words : k * words + sg.n], k * self._stride) for k in range(_REGIONS)]
+
+    def _write(self, sg: _SubGroup, buf: torch.Tensor) -> list[Future[None]]:
+        return [self.io.submit_write(t, sg.path, off) for t, off in self._regions(sg, buf)]
+
+    def _read(self, sg: _SubGroup, buf: torch.Tensor) -> list[Future[None]]:
+        return [self.io.submit_read(t, sg.path, off) for t, off in self._regions(sg, buf)]
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def gradients_to_host(self, reduced: Iterable[tuple[FlatUnit, torch.Tensor]]) -> None:
+        """As host offload, without pointing ``.grad`` at the ranges (the masters are
+        placeholders; the step reads the ranges itself)."""
+        for unit, device_range in reduced:
+            hr = self._of.get(id(unit))
+            if hr is not None:
+                hr.grad.copy_(device_range, non_blocking=self.pinned)
+        if self.pinned:
+            done = self.acc.Event()
+            done.record()
+            done.synchronize()
+
+    def uses_fused_scale(self, optimizer: Any) -> bool:
+        return True
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | None) -> None:
+        """Swap in, update, publish and swap out every sub-group, the next one's read in
+        flight while the current one is updated (see [Note: NVMe optimizer swap])."""
+        if not isinstance(optimizer, DeepSpeedCPUAdam):
+            raise ConfigError(
+                f"offload_optimizer.device='nvme' steps with DeepSpeedCPUAdam; got "
+                f"{type(optimizer).__name__}. Configure the optimizer in the config "
+                "(optimizer.type Adam/AdamW) or pass a DeepSpeedCPUAdam"
+            )
+        scale = 1.0 if grad_scale is None else float(grad_scale)
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self.step_count += 1
+        nbuf = len(self._buffers)
+        writes: list[list[Future[None]]] = [[] for _ in range(nbuf)]
+        reads: list[Future[None]] = self._read(self.sub_groups[0], self._buffers[0])
+        for i, sg in enumerate(self.sub_groups):
+            buf = self._buffers[i % nbuf]
+            for f in reads:
+                f.result()
+            if i + 1 < len(self.sub_groups):
+                nxt = (i + 1) % nbuf
+                for f in writes[nxt]:
+                    f.result()  # that buffer's last write-back has landed
+                reads = self._read(self.sub_groups[i + 1], self._buffers[nxt])
+            self._update(sg, buf, optimizer, group_of, scale)
+            self._publish(sg, buf)
+            writes[i % nbuf] = self._write(sg, buf)
+        self.io.wait()  # every write landed (raises the first failure, naming the file)
+
+    def _update(
+        self,
+        sg: _SubGroup,
+        buf: torch.Tensor,
+        optimizer: DeepSpeedCPUAdam,
+        group_of: dict[int, dict[str, Any]],
+        scale: float,
+    ) -> None:
+        (master, _), (m, _), (v, _) = self._regions(sg, buf)
+        lo, hi = sg.start, sg.start + sg.n
+        for zp in sg.hr.unit.trainable:
+            a = max(lo, zp.shard_offset)
+            b = min(hi, zp.shard_offset + zp.shard_numel)
+            if a >= b or zp.master is None:
+                continue
+            group = group_of[id(zp.master)]
+            optimizer.kernel.step(
+                master[a - lo : b - lo],
+                sg.hr.grad[a:b],
+                m[a - lo : b - lo],
+                v[a - lo : b - lo],
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=self.step_count,
+                bias_correction=group["bias_correction"],
+                adamw_mode=optimizer.adamw_mode,
+                grad_scale=scale,
+            )
+
+    def _publish(self, sg: _SubGroup, buf: torch.Tensor) -> None:
+        master = buf[: sg.n]
+        unit = sg.hr.unit
+        dst = unit.owned()[sg.start : sg.start + sg.n]
+        with torch.no_grad():
+            if unit.dtype == torch.float32 or unit.host_shard:
+                dst.copy_(master)  # synchronous: the buffer is reused for the next sub-group
+                return
+            staging = self._staging[unit.dtype][: sg.n]
+            staging.copy_(master)
+            dst.copy_(staging)
+
+    def publish(self) -> None:
+        """Nothing left: each sub-group was published right after its update."""
+
+    # -- reading the state through the engine ------------------------------------------------
+
+    def read_state(self, unit: FlatUnit) -> dict[str, torch.Tensor]:
+        """``unit``'s master and moments, read from the files into new host tensors."""
+        hr = self._of[id(unit)]
+        out = {k: torch.empty(unit.part) for k in ("master", "exp_avg", "exp_avg_sq")}
+        for sg in self.sub_groups:
+            if sg.hr is not hr:
+                continue
+            for k, t in enumerate(out.values()):
+                self.io.submit_read(t[sg.start : sg.start + sg.n], sg.path, k * self._stride)
+        self.io.wait()
+        return out
+
+    # -- accounting and teardown -----------------------------------------------------------------
+
+    def host_bytes(self) -> dict[str, int]:
+        """``master``: the swap buffers (masters and moments of at most ``buffer_count``
+        sub-groups); ``grads`` and ``staging`` as host offload."""
+        grads = sum(hr.grad.numel() * 4 for hr in self.ranges)
+        staging = sum(t.numel() * t.element_size() for t in self._staging.values())
+        swap = sum(t.numel() * 4 for t in self._buffers)
+        return {"master": swap, "grads": grads, "staging": staging}
+
+    def release(self) -> None:
+        """Finish I/O, close the handle, remove this rank's swap folder, drop the buffers."""
+        try:
+            self.io.close()
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            parent = os.path.dirname(self.folder)
+            try:
+                os.rmdir(parent)  # only when no other rank's folder is left
+            except OSError:
+                pass
+            self.sub_groups.clear()
+            self._buffers.clear()
+            super().release()
