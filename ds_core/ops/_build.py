@@ -16,7 +16,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -109,6 +109,25 @@ def _run(cmd: list[str], name: str, cwd: Path) -> None:
         )
 
 
+def _compile_into(
+    folder: Path, artefact_name: str, name: str, command: Callable[[str], list[str]]
+) -> Path:
+    """Run ``command(output_path)`` into a temporary file of ``folder``, then rename it to
+    ``artefact_name`` (atomic: a reader sees the old file or the whole new one)."""
+    fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{artefact_name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        _run(command(str(tmp)), name, folder)
+        final = folder / artefact_name
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return final
+
+
 def _shared_library_plan(
     name: str,
     sources: Sequence[str | os.PathLike[str]],
@@ -198,18 +217,12 @@ def build_shared_library(
     artefact_name = f"lib{name}.so"
 
     def build(folder: Path) -> Path:
-        fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{artefact_name}.", suffix=".tmp")
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
-            _run([compiler, *flags, *map(str, paths), "-o", str(tmp), *ldflags], name, folder)
-            final = folder / artefact_name
-            os.replace(tmp, final)  # atomic: a reader sees the old file or the whole new one
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        return final
+        return _compile_into(
+            folder,
+            artefact_name,
+            name,
+            lambda out: [compiler, *flags, *map(str, paths), "-o", out, *ldflags],
+        )
 
     def load(artefact: Path) -> ctypes.CDLL:
         try:
@@ -296,28 +309,21 @@ def build_extension(
     built: dict[str, ModuleType] = {}
 
     def build(folder: Path) -> Path:
-        fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{artefact_name}.", suffix=".tmp")
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
-            cmd = [
+        return _compile_into(
+            folder,
+            artefact_name,
+            name,
+            lambda out: [
                 tc.cxx or "c++",
                 *_torch_extension_flags(module_name),
                 *flags,
                 *map(str, paths),
                 "-o",
-                str(tmp),
+                out,
                 *_torch_extension_ldflags(),
                 *ldflags,
-            ]
-            _run(cmd, name, folder)
-            final = folder / artefact_name
-            os.replace(tmp, final)  # atomic: a reader sees the old file or the whole new one
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        return final
+            ],
+        )
 
     def load(artefact: Path) -> ModuleType:
         # Importing the same single-phase extension twice re-runs its init; reuse torch's.

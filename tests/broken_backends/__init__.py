@@ -211,7 +211,8 @@ def install(root: Path, stem: str, name: str | None = None) -> str:
     """
     name = name or stem.replace("_", "-")
     source = (HERE / f"{stem}.py").read_text()
-    for extra in HERE.glob(f"{stem}__*.py"):  # helper modules the backend imports
+    # helper modules the backend imports: its own, and those shared by several backends
+    for extra in [*HERE.glob(f"{stem}__*.py"), *HERE.glob("_shared__*.py")]:
         (root / extra.name.split("__", 1)[1]).write_text(extra.read_text())
     make_backend(root, name, module=f"ds_broken_{stem}", body=source + _IDENTITY.format(name=name))
     return name
