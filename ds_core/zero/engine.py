@@ -624,9 +624,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                         zp.param.data.copy_(master.detach())
                     continue
                 assert zp.unit is not None
-                piece = zp.unit.piece(zp)
-                if piece.data_ptr() != master.data_ptr():
-                    piece.copy_(master.detach())
+                zp.unit.write_owned(zp, master.detach())
             handles = [u.all_gather(self.overlap_comm) for u in self._gathered_after_step]
             for h in handles:
                 h.wait()

@@ -199,6 +199,9 @@ class FlatUnit:
         self.pinned = False
         #: the device copy of a host shard an in-flight all-gather reads.
         self._gather_src: torch.Tensor | None = None
+        #: a device -> host write into a pinned host shard still in flight (see
+        #: :meth:`write_owned`); host reads of the shard wait for it, device reads are ordered.
+        self._host_write: Any = None
         if mode is Mode.PARTITIONED:
             if self.host_shard:
                 acc = get_accelerator()
@@ -239,12 +242,31 @@ class FlatUnit:
             zp.param.data = view.view(zp.shape)
 
     def owned(self) -> torch.Tensor:
-        """This rank's range of the unit in the parameters' dtype (``part`` elements)."""
+        """This rank's range of the unit in the parameters' dtype (``part`` elements); a host
+        shard is returned once any write into it from the device has landed."""
+        if self._host_write is not None:
+            self._host_write.synchronize()
+            self._host_write = None
+        return self._range()
+
+    def _range(self) -> torch.Tensor:
         if self.shard is not None:
             return self.shard
         assert self.flat is not None
         start = self.rank * self.part
         return self.flat[start : start + self.part]
+
+    def write_owned(self, zp: ZeroParam, value: torch.Tensor) -> None:
+        """Copy ``value`` (``zp``'s piece, any device) into this rank's range. Into a pinned
+        host shard the copy is asynchronous: the next gather's copy back is ordered after it
+        on the device, and a host read (:meth:`owned`) waits for the event recorded here."""
+        piece = self._range()[zp.shard_offset : zp.shard_offset + zp.shard_numel]
+        if piece.data_ptr() == value.data_ptr():
+            return
+        piece.copy_(value, non_blocking=self.pinned)
+        if self.pinned:  # the last event covers every earlier copy on the stream
+            self._host_write = get_accelerator().Event()
+            self._host_write.record()
 
     def piece(self, zp: ZeroParam) -> torch.Tensor:
         """``zp``'s piece of this rank's range, flat, in the parameters' dtype."""
@@ -308,6 +330,7 @@ class FlatUnit:
         """Drop the unit's storage (engine teardown); a pinned host shard goes back to the
         backend's pinned allocator."""
         self.release()
+        self.owned()  # a write into the host shard may still be in flight
         if self.pinned and self.shard is not None:
             get_accelerator().free_pinned(self.shard)
         self.flat = self.shard = None

@@ -276,6 +276,12 @@ class _GatheringStandIn(_PinningAccelerator):
         out.copy_(inp)
         return SimpleNamespace(wait=lambda: None)
 
+    def Event(self) -> Any:  # noqa: N802 - the facade's name
+        log = self.events = getattr(self, "events", [])
+        return SimpleNamespace(
+            record=lambda: log.append("record"), synchronize=lambda: log.append("synchronize")
+        )
+
 
 def test_a_pinned_host_shard_is_gathered_through_a_device_copy_and_freed(
     monkeypatch: pytest.MonkeyPatch,
@@ -295,6 +301,15 @@ def test_a_pinned_host_shard_is_gathered_through_a_device_copy_and_freed(
     assert torch.equal(weight.data, torch.arange(6, dtype=torch.bfloat16).view(2, 3))
     unit.release()
     assert weight.numel() == 0
+    # the step's write-back into the pinned shard is asynchronous: an event is recorded per
+    # write and only a host read of the shard waits for it (no wait in the step itself)
+    unit.write_owned(zp, torch.full((6,), 5.0))
+    unit.write_owned(zp, torch.full((6,), 9.0))
+    assert acc.events == ["record", "record"]
+    assert torch.equal(unit.owned(), torch.full((6,), 9.0, dtype=torch.bfloat16))
+    assert acc.events == ["record", "record", "synchronize"]
+    unit.owned()  # nothing in flight any more
+    assert acc.events[-1] == "synchronize" and len(acc.events) == 3
     shard = unit.shard
     unit.free()
     assert acc.freed == [shard] and shard.untyped_storage().nbytes() == 0
