@@ -79,6 +79,28 @@ def test_replay_equals_eager(graph_acc: Any) -> None:
     )
 
 
+def _chunked(x: torch.Tensor) -> torch.Tensor:
+    # aten.split returns a list of four tensors under one schema return: a recorder must map
+    # every element of a list result, not only as many as the schema has returns
+    return torch.stack([c.sum(dim=1) * (i + 1) for i, c in enumerate(x.chunk(4, dim=1))])
+
+
+@hooks("ds_graph_create")
+def test_replay_of_an_op_returning_a_list_of_tensors_equals_eager(graph_acc: Any) -> None:
+    x, _w, _b = _static(graph_acc)
+    graph, out = _capture(graph_acc, lambda: _chunked(x))
+    x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(x.device))
+    graph_acc.replay_graph(graph)
+    graph_acc.synchronize()
+    check(
+        torch.allclose(out.cpu(), _chunked(x).cpu(), rtol=1e-5, atol=1e-6),
+        "replayed output of x.chunk(4)",
+        "different",
+        "equal to eager execution on the new input",
+        "graph.replay()",
+    )
+
+
 @hooks("ds_graph_create")
 def test_replay_reads_the_new_static_input(graph_acc: Any) -> None:
     x, w, b = _static(graph_acc)

@@ -42,6 +42,11 @@ BROKEN: dict[str, tuple[str, str, str]] = {
         "test_replay_reads_the_new_static_input",
         "graph replay ignores new inputs",
     ),
+    "graph_list_result_misindexed": (
+        "graph",
+        "test_replay_of_an_op_returning_a_list_of_tensors_equals_eager",
+        "capture indexes a list result's aliasing past the schema's returns",
+    ),
     "rng_restore_noop": (
         "rng",
         "test_state_save_and_restore_gives_identical_draws",
