@@ -16,9 +16,14 @@ def _draw(acc: Any) -> torch.Tensor:
     return torch.rand(257, device=acc.device()).cpu()
 
 
+def _returns_true(value: Any, call: str) -> None:
+    # The spec's return value: True, not merely "no error" (False or None is a broken hook).
+    check(value is True, "return value", value, "True", call)
+
+
 @hooks("ds_rng_manual_seed")
 def test_seed_reproduces_draws(acc: Any) -> None:
-    acc.manual_seed(1234)
+    _returns_true(acc.manual_seed(1234), "manual_seed(1234)")
     a = _draw(acc)
     acc.manual_seed(1234)
     b = _draw(acc)
@@ -34,7 +39,7 @@ def test_seed_reproduces_draws(acc: Any) -> None:
         "False",
         "manual_seed(1234/4321)",
     )
-    acc.manual_seed_all(99)
+    _returns_true(acc.manual_seed_all(99), "manual_seed_all(99)")
     d = _draw(acc)
     acc.manual_seed_all(99)
     check(
@@ -67,7 +72,7 @@ def test_state_save_and_restore_gives_identical_draws(acc: Any) -> None:
         "unchanged (a copy)",
         "get_rng_state()",
     )
-    acc.set_rng_state(state)
+    _returns_true(acc.set_rng_state(state), "set_rng_state(state)")
     again = _draw(acc)
     check(
         torch.equal(first, again),

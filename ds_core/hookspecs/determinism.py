@@ -27,6 +27,9 @@ def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
 def ds_determinism_restore(record: DeterminismRecord) -> bool:
     """Undo a ``ds_determinism_apply``: restore every setting in ``record`` to its previous value.
 
+    :returns: ``True`` once every setting is restored (a value, so that a first-result call
+        stops at this backend); a setting that cannot be restored raises instead.
+
     Device context: may create one.
 
     Use in backends: required. Facade: ``restore_determinism(record)``.

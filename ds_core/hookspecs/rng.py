@@ -13,7 +13,8 @@ def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
 
     :param seed: a non-negative int.
     :param all_devices: seed every visible device (``True``) or only the current one.
-    :returns: ``True``.
+    :returns: ``True`` once seeded (a value, so that a first-result call stops at this
+        backend); a seed that cannot be applied raises instead.
 
     Device context: may create one.
 
@@ -40,7 +41,7 @@ def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
 
     :param state: a tensor returned by ``ds_rng_get_state`` for the same device type.
     :param index: device index, or ``None`` for the current device.
-    :returns: ``True``.
+    :returns: ``True`` once restored (see ``ds_rng_manual_seed``).
     :raises RuntimeError: when ``state`` is not a state of this generator.
 
     Device context: may create one.
