@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_core.accelerator import get_accelerator
+from ds_core.errors import ConfigError
 
 _lock = threading.RLock()
 _destroy_callbacks: list[Callable[[], None]] = []
@@ -43,8 +44,6 @@ def check_launcher_env() -> None:
     :raises ConfigError: a variable that is not an integer in its range, or ``RANK`` not
         below ``WORLD_SIZE``.
     """
-    from ds_core.errors import ConfigError
-
     values: dict[str, int] = {}
     for name, (low, high) in _LAUNCHER_INTS.items():
         text = os.environ.get(name)
@@ -75,8 +74,8 @@ def init_distributed(
     """Initialise ``torch.distributed`` with the selected backend's comm name.
 
     Reads the ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT``, ``LOCAL_RANK``); with none of it set, starts a one-process group on a
-    free loopback port, so single-process scripts work unchanged. Sets the current device to
+    ``MASTER_PORT``, ``LOCAL_RANK``); with none of it set, starts a one-process group on an
+    in-process store, so single-process scripts work unchanged. Sets the current device to
     ``LOCAL_RANK`` *before* creating the process group and, on an accelerator, binds the group
     to that device (``device_id``), so a device-only comm library never guesses. Idempotent.
 
@@ -91,13 +90,18 @@ def init_distributed(
         return
     acc = get_accelerator()
     acc.prepare_communication()
+    kwargs: dict[str, Any] = {"backend": acc.communication_backend_name()}
     if "RANK" not in os.environ and init_method is None:
+        # One process, no launcher: an in-process store, so no port is probed and then
+        # bound (another socket can take a probed port in between: EADDRINUSE).
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    kwargs: dict[str, Any] = {"backend": acc.communication_backend_name()}
+        if os.environ["WORLD_SIZE"] == "1":
+            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
     check_launcher_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if acc.device_type != "cpu":  # host ranks share the one host device; nothing to pick
@@ -116,7 +120,8 @@ def init_distributed(
             if isinstance(timeout, datetime.timedelta)
             else datetime.timedelta(seconds=timeout)
         )
-    kwargs["init_method"] = init_method or "env://"
+    if "store" not in kwargs:
+        kwargs["init_method"] = init_method or "env://"
     dist.init_process_group(**kwargs)
     atexit.register(destroy_distributed)
     if acc.device_type == "cpu" and local_rank < acc.device_count():
