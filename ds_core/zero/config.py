@@ -34,7 +34,7 @@ from pydantic import (
 from ds_core.errors import ConfigError
 from ds_core.zero.config_errors import ConfigProblemsError, fail, messages, unknown_key_message
 from ds_core.zero.config_file import read_config_file
-from ds_core.zero.config_nvme import AioConfig
+from ds_core.zero.config_offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from ds_core.zero.config_optim import (
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
@@ -137,79 +137,6 @@ class DeterministicConfig(BaseModel):
     knobs for the engine's lifetime. (Default: false)"""
     seed: Int = Field(default=0, ge=0)
     """Seed of every host and device generator, the same on every rank. (Default: 0)"""
-
-
-class OffloadOptimizerConfig(BaseModel):
-    """``zero_optimization.offload_optimizer``: fp32 masters and optimizer state on the host."""
-
-    model_config = _FROZEN
-
-    device: Literal["none", "cpu", "nvme"] = "none"
-    """``cpu`` keeps the fp32 master shards and the optimizer state in host memory and steps
-    them there (cpu_adam); ``nvme`` keeps them in files under ``nvme_path`` and swaps one
-    ``sub_group_size`` piece at a time through ``buffer_count`` host buffers (ZeRO-Infinity);
-    ``none`` turns offload off. (Default: none)"""
-    pin_memory: Bool = True
-    """Page-lock the host buffers where the backend declares ``pinned_memory``; elsewhere
-    the engine logs that it runs unpinned. (Default: true)"""
-    buffer_count: Int = Field(default=4, gt=0)
-    """``nvme``: host swap buffers, each holding one sub-group's master and Adam moments; at
-    least 2 (one updated while the next is read). No effect with ``device: cpu``. (Default: 4)"""
-    fast_init: Bool = False
-    """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
-    ratio: Float = 1.0
-    """Fraction of the state to offload; only 1.0 (all) is supported. (Default: 1.0)"""
-    nvme_path: str | None = None
-    """``nvme``: the folder of the swap files (one sub-folder per rank, removed at
-    ``destroy()``); required with ``device: nvme``. (Default: none)"""
-    pipeline_read: Bool = False
-    """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
-    pipeline_write: Bool = False
-    """DeepSpeed's NVMe knob; no effect with ``device: cpu``. (Default: false)"""
-
-    @model_validator(mode="after")
-    def _whole(self) -> OffloadOptimizerConfig:
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("device='nvme' needs nvme_path (the folder of the swap files)")
-        if self.device == "nvme" and self.buffer_count < 2:
-            raise ValueError(
-                f"buffer_count={self.buffer_count}: NVMe offload needs at least 2 buffers (one "
-                "sub-group updated while the next is read)"
-            )
-        if self.ratio != 1.0:
-            raise ValueError(f"ratio={self.ratio}: partial offload is {NOT_YET}; use 1.0")
-        return self
-
-
-class OffloadParamConfig(BaseModel):
-    """``zero_optimization.offload_param``: stage-3 parameter shards in host memory."""
-
-    model_config = _FROZEN
-
-    device: Literal["none", "cpu"] = "none"
-    """``cpu`` keeps each rank's 16-bit (or fp32) parameter shards in host memory and copies
-    a unit's shard to the device only to gather it (stage 3); ``none`` keeps them on the
-    device. (Default: none)"""
-    pin_memory: Bool = True
-    """Page-lock the host shards where the backend declares ``pinned_memory``, so the copy
-    to the device before a gather is asynchronous. (Default: true)"""
-    buffer_count: Int = Field(default=5, gt=0)
-    """DeepSpeed's NVMe swap-buffer count; no effect with ``device: cpu``. (Default: 5)"""
-    buffer_size: Int = Field(default=100_000_000, gt=0)
-    """DeepSpeed's NVMe swap-buffer size in elements; no effect with ``device: cpu``.
-    (Default: 1e8)"""
-    max_in_cpu: Int = Field(default=1_000_000_000, ge=0)
-    """DeepSpeed's NVMe knob (elements kept in host memory); no effect with ``device: cpu``.
-    (Default: 1e9)"""
-    nvme_path: str | None = None
-    """DeepSpeed's NVMe folder; NVMe offload is not supported yet. (Default: none)"""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nvme(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("device") == "nvme":
-            raise ValueError(f"device='nvme' is {NOT_YET}; use 'cpu' or 'none'")
-        return data
 
 
 class ZeroConfig(BaseModel):

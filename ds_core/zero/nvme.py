@@ -43,8 +43,7 @@ from ds_core.accelerator import Accelerator
 from ds_core.errors import ConfigError
 from ds_core.io import ALIGN, AsyncIO
 from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
-from ds_core.zero.config import OffloadOptimizerConfig
-from ds_core.zero.config_nvme import AioConfig
+from ds_core.zero.config_offload import AioConfig, OffloadOptimizerConfig
 from ds_core.zero.offload import OptimizerOffload, _HostRange
 from ds_core.zero.partition import FlatUnit
 
