@@ -21,7 +21,7 @@ from ds_core.checkpoint import _tp, consolidated_state_dict
 from ds_core.checkpoint._reader import CheckpointReader
 from ds_core.cli import main
 from ds_core.comm.mesh import Mesh
-from ds_core.tp import TP_ATTR, TP_FUSED_ATTR, _slice_rows
+from ds_core.tp import TP_ATTR, TP_FUSED_ATTR, slice_rows
 from tests.zero import _autotp as A  # noqa: N812
 
 LOADS = [
@@ -126,7 +126,7 @@ def test_gather_and_cut_invert_autotp_split(kind: str, fused: int, shape: tuple[
     if kind == "row":
         shards = list(full.chunk(tp, dim=1))
     else:  # exactly as AutoTP cuts a (fused) column-parallel weight
-        shards = [_slice_rows(full, fused, tp, r) for r in range(tp)]
+        shards = [slice_rows(full, fused, tp, r) for r in range(tp)]
     for r in range(tp):
         param = torch.nn.Parameter(shards[r].clone())
         setattr(param, TP_ATTR, kind)

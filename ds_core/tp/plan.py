@@ -1,57 +1,5 @@
-"""AutoTP: tensor parallelism for training, applied to an unmodified model.
-
-:func:`apply_autotp` (called by :func:`ds_core.initialize` when the config has
-``tensor_parallel.autotp_size`` > 1) and :func:`tp_model_init` (DeepSpeed's function form)
-replace ``nn.Linear`` modules by tensor-parallel ones over the TP group of
-:func:`ds_core.comm.device_mesh` (TP ranks adjacent: ``tp_rank = rank % tp_size``):
-
-- **column-parallel** (:class:`LinearColumnParallel`; q/k/v, gate/up projections): output
-  features and bias split; the input passes through :class:`CopyToTP` (identity forward,
-  all-reduce of its gradient backward) so each rank's input gradient becomes the full one;
-  the output stays sharded. A fused weight of ``k`` equal sub-parameters (``[q; k; v]``,
-  ``[gate; up]``) splits each sub-parameter, so every rank keeps matching slices of each.
-- **row-parallel** (:class:`LinearRowParallel`; o/down projections): input features split;
-  the partial outputs are summed by :class:`ReduceFromTP` (all-reduce forward, identity
-  backward) and the bias, kept whole and replicated, is added once after the sum.
-
-Both collectives go through the accelerator facade's ``all_reduce`` (the comm hooks).
-
-**Which modules.** With no partition config, or with ``use_default_specs`` true for modules no
-spec matches, the name heuristics apply: inside one parent module, children named like a
-column projection (``q_proj k_proj v_proj query key value gate_proj up_proj fc1 fc c_fc fc_in
-w1 w3 dense_h_to_4h``; fused ``qkv qkv_proj c_attn Wqkv`` as 3 sub-parameters, ``gate_up_proj``
-as 2) are split column-wise and children named like an output projection (``o_proj
-down_proj out_proj c_proj proj fc2 fc_out w2 dense_4h_to_h``) row-wise — but only when the
-parent has both kinds, so a lone ``proj`` or ``fc`` elsewhere stays replicated.
-``lm_head_patterns`` names are never split; embeddings, norms and every other parameter stay
-replicated. A partition config's ``layer_specs`` override the heuristics: each entry's
-``patterns`` are **regular expressions** matched with ``re.match`` (anchored at the start, as
-DeepSpeed does) against ``<full module path>.weight``, e.g. ``model\\.layers\\.0\\.mlp\\.up_proj
-\\.weight`` or ``.*\\.self_attn\\.[qkv]_proj\\.weight$``; the first matching entry decides
-(``column``, ``row``, or ``skip`` / ``replicate``). A pattern matching no module, a split of a
-module that is not an ``nn.Linear``, or a dimension not divisible by the TP size is a
-:class:`~ds_core.ConfigError` naming it.
-
-**Attention heads.** A column split of q/k/v must keep whole heads on each rank. The parent of
-split attention projections (a module with a column-split ``q_proj``/``k_proj``/``v_proj``/
-``query``/``key``/``value`` or fused ``qkv`` child) has each of its integer attributes
-``num_heads n_head n_heads num_attention_heads num_key_value_heads num_kv_heads n_kv_heads
-n_kv_head`` divided by the TP size (an error when one is not divisible), so an attention that
-reshapes with its head count computes with its local heads. An attention that reshapes with
-``-1`` and a head dimension needs nothing; one that uses a width attribute (``hidden_size``,
-``embed_dim``) in its reshape must derive it from the tensor instead (``view(B, T, -1)``).
-
-**With ZeRO.** Split parameters carry :data:`TP_ATTR`; the engine partitions every parameter
-over the DP group only, averages gradients over the DP size, and counts TP shards once each in
-the gradient norm (summed over the whole mesh) and replicated parameters once (on TP rank 0),
-since their gradients are equal on every TP rank: every rank of a TP group sees the same
-batch and the same full activations.
-
-**Checkpoints.** ``save_checkpoint(..., universal=True)`` stores each split parameter once,
-gathered to its full name and shape (:data:`TP_ATTR` and :data:`TP_FUSED_ATTR` say how), and
-a load at any TP size cuts it again; see [Note: TP in checkpoints] in
-:mod:`ds_core.checkpoint._tp`. A native-format save of a TP engine is refused.
-"""
+"""AutoTP's planning (which ``nn.Linear`` splits how) and the in-place conversion of a model
+(see :mod:`ds_core.tp`)."""
 
 from __future__ import annotations
 
@@ -62,36 +10,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.comm.mesh import Mesh, device_mesh
 from ds_core.errors import ConfigError
-
-__all__ = [
-    "TP_ATTR",
-    "TP_FUSED_ATTR",
-    "CopyToTP",
-    "LinearColumnParallel",
-    "LinearRowParallel",
-    "ReduceFromTP",
-    "apply_autotp",
-    "is_tp_sharded",
-    "model_tp_size",
-    "replaced_parameters",
-    "tp_model_init",
-]
+from ds_core.tp.layers import LinearColumnParallel, LinearRowParallel, slice_rows
 
 log = logging.getLogger("ds_core.tp")
 
-#: attribute on a tensor-parallel parameter: ``"column"`` or ``"row"`` (its values differ on
-#: each TP rank). Replicated parameters (including a row-parallel layer's bias) lack it.
-TP_ATTR = "ds_tensor_parallel"
-#: attribute on a column-parallel parameter of a fused weight: its number of equal
-#: sub-parameters along dim 0 (``[q; k; v]``: 3), each split separately; absent means 1.
-TP_FUSED_ATTR = "ds_tensor_parallel_fused"
 #: attribute on the root module of a converted model: its TP size.
 _MODEL_ATTR = "ds_autotp_size"
 #: attribute on the root module: ``id(replaced parameter) -> its shard``.
@@ -135,11 +63,6 @@ _HEAD_ATTRS = (
 )
 
 
-def is_tp_sharded(param: torch.Tensor) -> bool:
-    """Whether ``param`` holds a tensor-parallel shard (differs on each TP rank)."""
-    return getattr(param, TP_ATTR, None) is not None
-
-
 def replaced_parameters(model: nn.Module) -> dict[int, nn.Parameter]:
     """``id(original parameter) -> the shard replacing it`` for a converted model, so an
     optimizer built over the parameters before the split still names them."""
@@ -149,104 +72,6 @@ def replaced_parameters(model: nn.Module) -> dict[int, nn.Parameter]:
 def model_tp_size(model: nn.Module) -> int:
     """The TP size ``model`` was converted with (1 when it was not)."""
     return int(getattr(model, _MODEL_ATTR, 1))
-
-
-# --------------------------------------------------------------------------- collectives
-
-
-def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
-    out = t.contiguous().clone()
-    get_accelerator().all_reduce(out, "sum", group, False).wait()
-    return out
-
-
-class CopyToTP(torch.autograd.Function):
-    """Identity forward; the gradient is all-reduced over the TP group (a column-parallel
-    layer's input: each rank's partial input gradient becomes the full one)."""
-
-    @staticmethod
-    def forward(ctx: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, _all_reduce(grad, ctx.group)
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """All-reduce over the TP group forward (a row-parallel layer's partial outputs); the
-    gradient passes through unchanged (every rank's output gradient is already the full one)."""
-
-    @staticmethod
-    def forward(ctx: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, grad
-
-
-# --------------------------------------------------------------------------- layers
-
-
-class LinearColumnParallel(nn.Module):
-    """This rank's output slice of a Linear: ``y_local = x · W_localᵀ + b_local``.
-
-    ``in_features`` is the full input width; ``out_features`` the local output width.
-    """
-
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        mesh: Mesh,
-        requires_grad: bool,
-        fused: int = 1,
-    ) -> None:
-        super().__init__()
-        self.group = mesh.tp_group
-        self.tp_size = mesh.tp_size
-        self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
-        for p in (self.weight, self.bias):
-            if p is not None:
-                setattr(p, TP_ATTR, "column")
-                setattr(p, TP_FUSED_ATTR, fused)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            x = CopyToTP.apply(self.group, x)  # type: ignore[no-untyped-call]
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features} (local)"
-
-
-class LinearRowParallel(nn.Module):
-    """A Linear over this rank's input slice, partial outputs summed over the TP group, then
-    the whole (replicated) bias added once. ``in_features`` is the local input width."""
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: Mesh, requires_grad: bool
-    ) -> None:
-        super().__init__()
-        self.group = mesh.tp_group
-        self.tp_size = mesh.tp_size
-        self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
-        setattr(self.weight, TP_ATTR, "row")
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        if self.tp_size > 1:
-            y = ReduceFromTP.apply(self.group, y)  # type: ignore[no-untyped-call]
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features} (local), out_features={self.out_features}"
 
 
 # --------------------------------------------------------------------------- planning
@@ -363,12 +188,6 @@ def plan_autotp(model: nn.Module, tp_size: int, partition_config: Any = None) ->
 # --------------------------------------------------------------------------- conversion
 
 
-def _slice_rows(t: torch.Tensor, fused: int, tp_size: int, tp_rank: int) -> torch.Tensor:
-    sub = t.reshape(fused, t.shape[0] // fused, *t.shape[1:])
-    piece = sub.chunk(tp_size, dim=1)[tp_rank]
-    return piece.reshape(-1, *t.shape[1:]).clone()
-
-
 def apply_autotp(model: nn.Module, mesh: Mesh, partition_config: Any = None) -> dict[str, str]:
     """Split ``model``'s linear layers over ``mesh``'s TP group in place (see the module doc).
 
@@ -431,9 +250,9 @@ def apply_autotp(model: nn.Module, mesh: Mesh, partition_config: Any = None) -> 
         grad = lin.weight.requires_grad
         new: nn.Module
         if split.kind == "column":
-            bias = None if b is None else _slice_rows(b, split.fused, tp, mesh.tp_rank)
+            bias = None if b is None else slice_rows(b, split.fused, tp, mesh.tp_rank)
             new = LinearColumnParallel(
-                _slice_rows(w, split.fused, tp, mesh.tp_rank), bias, mesh, grad, split.fused
+                slice_rows(w, split.fused, tp, mesh.tp_rank), bias, mesh, grad, split.fused
             )
             if leaf in _ATTENTION and parent_path not in heads_done:
                 _local_heads(parent, parent_path or "<model>", tp)
