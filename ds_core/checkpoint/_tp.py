@@ -6,10 +6,11 @@ full name with its full (unsharded) shape, exactly as a model without TP stores 
 checkpoint does not record, or depend on, the TP size it was saved with. With ``T`` TP ranks
 and ``r`` this rank's TP rank:
 
-- **column** (output features split): the full tensor is the concatenation of the shards along
-  dim 0 — per sub-parameter for a fused weight of ``k`` sub-parameters (``[q; k; v]``): the
-  full tensor viewed as ``[k, n, ...]`` has rank ``r``'s shard (viewed as ``[k, n / T, ...]``)
-  at ``[:, r·n/T : (r+1)·n/T]``;
+- **column** (dim 0 split: a Linear's output features, a vocab-parallel embedding's rows): the
+  full tensor is the concatenation of the shards along dim 0 — per sub-parameter for a fused
+  weight (``[q; k; v]``, equal or of the grouped-query sizes ``(q, kv, kv)``): sub-parameter
+  ``i`` of ``n_i`` rows has rank ``r``'s rows ``r·n_i/T … (r+1)·n_i/T`` in rank ``r``'s shard,
+  after its earlier sub-parameters' pieces (:func:`ds_core.tp.layers.slice_rows`);
 - **row** (input features split): concatenation along dim 1;
 - every other parameter is replicated over the TP group and taken from TP rank 0.
 
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_core.tp import TP_ATTR, TP_FUSED_ATTR
+from ds_core.tp.layers import Fused, join_rows, slice_rows
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -43,14 +45,16 @@ def tp_rank(engine: ZeroEngine) -> int:
     return 0 if mesh is None else int(mesh.tp_rank)
 
 
-def split_of(engine: ZeroEngine, zp: ZeroParam) -> tuple[str, int] | None:
-    """``(kind, fused)`` of a TP-sharded parameter on a TP engine, else ``None``."""
+def split_of(engine: ZeroEngine, zp: ZeroParam) -> tuple[str, Fused] | None:
+    """``(kind, fused)`` of a TP-sharded parameter on a TP engine, else ``None`` (``fused``: a
+    count of equal sub-parameters, or their full sizes; see :data:`ds_core.tp.TP_FUSED_ATTR`)."""
     if tp_size(engine) == 1:
         return None
     kind = getattr(zp.param, TP_ATTR, None)
     if kind is None:
         return None
-    return str(kind), int(getattr(zp.param, TP_FUSED_ATTR, 1))
+    fused = getattr(zp.param, TP_FUSED_ATTR, 1)
+    return str(kind), fused if isinstance(fused, int) else tuple(int(n) for n in fused)
 
 
 def full_shape(engine: ZeroEngine, zp: ZeroParam) -> torch.Size:
@@ -77,10 +81,7 @@ def gather(engine: ZeroEngine, zp: ZeroParam, local: torch.Tensor) -> torch.Tens
     engine.acc.all_gather(out.view(-1), local.view(-1), engine.mesh.tp_group).wait()
     if kind == "row":  # [t, out, in/t] -> [out, t, in/t] -> [out, in]
         return out.transpose(0, 1).reshape(full_shape(engine, zp))
-    rows, rest = zp.shape[0], tuple(zp.shape[1:])
-    # [t, k, rows/k, ...] -> [k, t, rows/k, ...] -> [k * t * rows/k, ...]
-    sub = out.view(t, fused, rows // fused, *rest).transpose(0, 1)
-    return sub.reshape(full_shape(engine, zp))
+    return join_rows(list(out), fused).reshape(full_shape(engine, zp))
 
 
 def cut(engine: ZeroEngine, zp: ZeroParam, full: torch.Tensor) -> torch.Tensor:
@@ -93,5 +94,4 @@ def cut(engine: ZeroEngine, zp: ZeroParam, full: torch.Tensor) -> torch.Tensor:
     full = full.reshape(full_shape(engine, zp))
     if kind == "row":
         return full.chunk(t, dim=1)[r]
-    sub = full.reshape(fused, full.shape[0] // fused, *full.shape[1:])
-    return sub.chunk(t, dim=1)[r].reshape(zp.shape)
+    return slice_rows(full, fused, t, r).reshape(zp.shape)

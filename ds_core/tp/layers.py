@@ -12,12 +12,17 @@ from torch import nn
 from ds_core.accelerator import get_accelerator
 from ds_core.comm.mesh import Mesh
 
-#: attribute on a tensor-parallel parameter: ``"column"`` or ``"row"`` (its values differ on
-#: each TP rank). Replicated parameters (including a row-parallel layer's bias) lack it.
+#: attribute on a tensor-parallel parameter, naming the dimension it is split along (its
+#: values differ on each TP rank): ``"column"`` = dim 0 (a Linear's output features, an
+#: embedding's vocabulary rows), ``"row"`` = dim 1 (a Linear's input features). Replicated
+#: parameters (including a row-parallel layer's bias) lack it.
 TP_ATTR = "ds_tensor_parallel"
-#: attribute on a column-parallel parameter of a fused weight: its number of equal
-#: sub-parameters along dim 0 (``[q; k; v]``: 3), each split separately; absent means 1.
+#: attribute on a column-split parameter holding several sub-parameters along dim 0, each
+#: split on its own: their number when equal (``[q; k; v]``: 3, ``[gate; up]``: 2) or their
+#: full sizes when not (grouped-query ``[q; k; v]``: ``(q, kv, kv)``); absent means 1.
 TP_FUSED_ATTR = "ds_tensor_parallel_fused"
+
+Fused = int | tuple[int, ...]
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
@@ -61,11 +66,32 @@ class ReduceFromTP(torch.autograd.Function):
         return None, grad
 
 
+class GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dimension over the TP group forward (a column-parallel
+    layer's output made whole on every rank); backward keeps this rank's slice of the gradient
+    (every rank holds the same full output gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, tp_size: int, tp_rank: int, x: torch.Tensor) -> torch.Tensor:
+        ctx.tp_size, ctx.tp_rank = tp_size, tp_rank
+        x = x.contiguous()
+        out = torch.empty((tp_size, *x.shape), dtype=x.dtype, device=x.device)
+        get_accelerator().all_gather(out.view(-1), x.view(-1), group, False).wait()
+        # [t, ..., local] -> [..., t, local] -> [..., t * local]
+        return out.movedim(0, -2).reshape(*x.shape[:-1], tp_size * x.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, torch.Tensor]:
+        return None, None, None, grad.chunk(ctx.tp_size, dim=-1)[ctx.tp_rank].contiguous()
+
+
 # --------------------------------------------------------------------------- layers
 
 
 class LinearColumnParallel(nn.Module):
-    """This rank's output slice of a Linear: ``y_local = x · W_localᵀ + b_local``.
+    """This rank's output slice of a Linear: ``y_local = x · W_localᵀ + b_local``, or with
+    ``gather_output`` the whole ``y`` (all-gathered; one sub-parameter only, so the gathered
+    columns are in the original order).
 
     ``in_features`` is the full input width; ``out_features`` the local output width.
     """
@@ -76,13 +102,17 @@ class LinearColumnParallel(nn.Module):
         bias: torch.Tensor | None,
         mesh: Mesh,
         requires_grad: bool,
-        fused: int = 1,
+        fused: Fused = 1,
+        gather_output: bool = False,
+        weight_param: nn.Parameter | None = None,
     ) -> None:
         super().__init__()
         self.group = mesh.tp_group
-        self.tp_size = mesh.tp_size
+        self.tp_size, self.tp_rank = mesh.tp_size, mesh.tp_rank
+        self.gather_output = gather_output
         self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        # weight_param: the shard already made for a tied embedding (one Parameter, as before)
+        self.weight = weight_param or nn.Parameter(weight, requires_grad=requires_grad)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
         for p in (self.weight, self.bias):
             if p is not None:
@@ -90,12 +120,17 @@ class LinearColumnParallel(nn.Module):
                 setattr(p, TP_FUSED_ATTR, fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            x = CopyToTP.apply(self.group, x)  # type: ignore[no-untyped-call]
-        return F.linear(x, self.weight, self.bias)
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        x = CopyToTP.apply(self.group, x)  # type: ignore[no-untyped-call]
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = GatherFromTP.apply(self.group, self.tp_size, self.tp_rank, y)  # type: ignore[no-untyped-call]
+        return y
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features} (local)"
+        gathered = ", gather_output" if self.gather_output else ""
+        return f"in_features={self.in_features}, out_features={self.out_features} (local){gathered}"
 
 
 class LinearRowParallel(nn.Module):
@@ -123,7 +158,62 @@ class LinearRowParallel(nn.Module):
         return f"in_features={self.in_features} (local), out_features={self.out_features}"
 
 
-def slice_rows(t: torch.Tensor, fused: int, tp_size: int, tp_rank: int) -> torch.Tensor:
-    sub = t.reshape(fused, t.shape[0] // fused, *t.shape[1:])
-    piece = sub.chunk(tp_size, dim=1)[tp_rank]
-    return piece.reshape(-1, *t.shape[1:]).clone()
+def sub_sizes(fused: Fused, rows: int) -> tuple[int, ...]:
+    """The sizes along dim 0 of the sub-parameters of a ``rows``-row tensor."""
+    return (rows // fused,) * fused if isinstance(fused, int) else tuple(fused)
+
+
+def slice_rows(t: torch.Tensor, fused: Fused, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """``tp_rank``'s rows of the full tensor ``t``: each sub-parameter along dim 0 cut into
+    ``tp_size`` equal pieces and this rank's pieces re-fused in order (a view when ``t`` has
+    one sub-parameter). Sizes must divide; the caller checks and names the module."""
+    parts = torch.split(t, list(sub_sizes(fused, t.shape[0])), dim=0)
+    if len(parts) == 1:
+        return t.chunk(tp_size, dim=0)[tp_rank]
+    return torch.cat([p.chunk(tp_size, dim=0)[tp_rank] for p in parts])
+
+
+def join_rows(shards: list[torch.Tensor], fused: Fused) -> torch.Tensor:
+    """The full tensor from every TP rank's :func:`slice_rows` piece (in TP-rank order)."""
+    tp = len(shards)
+    local = [n // tp for n in sub_sizes(fused, shards[0].shape[0] * tp)]
+    pieces = [torch.split(s, local, dim=0) for s in shards]
+    return torch.cat([pieces[r][i] for i in range(len(local)) for r in range(tp)])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose vocabulary rows are split over the TP group: this rank holds
+    rows ``[vocab_start, vocab_start + num_embeddings)``; a token id outside them looks up
+    zeros, and the all-reduce of the output sums the one rank's row that holds it.
+
+    ``num_embeddings`` is the local row count. Ids outside ``[0, full vocabulary)`` give a
+    zero vector instead of an ``IndexError`` (checking would read the ids on the host).
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, source: nn.Embedding, mesh: Mesh, requires_grad: bool
+    ) -> None:
+        super().__init__()
+        self.group = mesh.tp_group
+        self.tp_size = mesh.tp_size
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.vocab_start = mesh.tp_rank * self.num_embeddings
+        pad = source.padding_idx
+        local_pad = None if pad is None else pad - self.vocab_start
+        self.padding_idx = (
+            local_pad if local_pad is not None and 0 <= local_pad < len(weight) else None
+        )
+        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        setattr(self.weight, TP_ATTR, "column")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
+        y = y.masked_fill(outside.unsqueeze(-1), 0.0)  # also keeps row 0's gradient clean
+        if self.tp_size > 1:
+            y = ReduceFromTP.apply(self.group, y)  # type: ignore[no-untyped-call]
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings} (local, from {self.vocab_start}), {self.embedding_dim}"

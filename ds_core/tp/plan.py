@@ -16,7 +16,14 @@ from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.comm.mesh import Mesh, device_mesh
 from ds_core.errors import ConfigError
-from ds_core.tp.layers import LinearColumnParallel, LinearRowParallel, slice_rows
+from ds_core.tp.layers import (
+    Fused,
+    LinearColumnParallel,
+    LinearRowParallel,
+    VocabParallelEmbedding,
+    slice_rows,
+    sub_sizes,
+)
 
 log = logging.getLogger("ds_core.tp")
 
@@ -51,16 +58,9 @@ _ROW = frozenset(
 )
 _ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv", "qkv_proj"})
 _ATTENTION |= {"c_attn", "Wqkv"}
-_HEAD_ATTRS = (
-    "num_heads",
-    "n_head",
-    "n_heads",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_kv_heads",
-    "n_kv_heads",
-    "n_kv_head",
-)
+_Q_HEADS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+_HEAD_ATTRS = _Q_HEADS + _KV_HEADS
 
 
 def replaced_parameters(model: nn.Module) -> dict[int, nn.Parameter]:
@@ -80,8 +80,9 @@ def model_tp_size(model: nn.Module) -> int:
 @dataclass(frozen=True)
 class _Split:
     kind: str  # "column" | "row" | "skip"
-    fused: int = 1  # equal sub-parameters along dim 0 (column only)
+    fused: Fused = 1  # sub-parameters along dim 0 (column only): a count or their sizes
     source: str = "heuristic"
+    gather_output: bool = False
 
 
 def _get(cfg: Any, key: str, default: Any) -> Any:
@@ -103,17 +104,27 @@ def _specs(partition_config: Any) -> list[tuple[list[str], _Split]]:
                 f"column, row or skip, got {kind!r}"
             )
         shape = _get(spec, "shape", None)
-        fused = int(shape[0]) if shape else 1
+        fused: Fused = 1
+        if shape:
+            fused = (
+                tuple(int(n) for n in shape[0])
+                if isinstance(shape[0], list | tuple)
+                else int(shape[0])
+            )
         patterns = list(_get(spec, "patterns", []))
-        out.append((patterns, _Split(kind, fused, f"layer_specs.{i}")))
+        gather = bool(_get(spec, "gather_output", False))
+        out.append((patterns, _Split(kind, fused, f"layer_specs.{i}", gather)))
     return out
 
 
 def plan_autotp(model: nn.Module, tp_size: int, partition_config: Any = None) -> dict[str, _Split]:
     """Decide each ``nn.Linear``'s split (module path → split), without changing the model.
 
+    An ``nn.Embedding`` is split only when a spec asks, with ``row`` (its vocabulary rows).
+
     :raises ConfigError: a pattern matching no module, a spec splitting a module that is not an
-        ``nn.Linear``, or ``strict_mode`` with a Linear left undecided.
+        ``nn.Linear`` or ``nn.Embedding`` (or an embedding other than ``row``), or
+        ``strict_mode`` with a Linear left undecided.
     """
     modules = dict(model.named_modules())
     specs = _specs(partition_config)
@@ -136,11 +147,17 @@ def plan_autotp(model: nn.Module, tp_size: int, partition_config: Any = None) ->
                 continue
             for p in matched:
                 hits[p] += 1
-            if split.kind != "skip" and not isinstance(mod, nn.Linear):
+            where = f"tensor_parallel.partition_config.{split.source}"
+            if split.kind != "skip" and not isinstance(mod, nn.Linear | nn.Embedding):
                 raise ConfigError(
-                    f"tensor_parallel.partition_config.{split.source}: {matched[0]!r} matches "
-                    f"{path} ({type(mod).__name__}); only nn.Linear modules can be split "
-                    "(embeddings and other layers stay replicated)"
+                    f"{where}: {matched[0]!r} matches {path} ({type(mod).__name__}); only "
+                    "nn.Linear and nn.Embedding modules can be split"
+                )
+            if isinstance(mod, nn.Embedding) and split.kind == "column":
+                raise ConfigError(
+                    f"{where}: {path} is an nn.Embedding; it splits its vocabulary rows "
+                    "(partition_type row, all-reduced output); a split of its embedding "
+                    "dimension is not supported yet"
                 )
             if path not in decided:  # the first matching spec decides, as in DeepSpeed
                 decided[path] = split
@@ -171,7 +188,10 @@ def plan_autotp(model: nn.Module, tp_size: int, partition_config: Any = None) ->
             has_row = bool(rows) or "row" in spec_kinds.get(parent, set())
             if has_col and has_row:
                 for c in cols:
-                    decided[c] = _Split("column", _FUSED.get(leaves[c], 1))
+                    fused: Fused = _FUSED.get(leaves[c], 1)
+                    if fused == 3:
+                        fused = _qkv_sizes(modules[parent], modules[c], c)
+                    decided[c] = _Split("column", fused)
                 for r in rows:
                     decided[r] = _Split("row")
     if bool(_get(partition_config, "strict_mode", False)):
@@ -182,7 +202,31 @@ def plan_autotp(model: nn.Module, tp_size: int, partition_config: Any = None) ->
                 f"{', '.join(left)}; add a layer_specs entry (partition_type skip to keep one "
                 "replicated)"
             )
-    return {p: s for p, s in decided.items() if isinstance(modules[p], nn.Linear)}
+    return {p: s for p, s in decided.items() if isinstance(modules[p], nn.Linear | nn.Embedding)}
+
+
+def _heads(module: nn.Module, names: tuple[str, ...]) -> int | None:
+    for attr in names:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _qkv_sizes(attn: nn.Module, qkv: nn.Module, path: str) -> Fused:
+    """A fused ``[q; k; v]``'s sub-parameter sizes: equal thirds, or ``(q, kv, kv)`` when its
+    parent says it has fewer key/value heads than query heads (grouped-query attention)."""
+    heads, kv = _heads(attn, _Q_HEADS), _heads(attn, _KV_HEADS)
+    if heads is None or kv is None or kv == heads or not isinstance(qkv, nn.Linear):
+        return 3
+    rows = qkv.out_features
+    if rows % (heads + 2 * kv):
+        raise ConfigError(
+            f"{path}: out_features {rows} is not (num_heads {heads} + 2 × num_kv_heads {kv}) "
+            "× head_dim; give its layout with a layer_specs entry (shape [[q, k, v], -1])"
+        )
+    dim = rows // (heads + 2 * kv)
+    return (heads * dim, kv * dim, kv * dim)
 
 
 # --------------------------------------------------------------------------- conversion
@@ -217,6 +261,7 @@ def apply_autotp(model: nn.Module, mesh: Mesh, partition_config: Any = None) -> 
             "drop tp_size (DeepSpeed overwrites it with autotp_size)"
         )
     plan = plan_autotp(model, tp, partition_config)
+    _check_ties(model, plan)
     acc = get_accelerator()
     world = comm.get_world_size()
     result: dict[str, str] = {}
@@ -227,32 +272,31 @@ def apply_autotp(model: nn.Module, mesh: Mesh, partition_config: Any = None) -> 
             continue
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path)
-        lin = getattr(parent, leaf)
-        assert isinstance(lin, nn.Linear)
-        w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
-        out_f, in_f = w.shape
-        if split.kind == "column" and out_f % (split.fused * tp):
-            what = f"{split.fused} fused sub-parameters of " if split.fused > 1 else ""
-            raise ConfigError(
-                f"{path}: {what}out_features {out_f} cannot be split over autotp_size {tp} "
-                f"(column split needs a multiple of {split.fused * tp})"
-            )
-        if split.kind == "row" and in_f % tp:
-            raise ConfigError(
-                f"{path}: in_features {in_f} is not divisible by autotp_size {tp} (row split)"
-            )
+        old = getattr(parent, leaf)
+        _check_divisible(path, old, split, tp)
+        w, b = old.weight.detach(), getattr(old, "bias", None)
+        b = None if b is None else b.detach()
         if world > 1:
             w = w.contiguous().clone()
             acc.broadcast(w, 0, None)
             if b is not None:
                 b = b.contiguous().clone()
                 acc.broadcast(b, 0, None)
-        grad = lin.weight.requires_grad
+        grad = old.weight.requires_grad
+        # A tied weight (embedding and LM head) becomes one shard Parameter in both modules.
+        shared = replaced.get(id(old.weight))
         new: nn.Module
-        if split.kind == "column":
-            bias = None if b is None else slice_rows(b, split.fused, tp, mesh.tp_rank)
+        if isinstance(old, nn.Embedding):
+            new = VocabParallelEmbedding(
+                slice_rows(w, 1, tp, mesh.tp_rank).clone(), old, mesh, grad
+            )
+            if shared is not None:
+                new.weight = shared
+        elif split.kind == "column":
+            bias = None if b is None else slice_rows(b, split.fused, tp, mesh.tp_rank).clone()
+            piece = slice_rows(w, split.fused, tp, mesh.tp_rank).clone()
             new = LinearColumnParallel(
-                slice_rows(w, split.fused, tp, mesh.tp_rank), bias, mesh, grad, split.fused
+                piece, bias, mesh, grad, split.fused, split.gather_output, shared
             )
             if leaf in _ATTENTION and parent_path not in heads_done:
                 _local_heads(parent, parent_path or "<model>", tp)
@@ -262,13 +306,85 @@ def apply_autotp(model: nn.Module, mesh: Mesh, partition_config: Any = None) -> 
             new = LinearRowParallel(piece, None if b is None else b.clone(), mesh, grad)
         setattr(parent, leaf, new)
         result[path] = split.kind
-        replaced[id(lin.weight)] = new.weight
-        if lin.bias is not None:
-            replaced[id(lin.bias)] = new.bias  # type: ignore[assignment]
+        replaced[id(old.weight)] = new.weight
+        if getattr(old, "bias", None) is not None:
+            replaced[id(old.bias)] = new.bias  # type: ignore[assignment]
     setattr(model, _MODEL_ATTR, tp)
     setattr(model, _REPLACED_ATTR, replaced)
     log.info("AutoTP over %d ranks: %s", tp, ", ".join(f"{p}={k}" for p, k in result.items()))
     return result
+
+
+def _check_divisible(path: str, mod: nn.Module, split: _Split, tp: int) -> None:
+    """Refuse, naming ``path``, a split the shapes or the layout do not allow."""
+    if isinstance(mod, nn.Embedding):
+        if mod.num_embeddings % tp:
+            raise ConfigError(
+                f"{path}: vocabulary size {mod.num_embeddings} is not divisible by autotp_size "
+                f"{tp} (vocab-parallel embedding); pad the vocabulary to a multiple of {tp}"
+            )
+        if mod.max_norm is not None or mod.sparse:
+            raise ConfigError(
+                f"{path}: a vocab-parallel split of an nn.Embedding with max_norm or sparse "
+                "gradients is not supported yet; keep it replicated (partition_type skip)"
+            )
+        return
+    assert isinstance(mod, nn.Linear)  # plan_autotp keeps only Linear and Embedding
+    out_f, in_f = mod.weight.shape
+    if split.kind == "row":
+        if in_f % tp:
+            raise ConfigError(
+                f"{path}: in_features {in_f} is not divisible by autotp_size {tp} (row split)"
+            )
+        return
+    sizes = sub_sizes(split.fused, out_f)
+    if isinstance(split.fused, int) and out_f % split.fused:
+        sizes = ()
+    if sum(sizes) != out_f:
+        raise ConfigError(
+            f"{path}: out_features {out_f} does not hold the sub-parameters of "
+            f"{split.source}'s shape ({split.fused}); fix its shape"
+        )
+    if any(n % tp for n in sizes):
+        what = f"sub-parameters {list(sizes)} of " if len(sizes) > 1 else ""
+        raise ConfigError(
+            f"{path}: {what}out_features {out_f} cannot be split over autotp_size {tp} "
+            f"(a column split needs each sub-parameter to be a multiple of {tp})"
+        )
+    if split.gather_output and len(sizes) > 1:
+        raise ConfigError(
+            f"{path}: gather_output with a fused weight ({split.source}) is not supported yet; "
+            "split its parts into separate Linear modules or drop gather_output"
+        )
+
+
+def _layout(mod: nn.Module, split: _Split | None) -> tuple[str, Fused] | None:
+    if split is None or split.kind == "skip":
+        return None
+    if isinstance(mod, nn.Embedding):
+        return ("column", 1)  # vocabulary rows: dim 0, like a column-split LM head
+    return ("column", split.fused) if split.kind == "column" else ("row", 1)
+
+
+def _check_ties(model: nn.Module, plan: dict[str, _Split]) -> None:
+    """A weight shared by several modules (a tied embedding and LM head) must be split the
+    same way in all of them, or in none; otherwise refuse naming them."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        w = getattr(mod, "weight", None)
+        if isinstance(w, nn.Parameter) and isinstance(mod, nn.Linear | nn.Embedding):
+            owners.setdefault(id(w), []).append((path, mod))
+    for tied in owners.values():
+        if len(tied) < 2:
+            continue
+        layouts = {_layout(m, plan.get(p)) for p, m in tied}
+        if len(layouts) > 1:
+            names = " and ".join(f"{p}.weight" for p, _ in tied)
+            raise ConfigError(
+                f"tensor_parallel.partition_config: {names} are tied (one Parameter) but split "
+                "differently; split both over the vocabulary (the embedding partition_type "
+                "row, the LM head column) or neither"
+            )
 
 
 def _local_heads(module: nn.Module, path: str, tp: int) -> None:

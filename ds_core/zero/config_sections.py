@@ -9,7 +9,7 @@ import importlib.metadata as md
 from typing import Any
 
 import torch
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, field_validator, model_validator
 
 from ds_core.known_backends import KNOWN_BACKENDS
 from ds_core.plugins import BACKEND_GROUP
@@ -113,15 +113,19 @@ class TPLayerSpecConfig(BaseModel):
     patterns: list[str]
     partition_type: str = "column"
     """``column``, ``row``, or ``skip`` (DeepSpeed's word; ``replicate`` is a synonym)."""
-    shape: list[int] | None = None
+    shape: list[int | list[int]] | None = None
     """``[k, -1]``: the weight holds ``k`` equal sub-parameters along dim 0 (a fused
-    ``[q; k; v]`` is ``[3, -1]``), each split on its own. Other shapes: not supported yet."""
+    ``[q; k; v]`` is ``[3, -1]``), each split on its own; ``[[q, k, v], -1]``: sub-parameters
+    of these sizes along dim 0 (rows; grouped-query attention's fused ``[q; k; v]``), each
+    split on its own and re-fused. Other shapes (3-D views, ``partition_dim`` 1): not
+    supported yet."""
     partition_dim: Int | None = None
     """Only the default is supported: 0 for column, 1 for row."""
     model_types: list[str] | None = None
     """Not supported yet (no model type is known to ds_core): must be absent."""
     gather_output: Bool = False
-    """Not supported yet: must be false."""
+    """Column splits only: all-gather the output so every TP rank gets the whole of it (an
+    untied LM head whose logits the loss reads whole). Not with a fused ``shape``."""
 
     @field_validator("patterns")
     @classmethod
@@ -147,11 +151,19 @@ class TPLayerSpecConfig(BaseModel):
 
     @field_validator("shape")
     @classmethod
-    def _shape(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (len(value) != 2 or value[1] != -1 or value[0] < 1):
+    def _shape(cls, value: list[int | list[int]] | None) -> list[int | list[int]] | None:
+        if value is None:
+            return value
+        first = value[0] if value else None
+        ok = len(value) == 2 and value[1] == -1
+        if isinstance(first, list):
+            ok = ok and bool(first) and all(isinstance(n, int) and n > 0 for n in first)
+        else:
+            ok = ok and isinstance(first, int) and first >= 1
+        if not ok:
             raise ValueError(
-                f"only [k, -1] (k equal fused sub-parameters along dim 0) is supported, "
-                f"got {value!r}"
+                "only [k, -1] (k equal fused sub-parameters along dim 0) or [[n1, n2, ...], -1] "
+                f"(sub-parameters of these row counts) is supported, got {value!r}"
             )
         return value
 
@@ -162,12 +174,17 @@ class TPLayerSpecConfig(BaseModel):
             raise ValueError("not supported yet (ds_core knows no model type); remove it")
         return value
 
-    @field_validator("gather_output")
-    @classmethod
-    def _no_gather(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("not supported yet (a column split keeps its output sharded)")
-        return value
+    @model_validator(mode="after")
+    def _gather_is_column(self) -> TPLayerSpecConfig:
+        if self.gather_output and self.partition_type != "column":
+            raise ValueError("gather_output needs partition_type column")
+        default = {"column": 0, "row": 1}.get(self.partition_type)
+        if self.partition_dim is not None and self.partition_dim != default:
+            raise ValueError(
+                f"partition_dim {self.partition_dim} with partition_type "
+                f"{self.partition_type} is not supported yet; only the default ({default}) is"
+            )
+        return self
 
 
 class TPPartitionConfig(BaseModel):
@@ -181,10 +198,12 @@ class TPPartitionConfig(BaseModel):
     strict_mode: Bool = False
     """Fail when an ``nn.Linear`` is left unsplit without a spec saying ``skip``."""
     lm_head_patterns: list[str] = ["lm_head", "embed_out"]
-    """Module names (last path component) the heuristics never split."""
+    """Module names (last path component) the heuristics never split; a ``layer_specs`` entry
+    can still split one (``column``, with ``gather_output`` for whole logits)."""
     embedding_partition_dim: Int = 1
-    """Accepted for DeepSpeed configs; embeddings stay replicated (sharding them is not
-    supported yet)."""
+    """Accepted for DeepSpeed configs and not used: an ``nn.Embedding`` is split only when a
+    ``layer_specs`` entry names it (``partition_type row``: vocabulary rows split, output
+    all-reduced); otherwise embeddings stay replicated."""
     tp_size: Int | None = None
     """DeepSpeed overwrites it with ``autotp_size``; if given it must equal that."""
 

@@ -357,12 +357,30 @@ class GradReducer:
             if ug.reduced is not None and (not self.policy.all_reduce or ug.unit.group_rank == 0):
                 yield ug.reduced
 
+    def _tp_replica_buffers(self) -> Iterator[torch.Tensor]:
+        """The reduced gradients :meth:`reduced_buffers` leaves out on a TP rank other than 0
+        (their TP rank 0 counts them)."""
+        if self.tp_rank == 0:
+            return
+        for ug in self.units:
+            if ug.unit.tp_sharded:
+                continue
+            if self.host is not None:
+                yield self.host.buffer(ug.unit)
+            elif ug.reduced is not None and (not self.policy.all_reduce or ug.unit.group_rank == 0):
+                yield ug.reduced
+
     def global_norm(self, dtype: torch.dtype) -> torch.Tensor:
         """Global L2 norm of the reduced gradients, as a 0-dim ``dtype`` device tensor (one
-        all-reduce over the world; never read on the host here)."""
+        all-reduce over the world; never read on the host here). Non-finite when any rank
+        holds a non-finite gradient, TP replicas included."""
         total = torch.zeros((), dtype=dtype, device=self.device)
         for buf in self.reduced_buffers():
             total += _sum_of_squares(buf, dtype).to(self.device)  # host buffers under offload
+        for buf in self._tp_replica_buffers():
+            # Counted on TP rank 0, but an inf/NaN here (0 × inf is NaN) must still reach the
+            # norm, so every rank of the mesh skips the step and clips alike.
+            total += _sum_of_squares(buf, dtype).to(self.device) * 0
         if self.world * self.tp_size > 1:
             # Every range and expert is held by exactly one rank (replicas are counted on the
             # group's first rank only, TP replicas on TP rank 0), so the sum over the world

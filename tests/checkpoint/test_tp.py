@@ -119,8 +119,11 @@ class _FakeGather:
 
 
 @pytest.mark.parametrize(("kind", "fused", "shape"), [("column", 3, (12, 4)), ("column", 2, (8,)),
+                                                      ("column", (8, 4, 4), (16, 2)),  # GQA
                                                       ("row", 1, (4, 6)), ("column", 1, (6, 2))])  # fmt: skip
-def test_gather_and_cut_invert_autotp_split(kind: str, fused: int, shape: tuple[int, ...]) -> None:
+def test_gather_and_cut_invert_autotp_split(
+    kind: str, fused: int | tuple[int, ...], shape: tuple[int, ...]
+) -> None:
     tp = 2
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
     if kind == "row":

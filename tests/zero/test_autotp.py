@@ -198,14 +198,26 @@ def test_config_keys() -> None:
         load_config({"tensor_parallel": {"autotp_size": 2, "preset_model": "llama"}}, 2)
     with pytest.raises(ConfigError, match="does not divide"):
         load_config({"tensor_parallel": {"autotp_size": 3}}, 4)
-    with pytest.raises(ConfigError, match="gather_output"):
+    with pytest.raises(ConfigError, match="gather_output needs partition_type column"):
         load_config(
             {
                 "tensor_parallel": {
                     "autotp_size": 2,
                     "partition_config": {
-                        "layer_specs": [{"patterns": ["x"], "gather_output": True}]
+                        "layer_specs": [
+                            {"patterns": ["x"], "partition_type": "row", "gather_output": True}
+                        ]
                     },
+                }
+            },
+            2,
+        )
+    with pytest.raises(ConfigError, match="partition_dim 1 with partition_type column"):
+        load_config(
+            {
+                "tensor_parallel": {
+                    "autotp_size": 2,
+                    "partition_config": {"layer_specs": [{"patterns": ["x"], "partition_dim": 1}]},
                 }
             },
             2,
