@@ -112,7 +112,11 @@ class LinearColumnParallel(nn.Module):
         self.gather_output = gather_output
         self.out_features, self.in_features = weight.shape
         # weight_param: the shard already made for a tied embedding (one Parameter, as before)
-        self.weight = weight_param or nn.Parameter(weight, requires_grad=requires_grad)
+        self.weight = (
+            weight_param
+            if weight_param is not None
+            else nn.Parameter(weight, requires_grad=requires_grad)
+        )
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
         for p in (self.weight, self.bias):
             if p is not None:

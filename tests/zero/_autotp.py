@@ -20,6 +20,7 @@ from tests.zero._common import EPS
 VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, SEQ = 32, 16, 4, 2, 32, 2, 6
 MICRO = 2  # sequences per DP rank per micro-batch
 LR = 1e-2
+LOSS_SCALE = 128.0
 
 
 class RMSNorm(nn.Module):
@@ -33,22 +34,36 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention that reshapes with its head counts (AutoTP divides them)."""
+    """Grouped-query attention that reshapes with its head counts (AutoTP divides them);
+    ``fused``: one ``qkv_proj`` of unequal parts ``[q; k; v]`` (Phi-3 style)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_key_value_heads = HEADS, KV_HEADS
         self.head_dim = HIDDEN // HEADS
-        self.q_proj = nn.Linear(HIDDEN, HEADS * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(HIDDEN, KV_HEADS * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(HIDDEN, KV_HEADS * self.head_dim, bias=False)
+        if fused:
+            # no bias: a key bias's gradient is zero up to rounding (softmax ignores a shift),
+            # and AdamW would turn that rounding noise into updates
+            self.qkv_proj = nn.Linear(HIDDEN, (HEADS + 2 * KV_HEADS) * self.head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(HIDDEN, HEADS * self.head_dim, bias=False)
+            self.k_proj = nn.Linear(HIDDEN, KV_HEADS * self.head_dim, bias=False)
+            self.v_proj = nn.Linear(HIDDEN, KV_HEADS * self.head_dim, bias=False)
         self.o_proj = nn.Linear(HEADS * self.head_dim, HIDDEN, bias=False)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if hasattr(self, "qkv_proj"):
+            kv = self.num_key_value_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+            return q, k, v
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._qkv(x)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_key_value_heads, self.head_dim).transpose(1, 2)
         rep = self.num_heads // self.num_key_value_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -58,26 +73,33 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU; biases on up/down so the column split of a bias and the once-added row bias
-    are exercised."""
+    are exercised; ``fused``: one ``gate_up_proj`` ``[gate; up]``."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(HIDDEN, FFN, bias=False)
-        self.up_proj = nn.Linear(HIDDEN, FFN)
+        if fused:
+            self.gate_up_proj = nn.Linear(HIDDEN, 2 * FFN)
+        else:
+            self.gate_proj = nn.Linear(HIDDEN, FFN, bias=False)
+            self.up_proj = nn.Linear(HIDDEN, FFN)
         self.down_proj = nn.Linear(FFN, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
 
 class Layer(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(HIDDEN)
-        self.self_attn = Attention()
+        self.self_attn = Attention(fused)
         self.post_attention_layernorm = RMSNorm(HIDDEN)
-        self.mlp = MLP()
+        self.mlp = MLP(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -85,10 +107,10 @@ class Layer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Layer(fused) for _ in range(LAYERS))
         self.norm = RMSNorm(HIDDEN)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -101,21 +123,37 @@ class Body(nn.Module):
 
 class TinyLlama(nn.Module):
     """``model.layers.N.self_attn.{q,k,v,o}_proj``, ``model.layers.N.mlp.{gate,up,down}_proj``,
-    an untied ``lm_head`` (left replicated)."""
+    an untied ``lm_head`` (left replicated by the heuristics). ``fused``: ``qkv_proj`` and
+    ``gate_up_proj`` instead; ``tied``: ``lm_head.weight`` is ``model.embed_tokens.weight``."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False, tied: bool = False) -> None:
         super().__init__()
-        self.model = Body()
+        self.model = Body(fused)
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.model(idx))
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def llama_state(seed: int = 0) -> dict[str, torch.Tensor]:
+def llama_state(seed: int = 0, fused: bool = False, tied: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    return {k: v.clone() for k, v in TinyLlama().state_dict().items()}
+    return {k: v.clone() for k, v in TinyLlama(fused, tied).state_dict().items()}
+
+
+#: sub-parameters along dim 0 of the fused weights (GQA ``[q; k; v]``: unequal).
+FUSED = {
+    "qkv_proj": (HEADS * HIDDEN // HEADS, KV_HEADS * HIDDEN // HEADS, KV_HEADS * HIDDEN // HEADS),
+    "gate_up_proj": 2,
+    "attn.qkv": 3,  # the GPT example
+}
+
+
+def fused_of(param_name: str) -> int | tuple[int, ...]:
+    module = param_name.rpartition(".")[0]
+    return next((f for k, f in FUSED.items() if module.endswith(k)), 1)
 
 
 def gpt_model() -> nn.Module:
@@ -135,6 +173,13 @@ PARTITION_CONFIG: dict[str, Any] = {
         {"patterns": [r"model\.layers\.0\.mlp\.down_proj\.weight$"], "partition_type": "row"},
     ],
 }
+#: the embedding split over its vocabulary, the LM head column-split with gathered logits.
+VOCAB_CONFIG: dict[str, Any] = {
+    "layer_specs": [
+        {"patterns": [r"model\.embed_tokens\.weight$"], "partition_type": "row"},
+        {"patterns": [r"lm_head\.weight$"], "partition_type": "column", "gather_output": True},
+    ],
+}
 
 
 @dataclass
@@ -146,6 +191,11 @@ class TPScenario:
     steps: int = 3
     clip: float = 0.5
     model: str = "llama"  # or "gpt"
+    fused: bool = False  # llama: qkv_proj (GQA) and gate_up_proj
+    tied: bool = False  # llama: lm_head.weight is model.embed_tokens.weight
+    precision: str = "fp32"  # or "bf16", "fp16" (static loss scale LOSS_SCALE)
+    #: parameter atol when looser than the precision's (the reason at the scenario)
+    param_atol: float = 0.0
     partition_config: dict[str, Any] | None = None
     function_form: bool = False  # tp_model_init before initialize, no tensor_parallel key
     extra: dict[str, Any] = field(default_factory=dict)
@@ -166,6 +216,10 @@ class TPScenario:
                 "stage3_param_persistence_threshold": 0,
             },
         }
+        if self.precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        elif self.precision == "fp16":
+            cfg["fp16"] = {"enabled": True, "loss_scale": LOSS_SCALE}
         if not self.function_form:
             tp: dict[str, Any] = {"autotp_size": self.tp}
             if self.partition_config is not None:
@@ -177,8 +231,18 @@ class TPScenario:
 
 def scenarios(world: int) -> dict[str, TPScenario]:
     if world == 4:
-        return {f"tp2dp2_s{s}": TPScenario(stage=s, world=4) for s in range(4)}
+        out = {f"tp2dp2_s{s}": TPScenario(stage=s, world=4) for s in range(4)}
+        for s in (1, 3):
+            for prec in ("bf16", "fp16"):
+                out[f"tp2dp2_{prec}_s{s}"] = TPScenario(stage=s, world=4, precision=prec)
+        return out
     return {
+        # One gate_up_proj element's first gradient is -1.1e-7 (1e4 x below the median, a
+        # cancellation): AdamW (eps 1e-6) turns its last-bit differences into 1e-5 changes
+        # of that weight; losses and norms still match to 1e-5.
+        "tp2_fused_s2": TPScenario(stage=2, world=2, fused=True, param_atol=LR * 1e-2),
+        "tp2_vocab_s1": TPScenario(stage=1, world=2, partition_config=VOCAB_CONFIG),
+        "tp2_tied_s3": TPScenario(stage=3, world=2, tied=True, partition_config=VOCAB_CONFIG),
         "tp2_s1": TPScenario(stage=1, world=2),
         "tp2_s3": TPScenario(stage=3, world=2),
         "tp2_pcfg_s2": TPScenario(stage=2, world=2, partition_config=PARTITION_CONFIG),
@@ -206,8 +270,8 @@ def batches(sc: TPScenario, seed: int = 1) -> list[list[tuple[torch.Tensor, torc
 def build(sc: TPScenario) -> nn.Module:
     if sc.model == "gpt":
         return gpt_model()
-    model = TinyLlama()
-    model.load_state_dict(llama_state())
+    model = TinyLlama(sc.fused, sc.tied)
+    model.load_state_dict(llama_state(0, sc.fused, sc.tied))
     return model
 
 
@@ -216,21 +280,40 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 def run_reference(sc: TPScenario) -> dict[str, Any]:
-    """Single-process training on the global batch: step losses, norms, final parameters."""
+    """Single-process training on the global batch: step losses, norms, final parameters.
+
+    16-bit: the model in that dtype, fp32 master weights and AdamW on them, gradients taken
+    to fp32 and unscaled (fp16: the loss × LOSS_SCALE) before the clip — the engine's recipe
+    in one process."""
     model = build(sc)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(params)
+    if sc.precision != "fp32":
+        model.to(torch.bfloat16 if sc.precision == "bf16" else torch.float16)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = optimizer(masters)
+    scale = LOSS_SCALE if sc.precision == "fp16" else 1.0
     losses, norms = [], []
     for step in batches(sc):
         idx = torch.cat([b[0] for b in step])
         tgt = torch.cat([b[1] for b in step])
         loss = model(idx, tgt)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, sc.clip)))
+        (loss.float() * scale).backward()
+        for m, p in zip(masters, params, strict=True):
+            m.grad = p.grad.float() / scale  # type: ignore[union-attr]
+            p.grad = None
+        norms.append(float(torch.nn.utils.clip_grad_norm_(masters, sc.clip)))
         opt.step()
         opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, params, strict=True):
+                p.copy_(m)
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": dict(model.named_parameters())}
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": {names[id(p)]: m for p, m in zip(params, masters, strict=True)},
+    }
 
 
 # --------------------------------------------------------------------------- rank jobs
@@ -306,13 +389,61 @@ def refusals() -> dict[str, Any]:
         checkpoint = str(exc)
     engine.destroy()
     bad_pattern = {"layer_specs": [{"patterns": [r"layers\.0\.mlp\.up_proj"]}]}
-    embed = {"layer_specs": [{"patterns": [r"model\.embed_tokens"], "partition_type": "row"}]}
+    # an embedding splits its vocabulary rows (row); its embedding dimension cannot be split
+    embed = {"layer_specs": [{"patterns": [r"model\.embed_tokens"], "partition_type": "column"}]}
+    tied_half = {"layer_specs": [VOCAB_CONFIG["layer_specs"][0]]}
     return {
         "no_match": attempt(TinyLlama, {"autotp_size": 2, "partition_config": bad_pattern}),
         "embedding": attempt(TinyLlama, {"autotp_size": 2, "partition_config": embed}),
         "heads": attempt(odd_heads, {"autotp_size": 2}),
+        "tied": attempt(
+            lambda: TinyLlama(tied=True), {"autotp_size": 2, "partition_config": tied_half}
+        ),
         "checkpoint": checkpoint,
     }
+
+
+#: the step whose gradient overflows on global rank 1 only (TP rank 1 of DP replica 0).
+OVERFLOW_STEP = 1
+
+
+def replica_overflow() -> dict[str, Any]:
+    """fp16, TP=2 × DP=2, stage 1: at :data:`OVERFLOW_STEP`, rank 1 alone multiplies the
+    gradient of the replicated ``model.norm.weight`` by inf — a gradient its TP rank 0 counts
+    in the norm, not it. Every rank must skip that step. Per step: skips, scale, masters."""
+    import math
+
+    import ds_core
+    from ds_core import comm
+
+    sc = TPScenario(stage=1, world=4, gas=1, steps=3, precision="fp16")
+    cfg = sc.config()
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    model = build(sc)
+    engine, _, _, _ = ds_core.initialize(
+        model=model, optimizer=optimizer(model.parameters()), config=cfg
+    )
+    rank, dp_rank = comm.get_rank(), comm.get_rank() // sc.tp
+    current = {"step": 0}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf if rank == 1 and current["step"] == OVERFLOW_STEP else grad
+
+    engine.module.model.norm.weight.register_hook(poison)
+    sl = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
+    record = []
+    for i, step in enumerate(batches(sc)):
+        current["step"] = i
+        idx, tgt = step[0]
+        engine.backward(engine(idx[sl], tgt[sl]))
+        engine.step()
+        masters = torch.cat([zp.master.detach().reshape(-1).clone() for zp in engine._trainable])
+        record.append(
+            {"skipped": engine.skipped_steps, "scale": engine.loss_scaler.scale, "masters": masters}
+        )
+    norm_weight = engine.gathered_state_dict()["model.norm.weight"].float()
+    engine.destroy()
+    return {"record": record, "norm_weight": norm_weight}
 
 
 def jobs(world: int) -> dict[str, Callable[[], dict[str, Any]]]:
@@ -321,4 +452,6 @@ def jobs(world: int) -> dict[str, Callable[[], dict[str, Any]]]:
     }
     if world == 2:
         out["refusals"] = refusals
+    if world == 4:
+        out["replica_overflow"] = replica_overflow
     return out
