@@ -21,7 +21,8 @@ replace ``nn.Linear`` modules by tensor-parallel ones over the TP group of
   up zeros and :class:`ReduceFromTP` sums the one rank's row. An embedding whose weight is tied
   to an LM head (one Parameter) is split only together with that head (``column``, the same
   rows), into one shared shard; a tie split one way in one module and another way (or not at
-  all) in the other is refused naming both. A vocabulary not divisible by the TP size is an
+  all) in the other is refused naming both. An LM head split without ``gather_output`` keeps
+  its logits sharded; :func:`vocab_parallel_cross_entropy` computes the loss from them. A vocabulary not divisible by the TP size is an
   error naming the module.
 
 The collectives go through the accelerator facade's ``all_reduce`` / ``all_gather`` (the comm
@@ -81,6 +82,7 @@ from ds_core.tp.layers import (
     is_tp_sharded,
     join_rows,
     slice_rows,
+    vocab_parallel_cross_entropy,
 )
 from ds_core.tp.plan import (
     apply_autotp,
@@ -107,4 +109,5 @@ __all__ = [
     "replaced_parameters",
     "slice_rows",
     "tp_model_init",
+    "vocab_parallel_cross_entropy",
 ]

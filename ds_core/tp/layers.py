@@ -221,3 +221,59 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings} (local, from {self.vocab_start}), {self.embedding_dim}"
+
+
+# --------------------------------------------------------------------------- loss
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary (fp32): the softmax's max
+    and normaliser and the target's logit are reduced over the TP group, the logits never."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, group: Any, vocab_start: int, logits: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        acc = get_accelerator()
+        x = logits.float()
+        peak = x.max(dim=-1).values
+        acc.all_reduce(peak, "max", group, False).wait()
+        x = x - peak.unsqueeze(-1)
+        local = targets - vocab_start
+        inside = (local >= 0) & (local < x.shape[-1])
+        local = local.clamp(0, x.shape[-1] - 1)
+        exp = x.exp()
+        # one all-reduce for both: the normaliser and the target's logit (held by one rank)
+        both = torch.stack([exp.sum(-1), x.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside])
+        acc.all_reduce(both, "sum", group, False).wait()
+        ctx.save_for_backward(exp.div_(both[0].unsqueeze(-1)), local, inside)
+        ctx.dtype = logits.dtype
+        return both[0].log() - both[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor, None]:
+        softmax, local, inside = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1).to(g.dtype))
+        return None, None, (g * grad.unsqueeze(-1)).to(ctx.dtype), None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, head: nn.Module, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross-entropy of ``head``'s logits (``[..., vocab]``, or this rank's
+    ``[..., vocab / T]`` when ``head`` is a column-split LM head without ``gather_output``)
+    against ``targets`` (``[...]`` token ids; ``ignore_index`` ones left out), without
+    gathering the logits. With any other ``head`` (TP off, gathered logits) it is
+    ``F.cross_entropy``, so one model code runs at every TP size.
+    """
+    if not isinstance(head, LinearColumnParallel) or head.tp_size == 1 or head.gather_output:
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index
+        )
+    valid = targets != ignore_index
+    start = head.tp_rank * int(head.out_features)
+    per_token: torch.Tensor = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
+        head.group, start, logits, targets.masked_fill(~valid, 0)
+    )
+    return (per_token * valid).sum() / valid.sum()

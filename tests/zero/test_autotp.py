@@ -125,6 +125,8 @@ def test_layout_of_fused_gqa_vocab_parallel_and_tied_models(
         assert res["types"]["model.embed_tokens"] == "VocabParallelEmbedding", name
         assert res["types"]["lm_head"] == "LinearColumnParallel", name
         assert res["kinds"]["model.embed_tokens.weight"] == "column", name  # vocabulary rows
+    sharded = suite("autotp", 2).ranks("tp2_vocab_ce_s2")[0]
+    assert sharded["types"]["lm_head"] == "LinearColumnParallel"  # logits stay sharded
     tied = suite("autotp", 2).ranks("tp2_tied_s3")[0]
     assert "lm_head.weight" not in tied["kinds"]  # one Parameter, named once
 
