@@ -3,7 +3,9 @@
 The Llama-style model of ``tests/zero/_autotp.py`` trains at TP=2 (2 ranks, DP=1, stage 1) for
 3 steps, saves the universal format and trains 3 more (the uninterrupted run). Fresh engines
 then load it at TP=2 (stage 1: the same layout; stage 3) and at TP=1 (2 ranks DP=2 stage 2;
-1 rank stage 0) and train the same 3 steps on the same global batches.
+1 rank stage 0) and train the same 3 steps on the same global batches. The ``vocab`` variant
+(fused grouped-query ``qkv_proj`` and ``gate_up_proj``, a tied embedding and LM head split
+over the vocabulary) saves at TP=2 the same way and loads at TP=1 (2 ranks DP=2 stage 2).
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ GLOBAL = 4  # sequences per step, split over the DP ranks
 STEPS = 3
 
 
-def engine_for(tp: int, stage: int, perturb: bool = False) -> Any:
+def engine_for(tp: int, stage: int, perturb: bool = False, vocab: bool = False) -> Any:
     import ds_core
     from ds_core import comm
 
     world = comm.get_world_size()
-    model = A.TinyLlama()
-    model.load_state_dict(A.llama_state())
+    model = A.TinyLlama(fused=vocab, tied=vocab)
+    model.load_state_dict(A.llama_state(0, fused=vocab, tied=vocab))
     if perturb:  # a load must overwrite every value
         with torch.no_grad():
             for p in model.parameters():
@@ -44,6 +46,8 @@ def engine_for(tp: int, stage: int, perturb: bool = False) -> Any:
     }
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
+        if vocab:
+            cfg["tensor_parallel"]["partition_config"] = A.VOCAB_CONFIG
     engine, _, _, _ = ds_core.initialize(
         model=model, optimizer=A.optimizer(model.parameters()), config=cfg
     )
@@ -99,10 +103,20 @@ def save(root: Path) -> dict[str, Any]:
     return out
 
 
-def load(tp: int, stage: int, root: Path) -> Callable[[], dict[str, Any]]:
+def save_vocab(root: Path) -> dict[str, Any]:
+    engine = engine_for(2, 1, vocab=True)
+    train(engine, 0)
+    saved = full_opt(engine)
+    engine.save_checkpoint(str(root / "tp" / "vocab"), universal=True)
+    out = {"saved": saved, "losses": train(engine, STEPS)}
+    engine.destroy()
+    return out
+
+
+def load(tp: int, stage: int, root: Path, vocab: bool = False) -> Callable[[], dict[str, Any]]:
     def run() -> dict[str, Any]:
-        engine = engine_for(tp, stage, perturb=True)
-        engine.load_checkpoint(str(root / "tp" / "universal"))
+        engine = engine_for(tp, stage, perturb=True, vocab=vocab)
+        engine.load_checkpoint(str(root / "tp" / ("vocab" if vocab else "universal")))
         loaded = full_opt(engine)
         losses = train(engine, STEPS)
         out = {
@@ -124,6 +138,8 @@ def jobs(suite: str, root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
             "tp2_s1": load(2, 1, root),
             "tp2_s3": load(2, 3, root),
             "tp1_dp2_s2": load(1, 2, root),
+            "save_vocab": lambda: save_vocab(root),
+            "vocab_tp1_dp2_s2": load(1, 2, root, vocab=True),
         }
     if suite == "tp_w1":
         return {"tp1_s0": load(1, 0, root)}

@@ -72,6 +72,22 @@ def test_continued_training_matches_the_uninterrupted_run(
 
 
 @pytest.mark.slow
+def test_fused_gqa_and_tied_vocab_parallel_checkpoint_reloads_at_tp1(suite: Any) -> None:
+    ref = suite("tp_save").ranks("save_vocab")
+    saved = ref[0]["saved"]
+    # the tied weight once, under the embedding's name; qkv_proj / gate_up_proj whole
+    assert set(saved) == {n for n, _ in A.TinyLlama(fused=True, tied=True).named_parameters()}
+    qkv = saved["model.layers.0.self_attn.qkv_proj.weight"]["fp32"]
+    assert qkv.shape == ((A.HEADS + 2 * A.KV_HEADS) * A.HIDDEN // A.HEADS, A.HIDDEN)
+    runs = suite("tp_save").ranks("vocab_tp1_dp2_s2")
+    for r, run in enumerate(runs):
+        for name, values in saved.items():
+            for k, v in values.items():
+                assert torch.equal(run["loaded"][name][k], v), f"rank {r}: {name}.{k}"
+    torch.testing.assert_close(global_losses(runs), global_losses(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_export_gives_the_plain_model_full_weights(suite: Any, tmp_path: Path) -> None:
     res = suite("tp_save")
     ck = res.ckroot / "tp" / "universal"
