@@ -179,6 +179,7 @@ class ParamCoordinator:
         self.gather(module)
         if self.on_trace and self.cursor < len(self.trace):
             self._prefetch(self.trace[self.cursor])
+            self._read_ahead(self.cursor + 1)
         if torch.is_grad_enabled():
             return _map_tensors(args, _through(lambda: self.release(module)))
         return None
@@ -195,6 +196,7 @@ class ParamCoordinator:
         pos = self.last_position.get(module)
         if pos:
             self._prefetch(self.trace[pos - 1])
+            self._read_ahead(pos - 2)
 
     # -- gather / release --------------------------------------------------------------------
 
@@ -268,6 +270,15 @@ class ParamCoordinator:
         for unit in todo:
             self._track(unit)
             unit.gather(async_op=True)
+
+    def _read_ahead(self, pos: int) -> None:
+        """NVMe parameter offload: start reading the swapped shards of the module at trace
+        position ``pos`` (one past the all-gather prefetch), so the read is in flight while
+        the current module computes (see [Note: NVMe parameter swap])."""
+        if 0 <= pos < len(self.trace):
+            for unit in self.module_units[self.trace[pos]]:
+                if unit.swapper is not None and not unit.gathered:
+                    unit.swapper.prefetch(unit)
 
     def remove(self) -> None:
         """Remove every hook (engine teardown)."""
