@@ -114,9 +114,11 @@ class ParamSwapper:
         self.slots: list[_Slot] = []
         self._units: list[FlatUnit] = []
         self._clock = itertools.count(1)
-        #: swap-ins issued, and prefetches that found their unit already in a buffer.
+        #: swap-ins issued; prefetches that found their unit already in a buffer (reused,
+        #: no read); fetches that found it there (read ahead, or still resident).
         self.reads = 0
         self.reused = 0
+        self.hits = 0
         self.closed = False
 
     # -- construction ----------------------------------------------------------------------------
@@ -128,8 +130,8 @@ class ParamSwapper:
         :raises ConfigError: the shard is larger than ``buffer_size``, or its file cannot be
             created at its full size (full disk, permission), naming the file.
         """
-        if self.in_cpu + unit.part <= self.max_in_cpu:
-            self.in_cpu += unit.part
+        if not self._units and self.in_cpu + unit.part <= self.max_in_cpu:
+            self.in_cpu += unit.part  # a prefix of the module stays; after one swap, all do
             return False
         if unit.part > self.buffer_size:
             raise ConfigError(
@@ -209,6 +211,8 @@ class ParamSwapper:
         if slot is not None:
             if for_prefetch:
                 self.reused += 1  # already allocated and holding this shard: reuse it
+            else:
+                self.hits += 1
             slot.tick = next(self._clock)
             return slot
         slot = self._victim(for_prefetch)

@@ -101,9 +101,11 @@ def _folders(cfg: dict[str, Any]) -> list[str]:
             if s.get("nvme_path")]  # fmt: skip
 
 
-def pair(param: str, bf16: bool, optimizer: str | None) -> Callable[[], dict[str, Any]]:
+def pair(
+    param: str, bf16: bool, optimizer: str | None, **nvme: Any
+) -> Callable[[], dict[str, Any]]:
     def run() -> dict[str, Any]:
-        cfg = config(param, bf16, optimizer)
+        cfg = config(param, bf16, optimizer, **nvme)
         engine = build(cfg)
         out: dict[str, Any] = {"losses": steps(engine, STEPS)}
         out["state"] = {k: v.clone() for k, v in engine.gathered_state_dict().items()}
@@ -116,14 +118,19 @@ def pair(param: str, bf16: bool, optimizer: str | None) -> Callable[[], dict[str
             swapped = [u for u in engine.units if u.swapper is sw]
             out["pool"] = [t.numel() for t in pool]
             out["parts"] = [u.part * u.itemsize for u in swapped]
-            out["host_shards"] = [u.host_shard for u in engine.units if u.mode.value == "partitioned"]
+            out["host_shards"] = [
+                u.host_shard for u in engine.units if u.mode.value == "partitioned"
+            ]
+            out["swapped"] = [
+                u.swapper is not None for u in engine.units if u.mode.value == "partitioned"
+            ]
             # Every resident swapped shard is a view of a pool buffer; the others hold nothing.
             ptrs = {t.untyped_storage().data_ptr() for t in pool}
             out["shard_storages"] = [
                 None if u.shard is None else u.shard.untyped_storage().data_ptr() in ptrs
                 for u in swapped
             ]
-            out["reads"], out["reused"] = sw.reads, sw.reused
+            out["reads"], out["reused"], out["hits"] = sw.reads, sw.reused, sw.hits
             out["files"] = sorted(os.listdir(sw.folder))
             folder = sw.folder
         engine.destroy()
@@ -156,6 +163,8 @@ def fd_count() -> dict[str, Any]:
 def checkpoint() -> dict[str, Any]:
     """Save an NVMe-offloaded engine, load it into a fresh NVMe engine and into a host
     (``offload_param: cpu``) one; all three then take the same steps."""
+    from ds_core import comm
+
     # One folder for both ranks: they are spawned by the same parent.
     root = os.path.join(NVME_TEST_ROOT or tempfile.gettempdir(), f"ds_core_nvp_ckpt_{os.getppid()}")
     out: dict[str, Any] = {}
@@ -176,6 +185,9 @@ def checkpoint() -> dict[str, Any]:
     for cfg in cfgs:
         for f in _folders(cfg):
             shutil.rmtree(f, ignore_errors=True)
+    comm.barrier()  # both ranks are done loading
+    if comm.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -186,6 +198,8 @@ def jobs(world: int) -> dict[str, Callable[[], dict[str, Any]]]:
             for param in ("cpu", "nvme"):
                 name = f"{param}_{'bf16' if bf16 else 'fp32'}_{optimizer or 'dev'}"
                 out[name] = pair(param, bf16, optimizer)
+    for param in ("cpu", "nvme"):  # max_in_cpu: the first two units (52 + 77) stay on the host
+        out[f"{param}_fp32_in_cpu"] = pair(param, False, "cpu", max_in_cpu=130)
     out["fds"] = fd_count
     out["checkpoint"] = checkpoint
     return out

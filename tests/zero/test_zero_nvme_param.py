@@ -41,7 +41,27 @@ def test_nvme_params_equal_host_params_bit_for_bit(
         # the swap really ran: every unit's shard was read back from its file
         assert nvme["files"] == [f"unit{i}.swp" for i in range(5)]
         assert nvme["reads"] >= 5 * 4
+        # gathers found their shard already read ahead along the recorded module order
+        assert nvme["hits"] > 0
         assert nvme["folder_left"] is False
+
+
+@pytest.mark.slow
+def test_max_in_cpu_keeps_the_first_units_on_the_host_and_swaps_the_rest(
+    suite: Callable[[str, int], SuiteResults],
+) -> None:
+    res = suite("nvme_param", 2)
+    for cpu, nvme in zip(res.ranks("cpu_fp32_in_cpu"), res.ranks("nvme_fp32_in_cpu"),
+                         strict=True):  # fmt: skip
+        assert nvme["losses"] == cpu["losses"]
+        for name, value in cpu["state"].items():
+            assert torch.equal(nvme["state"][name], value), name
+        # fp32 parts per rank 52, 77, 50, 9, 25: 52 + 77 <= 130 stay, the rest is swapped
+        assert nvme["swapped"] == [False, False, True, True, True]
+        assert nvme["files"] == ["unit0.swp", "unit1.swp", "unit2.swp"]
+        b = nvme["bytes"]
+        assert b["host_param_swap"] == sum(nvme["pool"]) == 2 * 4 * 50
+        assert b["host_params"] == b["host_param_swap"] + 4 * (52 + 77)
 
 
 @pytest.mark.slow
