@@ -107,7 +107,7 @@ class OptimizerOffload:
                 if unit.host_shard and unit.dtype == torch.float32 and unit.swapper is None:
                     # An fp32 host shard (offload_param) already is the master's dtype on the
                     # master's device: the optimizer steps it in place, no second copy (a
-                # swapped shard is not persistent: it gets a master of its own).
+                    # swapped shard is not persistent: it gets a master of its own).
                     master = unit.owned()
                 else:
                     master = self._host(unit.part, torch.float32)

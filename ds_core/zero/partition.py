@@ -247,7 +247,8 @@ class FlatUnit:
         this rank holds; the parameter becomes a view of ``flat`` or an empty placeholder."""
         src = full.detach().reshape(-1)
         if self.mode is Mode.PARTITIONED:
-            self._range(dirty=True)[zp.shard_offset : zp.shard_offset + zp.shard_numel].copy_(src[zp.lo : zp.hi])
+            own = self._range(dirty=True)
+            own[zp.shard_offset : zp.shard_offset + zp.shard_numel].copy_(src[zp.lo : zp.hi])
             zp.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
         else:
             assert self.flat is not None

@@ -119,7 +119,7 @@ def _units(tmp: str, sizes: list[int], **cfg: object) -> tuple[ParamSwapper, lis
 
 def test_a_prefetch_finding_its_shard_already_in_a_buffer_reuses_it(tmp_path: object) -> None:
     swapper, units = _units(str(tmp_path), [13, 7, 11], buffer_count=2)
-    a, b, c = units
+    a, _, c = units
     swapper.flush()
     # a is evicted by c (least recently used), then prefetched back
     swapper.fetch(c)
