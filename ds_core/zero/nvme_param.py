@@ -134,6 +134,7 @@ class ParamSwapper:
             self.in_cpu += unit.part  # a prefix of the module stays; after one swap, all do
             return False
         if unit.part > self.buffer_size:
+            self.close()  # the engine is not built: leave no folder behind
             raise ConfigError(
                 f"offload_param.buffer_size={self.buffer_size} elements is smaller than a "
                 f"stage-3 shard of {unit.part} elements ({unit!r}); set buffer_size to at "
@@ -149,6 +150,7 @@ class ParamSwapper:
             finally:
                 os.close(fd)
         except OSError as exc:
+            self.close()
             raise ConfigError(
                 f"offload_param.nvme_path: cannot create the swap file {path} of {nbytes} "
                 f"bytes: {exc.strerror or exc}; free space there or choose another folder"
@@ -158,7 +160,7 @@ class ParamSwapper:
         self._units.append(unit)
         return True
 
-    def _pool(self, unit: FlatUnit) -> None:
+    def _pool(self) -> None:
         """The buffers, sized at first use to the largest swapped shard (at most
         ``buffer_size`` elements), ``buffer_count`` of them at most one per swapped unit."""
         nbytes = max(u.part * u.itemsize for u in self._units)
@@ -182,9 +184,7 @@ class ParamSwapper:
             slot.read = None
         if slot.dirty and slot.unit is not None:
             self._write(slot)
-        for f in slot.writes:
-            f.result()
-        slot.writes = []
+        self._written(slot)
         if slot.h2d is not None:
             slot.h2d.synchronize()
             slot.h2d = None
@@ -193,6 +193,7 @@ class ParamSwapper:
         unit = slot.unit
         assert unit is not None
         unit.settle_host_write()  # a device -> host copy into the buffer has landed
+        self._written(slot)  # two writes of one file in flight could land out of order
         slot.writes.append(self.io.submit_write(self._view(slot, unit), self.paths[id(unit)]))
         self._fresh.discard(id(unit))
         slot.dirty = False
@@ -206,7 +207,7 @@ class ParamSwapper:
 
     def _acquire(self, unit: FlatUnit, for_prefetch: bool) -> _Slot | None:
         if not self.slots:
-            self._pool(unit)
+            self._pool()
         slot = self._slot_of.get(id(unit))
         if slot is not None:
             if for_prefetch:
@@ -246,8 +247,16 @@ class ParamSwapper:
         if slot.read is not None:
             slot.read.result()  # raises AsyncIOError naming the file
             slot.read = None
-        slot.dirty = slot.dirty or dirty
+        if dirty:
+            self._written(slot)  # the caller is about to change what a write may be reading
+            slot.dirty = True
         return self._view(slot, unit)
+
+    @staticmethod
+    def _written(slot: _Slot) -> None:
+        for f in slot.writes:
+            f.result()  # raises AsyncIOError naming the file
+        slot.writes = []
 
     def read_by_device(self, unit: FlatUnit) -> None:
         """A device copy reads ``unit``'s buffer asynchronously: its buffer is reused only

@@ -148,6 +148,23 @@ def test_a_prefetch_finding_its_shard_already_in_a_buffer_reuses_it(tmp_path: ob
     assert not os.path.exists(swapper.folder)
 
 
+def test_back_to_back_write_backs_leave_the_last_value_in_the_file(tmp_path: object) -> None:
+    swapper, (a, b) = _units(str(tmp_path), [4099, 3], buffer_count=2)
+    zp = a.zparams[0]
+    for value in range(1, 6):  # the step's publish, then its write-back, five times over
+        a.write_owned(zp, torch.full((4099,), float(value)))
+        swapper.flush()
+    slot = swapper._slot_of[id(a)]
+    assert swapper.resident(a) and len(slot.writes) == 1  # earlier writes were waited for
+    swapper._drain(slot)
+    slot.unit, a.shard = None, None  # drop the buffer's copy: the next read is the file's
+    del swapper._slot_of[id(a)]
+    assert torch.equal(a.owned(), torch.full((4099,), 5.0))
+    for u in (a, b):
+        u.free()
+    swapper.close()
+
+
 def test_a_prefetch_never_evicts_a_prefetch_nobody_used(tmp_path: object) -> None:
     swapper, (a, b, c) = _units(str(tmp_path), [5, 5, 5], buffer_count=2)
     swapper.flush()
@@ -169,6 +186,7 @@ def test_a_prefetch_never_evicts_a_prefetch_nobody_used(tmp_path: object) -> Non
 def test_a_shard_larger_than_buffer_size_is_refused_with_the_size_needed(tmp_path: object) -> None:
     with pytest.raises(ConfigError, match=r"offload_param.buffer_size=10 .* at least 13"):
         _units(str(tmp_path), [13], buffer_size=10)
+    assert os.listdir(str(tmp_path)) == []  # the swap folder went with the error
 
 
 def test_an_unusable_nvme_path_is_refused_before_training(tmp_path: object) -> None:
@@ -186,6 +204,7 @@ def test_a_full_folder_is_refused_before_training_naming_the_file(tmp_path: obje
     try:
         with pytest.raises(ConfigError, match=r"cannot create the swap file .*unit0.swp of 52 "):
             _units(str(tmp_path), [13])
+        assert os.listdir(str(tmp_path)) == []
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
         signal.signal(signal.SIGXFSZ, handler)
