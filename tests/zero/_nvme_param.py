@@ -145,13 +145,17 @@ def pair(
 
 def fd_count() -> dict[str, Any]:
     """Open descriptors of the rank after each of 30 steps over 3 engines (each built,
-    trained and destroyed): flat once the first engine has warmed up."""
+    trained and destroyed, parameters and optimizer state on NVMe): flat once the first
+    engine has warmed up."""
     counts = []
     for _ in range(3):
         cfg = config("nvme", True, "nvme")
         engine = build(cfg)
         for _ in range(10):
             steps(engine, 1)
+            # the step's write-back is still in flight (descriptors open until each write
+            # ends, by design): count once it has landed
+            engine.param_swap.io.wait()
             counts.append(len(os.listdir("/proc/self/fd")))
         engine.destroy()
         for f in _folders(cfg):
@@ -191,6 +195,35 @@ def checkpoint() -> dict[str, Any]:
     return out
 
 
+def gathered_edit(param: str) -> Callable[[], dict[str, Any]]:
+    """``GatheredParameters(modifier_rank=1)`` edits a swapped parameter; the edit must reach
+    its swap file (evicted by the other units, read back) and the fp32 master."""
+
+    def run() -> dict[str, Any]:
+        from ds_core import comm
+        from ds_core.zero import GatheredParameters
+
+        cfg = config(param, False, None)
+        engine = build(cfg)
+        weight = engine.module.a.weight
+        with GatheredParameters(weight, modifier_rank=1):
+            if comm.get_rank() == 1:
+                weight.data.fill_(0.25)
+        with torch.no_grad():
+            engine(torch.ones(2, 7))  # every unit gathered: the edited shard is evicted
+        out = {"edited": engine.gathered_state_dict()["a.weight"].clone()}
+        for g in engine.optimizer.param_groups:
+            g["lr"] = 0.0
+        out["losses"] = steps(engine, 1)
+        out["after_step"] = engine.gathered_state_dict()["a.weight"].clone()
+        engine.destroy()
+        for f in _folders(cfg):
+            shutil.rmtree(f, ignore_errors=True)
+        return out
+
+    return run
+
+
 def jobs(world: int) -> dict[str, Callable[[], dict[str, Any]]]:
     out: dict[str, Callable[[], dict[str, Any]]] = {}
     for bf16 in (False, True):
@@ -200,6 +233,8 @@ def jobs(world: int) -> dict[str, Callable[[], dict[str, Any]]]:
                 out[name] = pair(param, bf16, optimizer)
     for param in ("cpu", "nvme"):  # max_in_cpu: the first two units (52 + 77) stay on the host
         out[f"{param}_fp32_in_cpu"] = pair(param, False, "cpu", max_in_cpu=130)
+    for param in ("cpu", "nvme"):
+        out[f"{param}_gathered_edit"] = gathered_edit(param)
     out["fds"] = fd_count
     out["checkpoint"] = checkpoint
     return out

@@ -81,6 +81,18 @@ def test_the_buffer_pool_is_the_only_host_copy_of_swapped_shards(
 
 
 @pytest.mark.slow
+def test_a_gathered_parameters_edit_reaches_the_swap_file_and_the_master(
+    suite: Callable[[str, int], SuiteResults],
+) -> None:
+    res = suite("nvme_param", 2)
+    for cpu, nvme in zip(res.ranks("cpu_gathered_edit"), res.ranks("nvme_gathered_edit"),
+                         strict=True):  # fmt: skip
+        assert torch.equal(nvme["edited"], torch.full((13, 7), 0.25))
+        assert torch.equal(nvme["after_step"], nvme["edited"])  # lr 0: the master kept it
+        assert nvme["losses"] == cpu["losses"]
+
+
+@pytest.mark.slow
 def test_open_descriptors_stay_flat_over_steps_and_engines(
     suite: Callable[[str, int], SuiteResults],
 ) -> None:
