@@ -170,6 +170,17 @@ class ParamSwapper:
             else:
                 buf = torch.empty(nbytes, dtype=torch.uint8)
             self.slots.append(_Slot(buf))
+        log.info(
+            "offload_param: %d shards swapped in %s (%s I/O), %d elements kept in host "
+            "memory (max_in_cpu), %d %s buffers of %d bytes",
+            len(self._units),
+            self.folder,
+            self.io.implementation,
+            self.in_cpu,
+            len(self.slots),
+            "pinned" if self.pinned else "pageable",
+            nbytes,
+        )
 
     # -- residency -------------------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ the module that owns them (or shares them), as with FSDP.
 Prefetch: the first forward records the order modules run in; later forwards, as long as they
 follow it, issue the next module's all-gather asynchronously before running the current one,
 and each module's backward gather prefetches the module before it in that order (a prefetch
-nobody consumes is finished and dropped at the end of the pass).
+nobody consumes is finished and dropped at the end of the pass). With NVMe parameter offload,
+the swapped shards of the module after the prefetched one are read from their files at the
+same time (see [Note: NVMe parameter swap]), so each gather finds its shard in host memory.
 The trace must be the same on every rank (data-dependent module order would desynchronise the
 collectives). All collectives go through ``get_accelerator()``.
 """
