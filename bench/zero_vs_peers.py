@@ -14,7 +14,9 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
 - ``fsdp2``     torch ``fully_shard`` per block and at the root (shards everything)
 - ``ds0``..``ds3`` ds_core stages 0-3 (``ds_core.initialize``), persistence threshold 0
 - ``ds1_off``..``ds3_off`` the same with ``offload_optimizer: {"device": "cpu"}``, ``ds3_param``
-  with ``offload_param: {"device": "cpu"}`` and ``ds3_off_param`` with both (not in the
+  with ``offload_param: {"device": "cpu"}`` and ``ds3_off_param`` with both, ``ds3_param_nvme``
+  and ``ds3_off_param_nvme`` the same with ``offload_param.device: "nvme"`` (swap files in
+  ``DS_CORE_NVME_BENCH_DIR``, else the temporary folder; ``max_in_cpu: 0``) (not in the
   default set: ``--configs ds2,ds2_off,ds3,ds3_off`` or ``bench/offload.py``); their ``state MiB`` is what stays on the
   device, the host side is printed below the table, and ``time/peer`` compares with the same
   stage without offload
@@ -70,6 +72,7 @@ from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E40
 PEERS = ("ddp", "zero_opt", "fsdp2")
 DS_STAGES = ("ds0", "ds1", "ds2", "ds3")
 OFFLOAD = ("ds1_off", "ds2_off", "ds3_off", "ds3_param", "ds3_off_param")
+OFFLOAD += ("ds3_param_nvme", "ds3_off_param_nvme")
 LR, CLIP, SEED = 3e-4, 1.0, 1234
 REDUCE_BUCKET = 6_000_000  # elements: 23 MiB of fp32 gradients, like DDP's 25 MiB buckets
 # collectives with fewer elements are bookkeeping (norms, flags), left out of byte counts
@@ -282,7 +285,7 @@ def ds_config(
     micro_batch: int,
     bf16: bool = False,
     offload: bool = False,
-    offload_param: bool = False,
+    offload_param: bool | str = False,
 ) -> dict[str, Any]:
     """The DeepSpeed-style config of a ds_core run in these benchmarks."""
     cfg: dict[str, Any] = {
@@ -303,7 +306,15 @@ def ds_config(
     }
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if offload_param:
+    if offload_param == "nvme":
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="ds_core_bench_nvp_", dir=os.environ.get(
+            "DS_CORE_NVME_BENCH_DIR"))  # fmt: skip
+        cfg["zero_optimization"]["offload_param"] = {
+            "device": "nvme", "nvme_path": folder, "max_in_cpu": 0, "pin_memory": True,
+        }  # fmt: skip
+    elif offload_param:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     return cfg
 
@@ -328,7 +339,7 @@ def build_ds(
     stage: int,
     micro_batch: int,
     offload: bool = False,
-    offload_param: bool = False,
+    offload_param: bool | str = False,
     name: str = "",
 ) -> Trainer:
     import ds_core
@@ -356,6 +367,10 @@ def build_ds(
         destroy = getattr(engine, "destroy", None)
         if callable(destroy):  # free the engine's buffers before the next configuration
             destroy()
+        nvme_path = engine.config.zero_optimization.offload_param.nvme_path
+        if offload_param == "nvme" and nvme_path:
+            with contextlib.suppress(OSError):
+                os.rmdir(nvme_path)  # destroy() removed the swap files and their folders
 
     return Trainer(
         step,
@@ -412,7 +427,8 @@ def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
     if name in DS_STAGES:
         return build_ds(model, int(name[2]), micro_batch)
     if name in OFFLOAD:
-        optimizer, param = "_off" in name, name.endswith("_param")
+        optimizer = "_off" in name
+        param: bool | str = "nvme" if name.endswith("_nvme") else name.endswith("_param")
         return build_ds(model, int(name[2]), micro_batch, optimizer, param, name)
     raise ValueError(f"unknown configuration {name!r}; choose from {PEERS + DS_STAGES + OFFLOAD}")
 

@@ -28,6 +28,9 @@ def model_state_bytes(engine: ZeroEngine) -> dict[str, int]:
     16-bit staging buffer), ``host_optimizer`` and ``host_total`` count the host side.
     With parameter offload the stage-3 shards are on the host: ``params`` leaves them out and
     ``host_params`` counts them (included in ``host_total`` when the optimizer is offloaded too).
+    With NVMe parameter offload, swapped shards count nothing: ``host_params`` counts the
+    shards kept in host memory (``max_in_cpu``) plus the swap buffer pool, which is also
+    reported alone as ``host_param_swap``.
     """
     seen: set[int] = set()
 
@@ -45,7 +48,9 @@ def model_state_bytes(engine: ZeroEngine) -> dict[str, int]:
         for u in engine.units
         if not u.host_shard
     )
-    host_params = sum(size(u.shard) for u in engine.units if u.host_shard)
+    host_params = sum(size(u.shard) for u in engine.units if u.host_shard and not u.swapper)
+    swap = engine.param_swap.pool_bytes() if engine.param_swap is not None else 0
+    host_params += swap
     for zp in engine.zparams.values():
         if zp.unit is None:
             params += size(zp.param.data)
@@ -74,6 +79,8 @@ def model_state_bytes(engine: ZeroEngine) -> dict[str, int]:
         )
     if any(u.host_shard for u in engine.units):
         out["host_params"] = host_params
+        if engine.param_swap is not None:
+            out["host_param_swap"] = swap
         if offload is not None:
             out["host_total"] += host_params
     out["total"] = params + master + grads + out["optimizer"]

@@ -211,7 +211,7 @@ class ZeroConfig(BaseModel):
             )
         if self.offload_param.device != "none" and self.stage != 3:
             raise ValueError(
-                f"offload_param.device='cpu' needs stage 3 (stage {self.stage} keeps every "
+                f"offload_param.device='{self.offload_param.device}' needs stage 3 (stage {self.stage} keeps every "
                 "parameter whole on each rank); set zero_optimization.stage to 3 or use "
                 "offload_optimizer"
             )

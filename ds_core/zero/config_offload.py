@@ -103,31 +103,45 @@ class OffloadOptimizerConfig(BaseModel):
 
 
 class OffloadParamConfig(BaseModel):
-    """``zero_optimization.offload_param``: stage-3 parameter shards in host memory."""
+    """``zero_optimization.offload_param``: stage-3 parameter shards in host memory or on
+    NVMe (see [Note: NVMe parameter swap] in :mod:`ds_core.zero.nvme_param`)."""
 
     model_config = _FROZEN
 
-    device: Literal["none", "cpu"] = "none"
+    device: Literal["none", "cpu", "nvme"] = "none"
     """``cpu`` keeps each rank's 16-bit (or fp32) parameter shards in host memory and copies
-    a unit's shard to the device only to gather it (stage 3); ``none`` keeps them on the
-    device. (Default: none)"""
+    a unit's shard to the device only to gather it (stage 3); ``nvme`` keeps them in swap
+    files under ``nvme_path`` and reads each into one of ``buffer_count`` host buffers ahead
+    of use, following the recorded module order; ``none`` keeps them on the device.
+    (Default: none)"""
     pin_memory: Bool = True
-    """Page-lock the host shards where the backend declares ``pinned_memory``, so the copy
-    to the device before a gather is asynchronous. (Default: true)"""
+    """Page-lock the host shards (``nvme``: the swap buffers) where the backend declares
+    ``pinned_memory``, so the copy to the device before a gather is asynchronous.
+    (Default: true)"""
     buffer_count: Int = Field(default=5, gt=0)
-    """DeepSpeed's NVMe swap-buffer count; no effect with ``device: cpu``. (Default: 5)"""
+    """``nvme``: host swap buffers, each holding one unit's shard (fewer when fewer units are
+    swapped); at least 2, so one shard is read while another is used. No effect with
+    ``device: cpu``. (Default: 5)"""
     buffer_size: Int = Field(default=100_000_000, gt=0)
-    """DeepSpeed's NVMe swap-buffer size in elements; no effect with ``device: cpu``.
-    (Default: 1e8)"""
+    """``nvme``: elements one swap buffer holds at most; every swapped shard must fit (the
+    engine start names the size needed). Buffers are allocated at the largest swapped
+    shard's size when that is smaller. No effect with ``device: cpu``. (Default: 1e8)"""
     max_in_cpu: Int = Field(default=1_000_000_000, ge=0)
-    """DeepSpeed's NVMe knob (elements kept in host memory); no effect with ``device: cpu``.
-    (Default: 1e9)"""
+    """``nvme``: parameter elements kept in host memory instead of swapped: the module's
+    first shards, in order, up to this many elements per rank (0: swap every shard). No
+    effect with ``device: cpu``. (Default: 1e9)"""
     nvme_path: str | None = None
-    """DeepSpeed's NVMe folder; NVMe offload is not supported yet. (Default: none)"""
+    """``nvme``: the folder of the swap files (one sub-folder per rank, created and checked
+    at engine start, removed at ``destroy()``); required with ``device: nvme``.
+    (Default: none)"""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _nvme(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("device") == "nvme":
-            raise ValueError(f"device='nvme' is {NOT_YET}; use 'cpu' or 'none'")
-        return data
+    @model_validator(mode="after")
+    def _nvme(self) -> OffloadParamConfig:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device='nvme' needs nvme_path (the folder of the swap files)")
+        if self.device == "nvme" and self.buffer_count < 2:
+            raise ValueError(
+                f"buffer_count={self.buffer_count}: NVMe parameter offload needs at least 2 "
+                "buffers (one shard read while another is used)"
+            )
+        return self

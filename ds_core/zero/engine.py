@@ -45,6 +45,7 @@ from ds_core.zero.api import DeepSpeedEngineAPI
 from ds_core.zero.config import DSConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
 from ds_core.zero.nvme import NvmeOptimizerOffload
+from ds_core.zero.nvme_param import ParamSwapper
 from ds_core.zero.offload import OptimizerOffload
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
 from ds_core.zero.precision import (
@@ -270,8 +271,13 @@ class ZeroEngine(DeepSpeedEngineAPI):
         ``reduce_bucket_size`` elements, and at stage 3 one unit per module's own parameters."""
         limit = self.config.zero_optimization.reduce_bucket_size
         units: list[FlatUnit] = []
+        #: NVMe parameter offload's swap files and buffers (see [Note: NVMe parameter swap]).
+        self.param_swap: ParamSwapper | None = None
         if self.stage == 3:
-            host = self.config.zero_optimization.offload_param.device == "cpu"
+            pcfg = self.config.zero_optimization.offload_param
+            host = pcfg.device in ("cpu", "nvme")
+            if pcfg.device == "nvme":
+                self.param_swap = ParamSwapper(self.acc, pcfg, self.config.aio, self.rank)
             if host and "pinned_memory" not in self.acc.capabilities:
                 log.info(
                     "offload_param: backend '%s' does not declare pinned_memory; host "
@@ -288,7 +294,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 own = [zp for zp in own if zp.mode is Mode.PARTITIONED]
                 seen.update(id(zp.param) for zp in own)
                 for part in bucketize(own, limit):
-                    units.append(FlatUnit(part, Mode.PARTITIONED, self.device, host_shard=host))
+                    units.append(
+                        FlatUnit(part, Mode.PARTITIONED, self.device, host, self.param_swap)
+                    )
         for mode in (Mode.REPLICATED, Mode.SHARDED_STATE):
             members = [zp for zp in self.zparams.values() if zp.mode is mode and zp.trainable]
             for part in bucketize(members, limit):
@@ -626,6 +634,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 assert zp.unit is not None
                 zp.unit.write_owned(zp, master.detach())
             handles = [u.all_gather(self.overlap_comm) for u in self._gathered_after_step]
+            if self.param_swap is not None:
+                self.param_swap.flush()  # updated shards to their files, asynchronously
             for h in handles:
                 h.wait()
 
@@ -686,6 +696,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 g["params"] = []
         for unit in self.units:
             unit.free()
+        if self.param_swap is not None:
+            self.param_swap.close()  # every descriptor closed, the swap folder removed
         self.units.clear()
         self._gathered_after_step.clear()
         for zp in self.zparams.values():

@@ -86,8 +86,10 @@ def _write_back(zp: ZeroParam) -> None:
     stage-1/2 parameter is a view of its unit, so its range already holds the value)."""
     flat = zp.param.data.reshape(-1)
     own = flat[zp.lo : zp.hi]
-    if zp.mode is Mode.PARTITIONED and zp.unit is not None and zp.unit.shard is not None:
-        zp.unit.shard[zp.shard_offset : zp.shard_offset + zp.shard_numel].copy_(own)
+    unit = zp.unit
+    if zp.mode is Mode.PARTITIONED and unit is not None:
+        if unit.shard is not None or unit.swapper is not None:  # a swapped one is read in
+            unit.owned()[zp.shard_offset : zp.shard_offset + zp.shard_numel].copy_(own)
     if zp.master is None or zp.master is zp.param:
         return
     if zp.mode is Mode.REPLICATED:

@@ -104,9 +104,10 @@ class OptimizerOffload:
         its piece of it, initialised from the unit's current (device) values."""
         with torch.no_grad():
             for unit in units:
-                if unit.host_shard and unit.dtype == torch.float32:
+                if unit.host_shard and unit.dtype == torch.float32 and unit.swapper is None:
                     # An fp32 host shard (offload_param) already is the master's dtype on the
-                    # master's device: the optimizer steps it in place, no second copy.
+                    # master's device: the optimizer steps it in place, no second copy (a
+                    # swapped shard is not persistent: it gets a master of its own).
                     master = unit.owned()
                 else:
                     master = self._host(unit.part, torch.float32)
@@ -217,7 +218,7 @@ class OptimizerOffload:
         master = sum(
             hr.master.numel() * 4
             for hr in self.ranges
-            if hr.master.data_ptr() != hr.unit.owned().data_ptr()  # not the aliased shard
+            if hr.unit.swapper is not None or hr.master.data_ptr() != hr.unit.owned().data_ptr()
         )
         grads = sum(hr.grad.numel() * 4 for hr in self.ranges)
         staging = sum(t.numel() * t.element_size() for t in self._staging.values())

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ds_core.accelerator import get_accelerator
 from ds_core.types import Work
+
+if TYPE_CHECKING:
+    from ds_core.zero.nvme_param import ParamSwapper
 
 #: attribute set on each parameter an engine manages, holding its :class:`ZeroParam`.
 ZERO_PARAM_ATTR = "ds_zero_param"
@@ -152,6 +155,9 @@ class FlatUnit:
     With ``host_shard`` (``offload_param``), a PARTITIONED unit's ``shard`` lives in host memory
     (page-locked where the backend declares ``pinned_memory``) and a gather first copies it into
     a device buffer of ``part`` elements that lives until the all-gather's handle is waited on.
+    With a ``swapper`` (``offload_param.device = "nvme"``) the host shard may instead live in a
+    swap file, ``shard`` being a view of a pool buffer only while resident (see
+    [Note: NVMe parameter swap]); every access goes through the swapper.
     """
 
     def __init__(
@@ -160,12 +166,14 @@ class FlatUnit:
         mode: Mode,
         device: torch.device,
         host_shard: bool = False,
+        swapper: ParamSwapper | None = None,
     ) -> None:
         first = zparams[0]
         self.zparams = zparams
         self.mode = mode
         self.device = device
         self.dtype = first.dtype
+        self.itemsize = torch.empty(0, dtype=self.dtype).element_size()
         self.group = first.group
         self.group_world = first.group_world
         self.group_rank = first.group_rank
@@ -202,8 +210,13 @@ class FlatUnit:
         #: a device -> host write into a pinned host shard still in flight (see
         #: :meth:`write_owned`); host reads of the shard wait for it, device reads are ordered.
         self._host_write: Any = None
+        #: NVMe parameter offload: the swapper holding this unit's shard, or ``None``.
+        self.swapper: ParamSwapper | None = None
         if mode is Mode.PARTITIONED:
-            if self.host_shard:
+            if self.host_shard and swapper is not None and swapper.adopt(self):
+                self.swapper = swapper  # no host memory until swapped in (zeros at first)
+                self.pinned = swapper.pinned
+            elif self.host_shard:
                 acc = get_accelerator()
                 if "pinned_memory" in acc.capabilities:
                     self.shard, self.pinned = acc.alloc_pinned((self.part,), self.dtype), True
@@ -211,7 +224,8 @@ class FlatUnit:
                     self.shard = torch.empty(self.part, dtype=self.dtype, device="cpu")
             else:
                 self.shard = torch.empty(self.part, dtype=self.dtype, device=device)
-            self.shard[self._owned_tail() :].zero_()
+            if self.shard is not None:
+                self.shard[self._owned_tail() :].zero_()
             # One gather buffer for the unit's life whose storage is freed (resized to 0)
             # on release and refilled on gather: tensors autograd saved in forward view this
             # storage, so backward's re-gather makes them valid again instead of keeping
@@ -232,8 +246,9 @@ class FlatUnit:
         """Store ``zp``'s full value (any device, any dtype) into the unit, keeping only what
         this rank holds; the parameter becomes a view of ``flat`` or an empty placeholder."""
         src = full.detach().reshape(-1)
-        if self.shard is not None:
-            self.shard[zp.shard_offset : zp.shard_offset + zp.shard_numel].copy_(src[zp.lo : zp.hi])
+        if self.mode is Mode.PARTITIONED:
+            own = self._range(dirty=True)
+            own[zp.shard_offset : zp.shard_offset + zp.shard_numel].copy_(src[zp.lo : zp.hi])
             zp.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
         else:
             assert self.flat is not None
@@ -244,12 +259,19 @@ class FlatUnit:
     def owned(self) -> torch.Tensor:
         """This rank's range of the unit in the parameters' dtype (``part`` elements); a host
         shard is returned once any write into it from the device has landed."""
+        self.settle_host_write()
+        # A swapped shard may be modified through this view (the optimizer's publish).
+        return self._range(dirty=True)
+
+    def settle_host_write(self) -> None:
+        """Wait for a device -> host write into the shard (see :meth:`write_owned`)."""
         if self._host_write is not None:
             self._host_write.synchronize()
             self._host_write = None
-        return self._range()
 
-    def _range(self) -> torch.Tensor:
+    def _range(self, dirty: bool = False) -> torch.Tensor:
+        if self.swapper is not None:
+            return self.swapper.fetch(self, dirty)
         if self.shard is not None:
             return self.shard
         assert self.flat is not None
@@ -260,7 +282,7 @@ class FlatUnit:
         """Copy ``value`` (``zp``'s piece, any device) into this rank's range. Into a pinned
         host shard the copy is asynchronous: the next gather's copy back is ordered after it
         on the device, and a host read (:meth:`owned`) waits for the event recorded here."""
-        piece = self._range()[zp.shard_offset : zp.shard_offset + zp.shard_numel]
+        piece = self._range(dirty=True)[zp.shard_offset : zp.shard_offset + zp.shard_numel]
         if piece.data_ptr() == value.data_ptr():
             return
         piece.copy_(value, non_blocking=self.pinned)
@@ -269,7 +291,11 @@ class FlatUnit:
             self._host_write.record()
 
     def piece(self, zp: ZeroParam) -> torch.Tensor:
-        """``zp``'s piece of this rank's range, flat, in the parameters' dtype."""
+        """``zp``'s piece of this rank's range, flat, in the parameters' dtype (a copy when
+        the shard is swapped: its buffer may be reused by the next swap-in)."""
+        if self.swapper is not None:
+            self.settle_host_write()
+            return self._range()[zp.shard_offset : zp.shard_offset + zp.shard_numel].clone()
         return self.owned()[zp.shard_offset : zp.shard_offset + zp.shard_numel]
 
     # -- collectives -------------------------------------------------------------------------
@@ -289,13 +315,17 @@ class FlatUnit:
             if not async_op:
                 self.wait_gather()
             return
-        assert self.shard is not None and self.flat is not None
+        assert self.flat is not None
         self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
-        src = self.shard
+        src = self._range() if self.swapper is not None else self.shard
+        assert src is not None
         if self.host_shard:
             # Host -> device on the current stream, which the collective is ordered after.
+            host = src
             src = torch.empty(self.part, dtype=self.dtype, device=self.device)
-            src.copy_(self.shard, non_blocking=self.pinned)
+            src.copy_(host, non_blocking=self.pinned)
+            if self.swapper is not None:
+                self.swapper.read_by_device(self)
             self._gather_src = src
         handle = get_accelerator().all_gather(self.flat, src, self.group, async_op)
         self.inflight = (handle, self.flat)
@@ -330,8 +360,11 @@ class FlatUnit:
         """Drop the unit's storage (engine teardown); a pinned host shard goes back to the
         backend's pinned allocator."""
         self.release()
-        self.owned()  # a write into the host shard may still be in flight
-        if self.pinned and self.shard is not None:
+        self.settle_host_write()  # a write into the host shard may still be in flight
+        if self.swapper is not None:
+            self.swapper.forget(self)
+            self.swapper = None
+        elif self.pinned and self.shard is not None:
             get_accelerator().free_pinned(self.shard)
         self.flat = self.shard = None
 
@@ -348,6 +381,8 @@ class FlatUnit:
 
     def nbytes(self) -> int:
         """Bytes of the unit's persistent parameter storage (padding included)."""
+        if self.swapper is not None:
+            return 0  # in a swap file; the pool is the swapper's (ParamSwapper.pool_bytes)
         buf = self.shard if self.mode is Mode.PARTITIONED else self.flat
         return 0 if buf is None else buf.numel() * buf.element_size()
 

@@ -15,7 +15,9 @@ the module that owns them (or shares them), as with FSDP.
 Prefetch: the first forward records the order modules run in; later forwards, as long as they
 follow it, issue the next module's all-gather asynchronously before running the current one,
 and each module's backward gather prefetches the module before it in that order (a prefetch
-nobody consumes is finished and dropped at the end of the pass).
+nobody consumes is finished and dropped at the end of the pass). With NVMe parameter offload,
+the swapped shards of the module after the prefetched one are read from their files at the
+same time (see [Note: NVMe parameter swap]), so each gather finds its shard in host memory.
 The trace must be the same on every rank (data-dependent module order would desynchronise the
 collectives). All collectives go through ``get_accelerator()``.
 """
@@ -179,6 +181,7 @@ class ParamCoordinator:
         self.gather(module)
         if self.on_trace and self.cursor < len(self.trace):
             self._prefetch(self.trace[self.cursor])
+            self._read_ahead(self.cursor + 1)
         if torch.is_grad_enabled():
             return _map_tensors(args, _through(lambda: self.release(module)))
         return None
@@ -195,6 +198,7 @@ class ParamCoordinator:
         pos = self.last_position.get(module)
         if pos:
             self._prefetch(self.trace[pos - 1])
+            self._read_ahead(pos - 2)
 
     # -- gather / release --------------------------------------------------------------------
 
@@ -268,6 +272,15 @@ class ParamCoordinator:
         for unit in todo:
             self._track(unit)
             unit.gather(async_op=True)
+
+    def _read_ahead(self, pos: int) -> None:
+        """NVMe parameter offload: start reading the swapped shards of the module at trace
+        position ``pos`` (one past the all-gather prefetch), so the read is in flight while
+        the current module computes (see [Note: NVMe parameter swap])."""
+        if 0 <= pos < len(self.trace):
+            for unit in self.module_units[self.trace[pos]]:
+                if unit.swapper is not None and not unit.gathered:
+                    unit.swapper.prefetch(unit)
 
     def remove(self) -> None:
         """Remove every hook (engine teardown)."""

@@ -713,6 +713,10 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         from tests.zero import _offload
 
         return _offload.nvme_jobs(world)
+    if suite == "nvme_param":
+        from tests.zero import _nvme_param
+
+        return _nvme_param.jobs(world)
     if suite == "autotp":
         from tests.zero import _autotp
 

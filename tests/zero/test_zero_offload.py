@@ -208,7 +208,7 @@ def test_config_accepts_deepspeed_offload_spellings() -> None:
         ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "'nvme' needs nvme_path"),
         ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "partial offload"),
         ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param.*needs stage 3"),
-        ({"stage": 3, "offload_param": {"device": "nvme"}}, "'nvme' is not supported yet"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, "'nvme' needs nvme_path"),
         ({"stage": 3, "cpu_offload_params": "yes"}, "cpu_offload_params must be true or false"),
     ],
 )
