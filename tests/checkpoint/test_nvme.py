@@ -5,17 +5,24 @@ through the swap engine) equals what was saved; resuming on NVMe or on host offl
 exactly as the uninterrupted NVMe run (host offload is the same kernel on the same bytes); a
 load without offload holds the same state; a host-offload checkpoint resumes onto NVMe as the
 uninterrupted host-offload run. The NVMe checkpoint holds the same values as the host-offload
-one, and no swap file is in it.
+one, and no swap file is in it. A rank SIGKILLed mid-swap or mid-save leaves the previous
+checkpoint loadable, bit for bit.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from ds_core.checkpoint import CheckpointReader
+from ds_core.checkpoint import CheckpointReader, inspect_checkpoint
 from tests.checkpoint._nvme import FORMATS, LOADS, STAGES
+from tests.checkpoint.conftest import ROOT, worker_env
 from tests.checkpoint.test_resume import equal
 
 pytestmark = pytest.mark.slow
@@ -54,3 +61,25 @@ def test_nvme_checkpoint_holds_what_host_offload_holds(suite: Any, stage: int) -
         if fmt == "native":  # one file per rank and sub-group, read through the swap engine
             assert any(n.startswith("nvme/rank_00001.sg") for n in names), sorted(names)
     assert nvme[0]["swap_files"], "the run swapped nothing"
+
+
+def test_kill_mid_swap_and_mid_save_leave_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.checkpoint._nvme_kill", str(tmp_path)],
+        cwd=ROOT,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ended = json.loads((tmp_path / "ended.json").read_text())
+    assert ended == {"save_a": "completed", "swap": "killed", "save": "killed", "load": "completed"}
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text() == "A" and not (ckpt / "B").exists()
+    assert inspect_checkpoint(ckpt, tag="A")["verified"] is True
+    for r in range(2):
+        saved = torch.load(tmp_path / f"saved.rank{r}.pt", weights_only=False)
+        loaded = torch.load(tmp_path / f"loaded.rank{r}.pt", weights_only=False)
+        equal(saved, loaded, f"rank{r}")
