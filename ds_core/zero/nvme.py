@@ -41,7 +41,7 @@ from torch import nn
 
 from ds_core.accelerator import Accelerator
 from ds_core.errors import ConfigError
-from ds_core.io import ALIGN, AsyncIO
+from ds_core.io import ALIGN, AsyncIO, AsyncIOError
 from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
 from ds_core.zero.config_offload import AioConfig, OffloadOptimizerConfig
 from ds_core.zero.offload import OptimizerOffload, _HostRange
@@ -71,7 +71,8 @@ class NvmeOptimizerOffload(OptimizerOffload):
     :param acc: the accelerator. :param cfg: ``offload_optimizer`` (``device: nvme``).
     :param aio: the ``aio`` section. :param sub_group_size: elements per sub-group.
     :param rank: this process's global rank (names its swap folder).
-    :raises ConfigError: when the swap folder cannot be created or written.
+    :raises ConfigError: when the swap folder cannot be created or written (at engine
+        start; :meth:`make_masters` also when its file system lacks room for the files).
     """
 
     def __init__(
@@ -154,13 +155,36 @@ class NvmeOptimizerOffload(OptimizerOffload):
                     if staging is None:
                         self._staging[unit.dtype] = self._host(self._sg_max, unit.dtype)
             # Initial contents, through the buffers: the master from the unit, zero moments.
-            for i, sg in enumerate(self.sub_groups):
-                buf = self._buffers[i % len(self._buffers)]
-                self.io.wait()  # the buffer's previous write has landed
-                buf.zero_()
-                buf[: sg.n].copy_(sg.hr.unit.owned()[sg.start : sg.start + sg.n])
-                self._write(sg, buf)
-            self.io.wait()
+            try:
+                self._check_space()
+                for i, sg in enumerate(self.sub_groups):
+                    buf = self._buffers[i % len(self._buffers)]
+                    self.io.wait()  # the buffer's previous write has landed
+                    buf.zero_()
+                    buf[: sg.n].copy_(sg.hr.unit.owned()[sg.start : sg.start + sg.n])
+                    self._write(sg, buf)
+                self.io.wait()
+            except AsyncIOError as exc:
+                self.release()  # no swap folder left behind by a failed start
+                raise ConfigError(
+                    f"offload_optimizer.nvme_path: writing the initial swap files in "
+                    f"{self.folder} failed: {exc}; free space there or choose another folder"
+                ) from exc
+            except ConfigError:
+                self.release()
+                raise
+
+    def _check_space(self) -> None:
+        """Refuse to start when the swap folder's file system cannot hold every file."""
+        need = sum(_REGIONS * self._stride for _ in self.sub_groups)
+        fs = os.statvfs(self.folder)
+        free = fs.f_bavail * fs.f_frsize
+        if need > free:
+            raise ConfigError(
+                f"offload_optimizer.nvme_path: the swap files need {need / 2**20:.1f} MiB but "
+                f"{self.folder} has {free / 2**20:.1f} MiB free; free space there or choose "
+                "another folder"
+            )
 
     def _regions(self, sg: _SubGroup, buf: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
         words = self._stride // 4
