@@ -24,7 +24,9 @@ The optimizer's parameters (``zp.master``) are storage-less (``meta``) placehold
 carry the parameter groups (learning rate, betas, weight decay, as schedulers change them);
 ``optimizer.state`` stays empty and the step count is kept here. The swap folder is created
 (and checked writable) at engine start, every file is written then, and the folder is removed
-at ``destroy()``.
+at ``destroy()``. Checkpoints reach the state through :meth:`sub_group_pieces`,
+:meth:`read_piece` and :meth:`write_piece` (see [Note: NVMe state in checkpoints] in
+:mod:`ds_core.checkpoint._nvme`), which use the first buffer outside a step.
 """
 
 from __future__ import annotations
