@@ -4,8 +4,9 @@
 ``nvme_save``: at stages 1-3, an engine with ``offload_optimizer.device = "nvme"`` (sub-groups
 of 37 elements, so parameters are cut across sub-groups and sub-groups hold several
 parameters) trains 3 steps, saves both formats and trains 3 more; the same with host offload
-(``cpu``). ``nvme_load``: fresh engines (other weights, other RNG states) load those
-checkpoints onto NVMe, host offload and no offload and train the same 3 steps. Swap files go
+(``cpu``) and without offload (``none``: torch's AdamW on the device). ``nvme_load``: fresh
+engines (other weights, other RNG states) load the NVMe checkpoints onto NVMe, host offload
+and no offload, and the others onto NVMe, and train the same 3 steps. Swap files go
 under the checkpoint root, on a real file system (pytest's temporary folder is on disk here).
 """
 
@@ -29,6 +30,7 @@ LOADS = {
     "cpu_from_nvme": ("cpu", "nvme"),
     "none_from_nvme": ("none", "nvme"),
     "nvme_from_cpu": ("nvme", "cpu"),
+    "nvme_from_none": ("nvme", "none"),
 }
 
 
@@ -113,7 +115,9 @@ def save_job(stage: int, device: str, root: Path) -> Callable[[], dict[str, Any]
         folder = root / f"{device}_s{stage}"
         engine.save_checkpoint(str(folder / "native"))
         engine.save_checkpoint(str(folder / "universal"), universal=True)
-        swap_files = sorted(p.name for p in (root / "swap").rglob("*.swp"))
+        swap_files = (
+            sorted(p.name for p in (root / "swap").rglob("*.swp")) if device == "nvme" else []
+        )
         snap = snapshot(engine, train(engine, sc, sc.n))
         snap["at_save"] = at_save
         snap["swap_files"] = swap_files
@@ -148,7 +152,7 @@ def jobs(suite: str, root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         return {
             f"save_{device}_s{s}": save_job(s, device, root)
             for s in STAGES
-            for device in ("nvme", "cpu")
+            for device in ("nvme", "cpu", "none")
         }
     if suite == "nvme_load":
         return {

@@ -4,7 +4,8 @@ Bitwise at stages 1-3 on 2 ranks, both formats: what a load puts in the swap fil
 through the swap engine) equals what was saved; resuming on NVMe or on host offload continues
 exactly as the uninterrupted NVMe run (host offload is the same kernel on the same bytes); a
 load without offload holds the same state; a host-offload checkpoint resumes onto NVMe as the
-uninterrupted host-offload run. The NVMe checkpoint holds the same values as the host-offload
+uninterrupted host-offload run, and one saved without offload (torch's AdamW, its step a
+tensor) loads onto NVMe holding the saved state. The NVMe checkpoint holds the same values as the host-offload
 one, and no swap file is in it. A rank SIGKILLed mid-swap or mid-save leaves the previous
 checkpoint loadable, bit for bit.
 """
@@ -38,7 +39,7 @@ def test_nvme_state_resumes_exactly(suite: Any, stage: int, label: str, fmt: str
     for r, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert b["path"].endswith("global_step3"), b["path"]
         equal(a["at_save"], b["loaded"], f"rank{r}.loaded")
-        if target == "none":  # torch's AdamW from here on: other arithmetic than cpu_adam
+        if "none" in (target, source):  # torch's AdamW on one side: other arithmetic
             continue
         for key in ("losses", "counters", "lr", "state", "params", "rng"):
             equal(a[key], b[key], f"rank{r}.{key}")
