@@ -14,9 +14,11 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
 - ``fsdp2``     torch ``fully_shard`` per block and at the root (shards everything)
 - ``ds0``..``ds3`` ds_core stages 0-3 (``ds_core.initialize``), persistence threshold 0
 - ``ds1_off``..``ds3_off`` the same with ``offload_optimizer: {"device": "cpu"}``, ``ds3_param``
-  with ``offload_param: {"device": "cpu"}`` and ``ds3_off_param`` with both, ``ds3_param_nvme``
-  and ``ds3_off_param_nvme`` the same with ``offload_param.device: "nvme"`` (swap files in
-  ``DS_CORE_NVME_BENCH_DIR``, else the temporary folder; ``max_in_cpu: 0``) (not in the
+  with ``offload_param: {"device": "cpu"}`` and ``ds3_off_param`` with both; ``ds2_nvme`` /
+  ``ds3_nvme`` with ``offload_optimizer: {"device": "nvme"}``; ``ds3_param_nvme`` and
+  ``ds3_off_param_nvme`` like ``ds3_param`` / ``ds3_off_param`` with ``offload_param.device:
+  "nvme"`` (``max_in_cpu: 0``); swap files under ``$DS_CORE_BENCH_NVME_DIR``, default the
+  temporary folder (not in the
   default set: ``--configs ds2,ds2_off,ds3,ds3_off`` or ``bench/offload.py``); their ``state MiB`` is what stays on the
   device, the host side is printed below the table, and ``time/peer`` compares with the same
   stage without offload
@@ -52,6 +54,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -71,8 +74,10 @@ from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E40
 
 PEERS = ("ddp", "zero_opt", "fsdp2")
 DS_STAGES = ("ds0", "ds1", "ds2", "ds3")
-OFFLOAD = ("ds1_off", "ds2_off", "ds3_off", "ds3_param", "ds3_off_param")
+OFFLOAD = ("ds1_off", "ds2_off", "ds3_off", "ds3_param", "ds3_off_param", "ds2_nvme", "ds3_nvme")
 OFFLOAD += ("ds3_param_nvme", "ds3_off_param_nvme")
+#: where the ``*_nvme`` configurations keep their swap files (a real disk, not tmpfs)
+NVME_DIR = os.environ.get("DS_CORE_BENCH_NVME_DIR") or None
 LR, CLIP, SEED = 3e-4, 1.0, 1234
 REDUCE_BUCKET = 6_000_000  # elements: 23 MiB of fp32 gradients, like DDP's 25 MiB buckets
 # collectives with fewer elements are bookkeeping (norms, flags), left out of byte counts
@@ -286,8 +291,10 @@ def ds_config(
     bf16: bool = False,
     offload: bool = False,
     offload_param: bool | str = False,
+    nvme_path: str | None = None,
 ) -> dict[str, Any]:
-    """The DeepSpeed-style config of a ds_core run in these benchmarks."""
+    """The DeepSpeed-style config of a ds_core run in these benchmarks (optimizer offload to
+    ``nvme_path`` when given, else to the host)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -304,13 +311,16 @@ def ds_config(
         "steps_per_print": 10**9,
         "log_level": "warning",
     }
-    if offload:
+    if offload and nvme_path is not None:
+        cfg["zero_optimization"]["offload_optimizer"] = {
+            "device": "nvme",
+            "nvme_path": nvme_path,
+            "pin_memory": True,
+        }
+    elif offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_param == "nvme":
-        import tempfile
-
-        folder = tempfile.mkdtemp(prefix="ds_core_bench_nvp_", dir=os.environ.get(
-            "DS_CORE_NVME_BENCH_DIR"))  # fmt: skip
+        folder = tempfile.mkdtemp(prefix="ds_core_bench_nvp_", dir=NVME_DIR)
         cfg["zero_optimization"]["offload_param"] = {
             "device": "nvme", "nvme_path": folder, "max_in_cpu": 0, "pin_memory": True,
         }  # fmt: skip
@@ -350,7 +360,15 @@ def build_ds(
     engine, _, _, _ = ds_core.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=ds_config(stage, micro_batch, offload=offload, offload_param=offload_param),
+        config=ds_config(
+            stage,
+            micro_batch,
+            offload=offload,
+            offload_param=offload_param,
+            nvme_path=(NVME_DIR or tempfile.gettempdir())
+            if name in ("ds2_nvme", "ds3_nvme")
+            else None,
+        ),
     )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -427,8 +445,9 @@ def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
     if name in DS_STAGES:
         return build_ds(model, int(name[2]), micro_batch)
     if name in OFFLOAD:
-        optimizer = "_off" in name
-        param: bool | str = "nvme" if name.endswith("_nvme") else name.endswith("_param")
+        # ds2_nvme/ds3_nvme: optimizer state on NVMe; *_param_nvme: stage-3 shards on NVMe
+        optimizer = "_off" in name or name in ("ds2_nvme", "ds3_nvme")
+        param: bool | str = "nvme" if name.endswith("_param_nvme") else name.endswith("_param")
         return build_ds(model, int(name[2]), micro_batch, optimizer, param, name)
     raise ValueError(f"unknown configuration {name!r}; choose from {PEERS + DS_STAGES + OFFLOAD}")
 

@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_core.checkpoint import _io, _state, _tp
+from ds_core.checkpoint import _io, _nvme, _state, _tp
 from ds_core.checkpoint._io import CheckpointError
 from ds_core.checkpoint._reader import CheckpointReader
 from ds_core.checkpoint._save import agree
-from ds_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -60,11 +59,6 @@ def load_checkpoint(
         or from another save; a model that does not match the checkpoint. The message names
         the file or the parameter.
     """
-    if getattr(engine.offload, "folder", None) is not None:
-        raise ConfigError(
-            "checkpoints of NVMe-resident optimizer state (offload_optimizer.device='nvme') are "
-            "not supported yet; use offload_optimizer.device='cpu' to save or load"
-        )
     root = Path(load_dir)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"load_dir {str(root)!r} is not a folder")
@@ -89,9 +83,20 @@ def load_checkpoint(
     agree(engine, error, f"checking {folder}")
     if reader is None:
         raise AssertionError("reader missing after a successful check")
+    nv = _nvme.swap(engine)
+    steps: set[int] = set()
     try:
         for zp, key, fast in plan:
-            _load_param(engine, reader, zp, key, fast, want_opt)
+            step = _load_param(engine, reader, zp, key, fast, want_opt)
+            if step is not None:
+                steps.add(step)
+        if nv is not None:
+            if len(steps) > 1:
+                raise CheckpointError(
+                    f"{folder}: the parameters' optimizer steps differ ({sorted(steps)}); "
+                    "offload_optimizer.device='nvme' keeps one step count for all of them"
+                )
+            nv.finish_load(steps.pop() if steps else (0 if want_opt else None))
         _load_buffers(engine, reader, load_module_strict)
     except (CheckpointError, OSError, RuntimeError) as exc:
         error = exc
@@ -149,7 +154,11 @@ def _plan(
             )
         if not info["saved"]:
             continue  # frozen and saved with exclude_frozen_parameters: keep the model's values
-        own = reader.fragment(key, engine.rank) if same_world and zp.master is not None else None
+        own = (
+            reader.rank_payload(engine.rank)["params"].get(key)
+            if same_world and zp.master is not None
+            else None
+        )
         # the piece this rank saved is the piece it holds now: read it, nothing else
         fast = own is not None and (int(own["lo"]), int(own["hi"])) == (zp.lo, zp.hi)
         plan.append((zp, key, fast))
@@ -164,7 +173,10 @@ def _plan(
         )
     needed: set[str] = set()
     for _zp, key, fast in plan:
-        needed.update([_io.rank_file(engine.rank)] if fast else reader.files_for(key))
+        if fast:
+            needed.update([_io.rank_file(engine.rank), *reader.swapped_files(engine.rank)])
+        else:
+            needed.update(reader.files_for(key))
     if reader.world_size == engine.world:
         needed.add(_io.rank_file(engine.rank))
     for rel in sorted(needed):
@@ -190,7 +202,8 @@ def _load_param(
     key: str,
     fast: bool,
     want_opt: bool,
-) -> None:
+) -> int | None:
+    """Load one parameter; returns its optimizer step when it lands in NVMe swap files."""
     src: dict[str, Any] | None = reader.fragment(key, engine.rank) if fast else None
     own_fragment = src is not None
     if src is None:
@@ -201,10 +214,17 @@ def _load_param(
         # A native fragment already is this rank's slice; a full tensor is cut to it.
         return t.view(master_shape) if own_fragment else _owned(engine, zp, t)
 
+    step = None
+    nv = _nvme.swap(engine)
     with torch.no_grad():
-        if zp.master is not None:
-            if "fp32" not in src:
-                raise CheckpointError(f"{reader.folder}: parameter {key!r} has no fp32 master")
+        if zp.master is not None and "fp32" not in src:
+            raise CheckpointError(f"{reader.folder}: parameter {key!r} has no fp32 master")
+        if zp.master is not None and nv is not None and nv.holds(zp.unit):
+            state = None
+            if want_opt:
+                state = {k: pick(v) for k, v in src["state"].items()} | dict(src["scalars"])
+            step = _nvme.load_piece(nv, zp, pick(src["fp32"]), state)
+        elif zp.master is not None:
             zp.master.copy_(pick(src["fp32"]))
             if want_opt:
                 engine.optimizer.state[zp.master] = _opt_state(engine, zp, src, pick)
@@ -212,6 +232,7 @@ def _load_param(
             _load_frozen(zp, _tp.cut(engine, zp, src["frozen"]).contiguous())
     if reader.format == "universal":
         reader.release(_io.param_file(key))
+    return step
 
 
 def _opt_state(
@@ -227,6 +248,8 @@ def _opt_state(
     on_device = bool(group.get("capturable")) or bool(group.get("fused"))
     state: dict[str, Any] = {}
     for k, v in src["scalars"].items():
+        if k == "step":
+            v = _step_for(engine, v)
         if isinstance(v, torch.Tensor):
             v = v.clone().to(master.device) if on_device else v.clone()
         state[k] = v
@@ -235,6 +258,20 @@ def _opt_state(
         t.copy_(pick(v))
         state[k] = t
     return state
+
+
+def _step_for(engine: ZeroEngine, step: Any) -> Any:
+    """``step`` in the form the engine's optimizer keeps it, so state saved with host or NVMe
+    offload (an ``int``) resumes on a device ``torch.optim`` Adam (a float tensor) and the
+    other way round; any other optimizer gets it as saved."""
+    from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
+
+    if isinstance(engine.optimizer, DeepSpeedCPUAdam):
+        return int(_state.scalar_value(step))
+    if isinstance(engine.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        if not isinstance(step, torch.Tensor):
+            return torch.tensor(float(step), dtype=torch.float32)
+    return step
 
 
 def _load_frozen(zp: ZeroParam, full: torch.Tensor) -> None:

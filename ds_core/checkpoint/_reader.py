@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ds_core.checkpoint import _io
+from ds_core.checkpoint import _io, _nvme
 from ds_core.checkpoint._io import CheckpointError
 
 
@@ -97,12 +97,20 @@ class CheckpointReader:
         """The files holding ``key``'s values."""
         if self.format == "universal":
             return [_io.param_file(key)]
-        return [_io.rank_file(r) for r in range(self.world_size)]
+        return [_io.rank_file(r) for r in range(self.world_size)] + self.swapped_files()
+
+    def swapped_files(self, rank: int | None = None) -> list[str]:
+        """Native only: the files of NVMe-resident state (see [Note: NVMe state in
+        checkpoints] in :mod:`ds_core.checkpoint._nvme`), of one rank or of all."""
+        head = f"{_nvme.FOLDER}/" if rank is None else f"{_nvme.FOLDER}/rank_{rank:05d}."
+        return sorted(rel for rel in self.manifest["files"] if rel.startswith(head))
 
     def fragment(self, key: str, rank: int) -> dict[str, Any] | None:
         """Native only: what rank ``rank`` saved of ``key``: its piece ``[lo, hi)`` of the
-        flattened parameter (``None`` when it saved none)."""
+        flattened parameter (``None`` when it saved none), NVMe-resident state joined in."""
         frag: dict[str, Any] | None = self.rank_payload(rank)["params"].get(key)
+        if frag is not None and "swapped" in frag:
+            return _nvme.join(self.load, key, frag)
         return frag
 
     def entry(self, key: str) -> dict[str, Any]:

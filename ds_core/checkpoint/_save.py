@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_core.checkpoint import _io, _state, _tp
+from ds_core.checkpoint import _io, _nvme, _state, _tp
 from ds_core.checkpoint._io import CheckpointError
-from ds_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -139,11 +138,6 @@ def save_checkpoint(
     :raises CheckpointError: bad arguments (before anything is written), state that cannot
         be stored, or a failure on any rank (the previous checkpoint and ``latest`` stay).
     """
-    if getattr(engine.offload, "folder", None) is not None:
-        raise ConfigError(
-            "checkpoints of NVMe-resident optimizer state (offload_optimizer.device='nvme') are "
-            "not supported yet; use offload_optimizer.device='cpu' to save or load"
-        )
     root, tag = _validate(
         engine, save_dir, tag, {} if client_state is None else client_state, universal
     )
@@ -174,8 +168,12 @@ def save_checkpoint(
             "world_size": engine.world,
             "rng": _state.rng_state(),
             "loader": _state.loader_state(engine),
-            "params": {} if universal else _native_fragments(engine, exclude_frozen_parameters),
+            "params": {},
         }
+        if not universal:
+            rank_payload["params"] = _native_fragments(
+                engine, tmp, exclude_frozen_parameters, files
+            )
         _state.check_plain(rank_payload, _io.rank_file(engine.rank))
         rel = _io.rank_file(engine.rank)
         files[rel] = _io.save_object(tmp / rel, rank_payload)
@@ -217,17 +215,29 @@ def save_checkpoint(
     return root / tag
 
 
-def _native_fragments(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, Any]:
+def _native_fragments(
+    engine: ZeroEngine, tmp: Path, exclude_frozen: bool, files: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     """This rank's fragments: its piece ``[lo, hi)`` of every parameter. An empty piece is
     stored too (no elements, but this rank's optimizer scalars), so that a load at the same
-    layout reads this rank's file only."""
+    layout reads this rank's file only. NVMe-resident pieces are written to their own files
+    first (added to ``files``; see [Note: NVMe state in checkpoints])."""
+    nv = _nvme.swap(engine)
+    swapped: dict[str, list[str]] = {}
+    if nv is not None:
+        written, swapped = _nvme.write_native(engine, nv, tmp)
+        files.update(written)
     out: dict[str, Any] = {}
     for zp in engine.zparams.values():
         replica = zp.mode.value == _state.REPLICATED and zp.group_rank != 0
         if replica or (not zp.trainable and exclude_frozen):
             continue
         frag: dict[str, Any] = {"lo": zp.lo, "hi": zp.hi}
-        if zp.master is not None:
+        if nv is not None and zp.master is not None:
+            key = _state.param_key(zp, engine.rank)
+            frag["swapped"] = swapped.get(key, [])
+            frag["scalars"] = _nvme.scalars(nv, zp)
+        elif zp.master is not None:
             frag["fp32"] = host(zp.master)
             tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
             frag["state"] = {k: host(v) for k, v in tensors.items()}
@@ -287,8 +297,14 @@ def _agreed_layout(engine: ZeroEngine) -> dict[str, dict[str, Any]]:
     all-gathers, including ranks whose piece is empty and that may hold no state at all.
     """
     mine: dict[str, dict[str, Any]] = {}
+    nv = _nvme.swap(engine)
     for zp in engine.zparams.values():
-        if zp.master is not None and stores(zp):
+        if nv is not None and zp.master is not None and stores(zp):
+            mine[_state.param_key(zp, engine.rank)] = {
+                "tensors": _nvme.layout(nv, zp),
+                "scalars": {k: _encode(v) for k, v in _nvme.scalars(nv, zp).items()},
+            }
+        elif zp.master is not None and stores(zp):
             tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
             mine[_state.param_key(zp, engine.rank)] = {
                 "tensors": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
@@ -309,6 +325,7 @@ def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dic
     """Gather and write one parameter at a time; returns the files this rank wrote."""
     files: dict[str, Any] = {}
     agreed = _agreed_layout(engine)
+    nv = _nvme.swap(engine)
     for i, zp in enumerate(engine.zparams.values()):
         if not zp.trainable and exclude_frozen:
             continue
@@ -322,8 +339,11 @@ def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dic
         entry: dict[str, Any] = {}
         if zp.master is not None:
             layout = agreed.get(key, {"tensors": {}, "scalars": {}})
-            entry["fp32"] = gather_param(engine, zp, zp.master)
-            state = _state.optimizer_state(engine, zp.master)
+            if nv is not None:  # swapped in, one sub-group at a time
+                master, state = _nvme.piece(nv, zp)
+            else:
+                master, state = zp.master, dict(_state.optimizer_state(engine, zp.master))
+            entry["fp32"] = gather_param(engine, zp, master)
             entry["state"] = {}
             for k, dtype in sorted(layout["tensors"].items()):
                 mine = state.get(k)
@@ -337,6 +357,8 @@ def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dic
             rel = _io.param_file(key)
             files[rel] = _io.save_object(tmp / rel, _to_host(entry))
         del entry
+    if nv is not None:
+        nv.settle()
     return files
 
 

@@ -24,7 +24,9 @@ The optimizer's parameters (``zp.master``) are storage-less (``meta``) placehold
 carry the parameter groups (learning rate, betas, weight decay, as schedulers change them);
 ``optimizer.state`` stays empty and the step count is kept here. The swap folder is created
 (and checked writable) at engine start, every file is written then, and the folder is removed
-at ``destroy()``.
+at ``destroy()``. Checkpoints reach the state through :meth:`sub_group_pieces`,
+:meth:`read_piece` and :meth:`write_piece` (see [Note: NVMe state in checkpoints] in
+:mod:`ds_core.checkpoint._nvme`), which use the first buffer outside a step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -41,17 +43,21 @@ from torch import nn
 
 from ds_core.accelerator import Accelerator
 from ds_core.errors import ConfigError
-from ds_core.io import ALIGN, AsyncIO
+from ds_core.io import ALIGN, AsyncIO, AsyncIOError
 from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
 from ds_core.zero.config_offload import AioConfig, OffloadOptimizerConfig
 from ds_core.zero.offload import OptimizerOffload, _HostRange
-from ds_core.zero.partition import FlatUnit
+from ds_core.zero.partition import FlatUnit, ZeroParam
 
 log = logging.getLogger("ds_core.zero")
 
-__all__ = ["NvmeOptimizerOffload"]
+__all__ = ["STATE", "NvmeOptimizerOffload"]
 
-_REGIONS = 3  # master, exp_avg, exp_avg_sq
+#: the regions of a sub-group's file, in order, under their checkpoint names.
+STATE = ("fp32", "exp_avg", "exp_avg_sq")
+_REGIONS = len(STATE)
+
+StateViews = dict[str, torch.Tensor]
 
 
 class _SubGroup:
@@ -67,7 +73,8 @@ class NvmeOptimizerOffload(OptimizerOffload):
     :param acc: the accelerator. :param cfg: ``offload_optimizer`` (``device: nvme``).
     :param aio: the ``aio`` section. :param sub_group_size: elements per sub-group.
     :param rank: this process's global rank (names its swap folder).
-    :raises ConfigError: when the swap folder cannot be created or written.
+    :raises ConfigError: when the swap folder cannot be created or written (at engine
+        start; :meth:`make_masters` also when its file system lacks room for the files).
     """
 
     def __init__(
@@ -117,6 +124,8 @@ class NvmeOptimizerOffload(OptimizerOffload):
         self._stride = 0  # bytes between regions in a file, 4 KiB-aligned
         self._sg_max = 0
         self.step_count = 0
+        self._held: _SubGroup | None = None  # the sub-group in buffer 0 outside a step
+        self._dirty = False
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -148,13 +157,36 @@ class NvmeOptimizerOffload(OptimizerOffload):
                     if staging is None:
                         self._staging[unit.dtype] = self._host(self._sg_max, unit.dtype)
             # Initial contents, through the buffers: the master from the unit, zero moments.
-            for i, sg in enumerate(self.sub_groups):
-                buf = self._buffers[i % len(self._buffers)]
-                self.io.wait()  # the buffer's previous write has landed
-                buf.zero_()
-                buf[: sg.n].copy_(sg.hr.unit.owned()[sg.start : sg.start + sg.n])
-                self._write(sg, buf)
-            self.io.wait()
+            try:
+                self._check_space()
+                for i, sg in enumerate(self.sub_groups):
+                    buf = self._buffers[i % len(self._buffers)]
+                    self.io.wait()  # the buffer's previous write has landed
+                    buf.zero_()
+                    buf[: sg.n].copy_(sg.hr.unit.owned()[sg.start : sg.start + sg.n])
+                    self._write(sg, buf)
+                self.io.wait()
+            except AsyncIOError as exc:
+                self.release()  # no swap folder left behind by a failed start
+                raise ConfigError(
+                    f"offload_optimizer.nvme_path: writing the initial swap files in "
+                    f"{self.folder} failed: {exc}; free space there or choose another folder"
+                ) from exc
+            except ConfigError:
+                self.release()
+                raise
+
+    def _check_space(self) -> None:
+        """Refuse to start when the swap folder's file system cannot hold every file."""
+        need = sum(_REGIONS * self._stride for _ in self.sub_groups)
+        fs = os.statvfs(self.folder)
+        free = fs.f_bavail * fs.f_frsize
+        if need > free:
+            raise ConfigError(
+                f"offload_optimizer.nvme_path: the swap files need {need / 2**20:.1f} MiB but "
+                f"{self.folder} has {free / 2**20:.1f} MiB free; free space there or choose "
+                "another folder"
+            )
 
     def _regions(self, sg: _SubGroup, buf: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
         words = self._stride // 4
@@ -192,6 +224,7 @@ class NvmeOptimizerOffload(OptimizerOffload):
                 f"{type(optimizer).__name__}. Configure the optimizer in the config "
                 "(optimizer.type Adam/AdamW) or pass a DeepSpeedCPUAdam"
             )
+        self.settle()
         scale = 1.0 if grad_scale is None else float(grad_scale)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self.step_count += 1
@@ -258,7 +291,89 @@ class NvmeOptimizerOffload(OptimizerOffload):
     def publish(self) -> None:
         """Nothing left: each sub-group was published right after its update."""
 
-    # -- reading the state through the engine ------------------------------------------------
+    # -- checkpoint access (see [Note: NVMe state in checkpoints]) -----------------------------
+
+    def _hold(self, sg: _SubGroup) -> torch.Tensor:
+        """Swap ``sg`` into the first buffer (writing back the sub-group held before it when
+        it was changed) and return the buffer."""
+        if self._held is not sg:
+            self.settle()
+            self.io.wait()
+            self._read(sg, self._buffers[0])
+            self.io.wait()
+            self._held = sg
+        return self._buffers[0]
+
+    def settle(self) -> None:
+        """Write the held sub-group back when changed, wait for it, and forget it (the step
+        reuses the buffer)."""
+        if self._held is not None and self._dirty:
+            self._write(self._held, self._buffers[0])
+            self.io.wait()
+        self._held, self._dirty = None, False
+
+    def _overlaps(self, zp: ZeroParam) -> Iterator[tuple[_SubGroup, int, int]]:
+        """The sub-groups holding ``zp``'s piece, with the overlap ``[a, b)`` in unit-range
+        elements."""
+        hr = self._of.get(id(zp.unit))
+        if hr is None:
+            raise AssertionError(f"{zp.name}: its unit is not NVMe-resident")
+        lo, hi = zp.shard_offset, zp.shard_offset + zp.shard_numel
+        for sg in self.sub_groups:
+            if sg.hr is hr and sg.start < hi and lo < sg.start + sg.n:
+                yield sg, max(lo, sg.start), min(hi, sg.start + sg.n)
+
+    def sub_group_pieces(self) -> Iterator[tuple[int, list[tuple[ZeroParam, int, StateViews]]]]:
+        """Each sub-group in turn, swapped in: ``(index, [(zparam, start within its piece,
+        views)])`` where the views (``fp32`` and the moments, fp32 each) alias the swap
+        buffer and are valid until the next item."""
+        for i, sg in enumerate(self.sub_groups):
+            buf = self._hold(sg)
+            regions = [t for t, _ in self._regions(sg, buf)]
+            pieces: list[tuple[ZeroParam, int, StateViews]] = []
+            for zp in sg.hr.unit.trainable:
+                a = max(sg.start, zp.shard_offset)
+                b = min(sg.start + sg.n, zp.shard_offset + zp.shard_numel)
+                if a < b and zp.master is not None:
+                    views = {
+                        k: r[a - sg.start : b - sg.start]
+                        for k, r in zip(STATE, regions, strict=True)
+                    }
+                    pieces.append((zp, a - zp.shard_offset, views))
+            yield i, pieces
+        self.settle()
+
+    def read_piece(self, zp: ZeroParam) -> StateViews:
+        """``zp``'s piece of the master and moments, swapped in, as new flat host tensors."""
+        out = {k: torch.empty(zp.shard_numel) for k in STATE}
+        for sg, a, b in self._overlaps(zp):
+            buf = self._hold(sg)
+            for k, (region, _) in zip(STATE, self._regions(sg, buf), strict=True):
+                out[k][a - zp.shard_offset : b - zp.shard_offset].copy_(
+                    region[a - sg.start : b - sg.start]
+                )
+        return out
+
+    def write_piece(self, zp: ZeroParam, values: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite ``zp``'s piece of the entries of :data:`STATE` given in ``values``
+        (flat, the piece's length) in the swap files; :meth:`finish_load` completes it."""
+        for sg, a, b in self._overlaps(zp):
+            buf = self._hold(sg)
+            for k, (region, _) in zip(STATE, self._regions(sg, buf), strict=True):
+                if k in values:
+                    src = values[k].reshape(-1)[a - zp.shard_offset : b - zp.shard_offset]
+                    region[a - sg.start : b - sg.start].copy_(src)
+                    self._dirty = True
+
+    def finish_load(self, step: int | None) -> None:
+        """After :meth:`write_piece` calls: land the last writes, set the step count (kept
+        when ``None``), and publish every sub-group's master to its unit."""
+        self.settle()
+        if step is not None:
+            self.step_count = int(step)
+        for sg in self.sub_groups:
+            self._publish(sg, self._hold(sg))
+        self.settle()
 
     def read_state(self, unit: FlatUnit) -> dict[str, torch.Tensor]:
         """``unit``'s master and moments, read from the files into new host tensors."""

@@ -425,6 +425,10 @@ def jobs(suite: str, world: int, root: Path) -> dict[str, Callable[[], dict[str,
         }
     if suite == "reshard_w1":
         return {"s0_universal": reshard_load(0, 1, "universal", root)}
+    if suite.startswith("nvme_"):
+        from tests.checkpoint import _nvme
+
+        return _nvme.jobs(suite, root)
     if suite.startswith("tp_"):
         from tests.checkpoint import _tp
 

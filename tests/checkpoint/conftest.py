@@ -21,6 +21,8 @@ SUITES: dict[str, tuple[int, str | None]] = {
     "reshard_save": (4, None),
     "reshard_w2": (2, "reshard_save"),
     "reshard_w1": (1, "reshard_save"),
+    "nvme_save": (2, None),
+    "nvme_load": (2, "nvme_save"),
     "tp_save": (2, None),
     "tp_w1": (1, "tp_save"),
 }

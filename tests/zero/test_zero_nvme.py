@@ -7,7 +7,14 @@ sub-groups of 37 elements that cut parameters in pieces), and the single-process
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +104,80 @@ def test_config_nvme_keys() -> None:
     ]:
         with pytest.raises(ConfigError, match=msg):
             load_config(bad, 1)
+
+
+_START = """
+import os, resource, signal, sys
+import torch
+import ds_core
+from ds_core.errors import ConfigError
+
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+if sys.argv[3] == "fsize":  # a file system that is full after 64 KiB
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+model = torch.nn.Linear(256, 256)
+cfg = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+       "zero_optimization": {"stage": 2, "sub_group_size": 1 << 16, "offload_optimizer": {
+           "device": "nvme", "nvme_path": sys.argv[1]}}}
+try:
+    ds_core.initialize(model=model, config=cfg)
+    print("STARTED")
+except ConfigError as exc:
+    print("ERR", exc)
+"""
+
+
+def _start(path: Path, mode: str) -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = subprocess.run([sys.executable, "-c", _START, str(path), port, mode],
+                         capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"),
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@contextlib.contextmanager
+def _mounted(target: Path, *args: str) -> Iterator[None]:
+    target.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", *args, str(target)],
+                                           capture_output=True).returncode:  # fmt: skip
+        pytest.skip(f"cannot mount {args} here (needs root and mount rights)")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+def test_a_read_only_folder_is_refused_at_engine_start(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    if os.geteuid() == 0:  # root ignores permission bits: a read-only mount instead
+        with _mounted(ro, "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"):
+            out = _start(ro, "plain")
+    else:
+        ro.mkdir()
+        ro.chmod(0o500)
+        out = _start(ro, "plain")
+    assert out.startswith("ERR offload_optimizer.nvme_path: cannot create the swap folder")
+    assert str(ro / "ds_core_swap") in out and "STARTED" not in out
+
+
+def test_a_full_folder_is_refused_at_engine_start(tmp_path: Path) -> None:
+    # a 256x256 layer: swap files of over 1 MiB, on a file system of 256 KiB
+    small = tmp_path / "small"
+    with _mounted(small, "-t", "tmpfs", "-o", "size=256k", "tmpfs"):
+        out = _start(small, "plain")
+        assert not (small / "ds_core_swap").exists()  # nothing left behind
+    assert re.match(r"ERR offload_optimizer.nvme_path: the swap files need 1\.\d MiB but \S+ "
+                    r"has 0\.\d MiB free", out), out  # fmt: skip
+    assert str(small / "ds_core_swap") in out
+
+
+def test_a_file_size_limit_is_refused_at_engine_start(tmp_path: Path) -> None:
+    # RLIMIT_FSIZE: the write itself fails (EFBIG) on a real disk with room to spare
+    out = _start(tmp_path, "fsize")
+    assert out.startswith("ERR offload_optimizer.nvme_path: writing the initial swap files in")
+    assert "sg0.swp" in out and "File too large" in out, out
