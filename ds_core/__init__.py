@@ -16,6 +16,7 @@ from ds_core.accelerator import (
     unregister_plugin,
 )
 from ds_core.comm import destroy_distributed, init_distributed
+from ds_core.ep import autoep_model_init
 from ds_core.errors import (
     BackendSelectionError,
     BackendValidationError,
@@ -40,6 +41,7 @@ __all__ = [
     "NotSupportedError",
     "__version__",
     "add_config_arguments",
+    "autoep_model_init",
     "checkpointing",
     "destroy_distributed",
     "get_accelerator",

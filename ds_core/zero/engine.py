@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
+from ds_core.ep import dropped_parameters
 from ds_core.errors import ConfigError
 from ds_core.moe import expert_groups, expert_parallel_size
 from ds_core.tp import apply_autotp, is_tp_sharded, model_tp_size, replaced_parameters
@@ -383,6 +384,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         for old, shard in replaced_parameters(self.module).items():
             # An optimizer built before AutoTP split the model names the full parameters.
             masters.setdefault(old, masters.get(id(shard)))
+        for old_id in dropped_parameters(self.module):
+            masters.setdefault(old_id, None)  # another rank's expert (AutoEP): not stepped here
         return bind_optimizer(
             optimizer,
             model_parameters,
