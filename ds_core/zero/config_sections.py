@@ -212,7 +212,7 @@ class TensorParallelConfig(BaseModel):
 class ExpertParallelConfig(BaseModel):
     """``expert_parallel``: AutoEP (DeepSpeed's ``AutoEPConfig`` keys that ds_core implements;
     ``use_grouped_mm`` and ``grouped_mm_backend`` are accepted and ignored, the others are
-    refused where they would change results). See :mod:`ds_core.ep` and docs/autoep.md."""
+    refused where they would change results). See :mod:`ds_core.ep` and docs/from-deepspeed.md (AutoEP)."""
 
     model_config = _FROZEN
 
@@ -272,7 +272,7 @@ class ExpertParallelConfig(BaseModel):
     a sibling ``<name>_gate`` ``nn.Linear`` to one output gates it by a sigmoid (Qwen2-MoE)."""
     capacity_factor: float | None = None
     """ds_core's key: slots per expert per rank are ``ceil(capacity_factor · tokens · top_k
-    / num_experts)``; choices past an expert's slots are dropped (see docs/autoep.md).
+    / num_experts)``; choices past an expert's slots are dropped (see docs/from-deepspeed.md (AutoEP)).
     ``None`` or 0 drops no token. (Default: None)"""
 
     @field_validator("autoep_size")

@@ -326,8 +326,8 @@ def refusals() -> dict[str, Any]:
     """Configs AutoEP must refuse, each error's message (collective: every rank runs it)."""
     import ds_core
 
-    def attempt(build_model: Callable[[], nn.Module], ep_cfg: dict[str, Any]) -> str:
-        cfg = {"train_micro_batch_size_per_gpu": 1, "expert_parallel": ep_cfg}
+    def attempt(build_model: Callable[[], nn.Module], ep_cfg: dict[str, Any], **more: Any) -> str:
+        cfg = {"train_micro_batch_size_per_gpu": 1, "expert_parallel": ep_cfg, **more}
         try:
             ds_core.initialize(model=build_model(), config=cfg)
         except ds_core.ConfigError as exc:
@@ -347,6 +347,7 @@ def refusals() -> dict[str, Any]:
         "not_a_block": attempt(build, {**on, "moe_layer_pattern": r"model\.layers\.0\.self_attn"}),
         "no_match": attempt(build, {**on, "moe_layer_pattern": r"layers\.0\.mlp"}),
         "dp_world": attempt(build, {"enabled": True, "autoep_size": 4}),
+        "with_tp": attempt(build, on, tensor_parallel={"autotp_size": 2}),
     }
 
 

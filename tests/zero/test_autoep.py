@@ -106,6 +106,7 @@ def test_wrong_configs_are_refused_naming_the_module(
         assert "moe_layer_pattern" in res["not_a_block"]
         assert "matches no module" in res["no_match"]
         assert "data-parallel size 2" in res["dp_world"] and "autoep_size" in res["dp_world"]
+        assert "AutoEP + AutoTP" in res["with_tp"] and "not supported yet" in res["with_tp"]
 
 
 # --------------------------------------------------------------------------- in one process
