@@ -131,6 +131,8 @@ class ExpertParallelMoE(nn.Module):
     :param shared_expert: applied to every token and added, when given.
     :param shared_expert_gate: ``nn.Linear(hidden, 1)``; its sigmoid scales the shared output.
     :param return_router_logits: return ``(output, router_logits)`` as the original did.
+    :param tp_size: the tensor-parallel size of the mesh: EP groups join ranks of the same TP
+        coordinate (:func:`ds_core.moe.expert_groups`).
     """
 
     def __init__(
@@ -143,8 +145,10 @@ class ExpertParallelMoE(nn.Module):
         shared_expert: nn.Module | None = None,
         shared_expert_gate: nn.Module | None = None,
         return_router_logits: bool = False,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
+        self.tp_size = tp_size
         self.num_experts, self.top_k = spec.num_experts, spec.top_k
         self.route_norm, self.scale = spec.route_norm, spec.scale
         self.ep_size = ep_size
@@ -211,7 +215,7 @@ class ExpertParallelMoE(nn.Module):
         """Run every expert on its slots ``[E, C, D]``, wherever the expert lives."""
         if self.ep_size == 1:
             return torch.stack([self.experts[e](dispatch_ecd[e]) for e in range(self.num_experts)])
-        group = expert_groups(self.ep_size).ep_group
+        group = expert_groups(self.ep_size, self.tp_size).ep_group
         e, c, d = dispatch_ecd.shape
         # Chunk i of the result holds rank i's slots for this rank's local experts.
         recv: torch.Tensor = _AllToAll.apply(group, dispatch_ecd)  # type: ignore[no-untyped-call]
@@ -358,10 +362,13 @@ def _returns_tuple(module: nn.Module, width: int) -> bool:
     return isinstance(out, tuple)
 
 
-def apply_autoep(model: nn.Module, cfg: ExpertParallelConfig | dict[str, Any]) -> list[str]:
+def apply_autoep(
+    model: nn.Module, cfg: ExpertParallelConfig | dict[str, Any], tp_size: int = 1
+) -> list[str]:
     """Replace ``model``'s MoE blocks by :class:`ExpertParallelMoE` layers, in place.
 
-    Collective when ``autoep_size`` > 1 (creates the expert groups) or the model was built
+    ``tp_size`` is the tensor-parallel size the engine will apply (AutoTP then leaves the
+    experts whole); the EP groups run along the data-parallel dimension. Collective when ``autoep_size`` > 1 (creates the expert groups) or the model was built
     under ``zero.Init``. Returns the converted paths.
 
     :raises ConfigError: as :func:`find_moe_blocks`; also when no block is found, when
@@ -371,7 +378,7 @@ def apply_autoep(model: nn.Module, cfg: ExpertParallelConfig | dict[str, Any]) -
     if isinstance(cfg, dict):
         cfg = ExpertParallelConfig.model_validate(cfg)
     ep = cfg.autoep_size
-    tp = max(int(getattr(model, "ds_autotp_size", 1)), 1)
+    tp = max(int(getattr(model, "ds_autotp_size", 1)), tp_size, 1)
     dp = comm.get_world_size() // tp
     if dp % ep:
         raise ConfigError(
@@ -392,7 +399,7 @@ def apply_autoep(model: nn.Module, cfg: ExpertParallelConfig | dict[str, Any]) -
                 f"expert_parallel.autoep_size {ep}; choose an autoep_size dividing "
                 f"{spec.num_experts}"
             )
-    ep_rank = expert_groups(ep).ep_rank if ep > 1 else 0
+    ep_rank = expert_groups(ep, tp).ep_rank if ep > 1 else 0
     dropped: set[int] = set(getattr(model, _DROPPED_ATTR, ()))
     for spec in specs:
         block = model.get_submodule(spec.path)
@@ -417,6 +424,7 @@ def apply_autoep(model: nn.Module, cfg: ExpertParallelConfig | dict[str, Any]) -
             block._modules[spec.shared] if spec.shared else None,
             block._modules[spec.shared_gate] if spec.shared_gate else None,
             as_tuple,
+            tp,
         )
         parent_path, _, name = spec.path.rpartition(".")
         if spec.path == "":

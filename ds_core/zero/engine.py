@@ -236,12 +236,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         zcfg = self.config.zero_optimization
         ep = expert_parallel_size(p)
         if ep is not None and ep > 1:
-            if self.mesh.tp_size > 1:
-                raise ConfigError(
-                    f"{name}: expert parameters with tensor parallelism (AutoEP + AutoTP) are "
-                    "not supported yet"
-                )
-            groups = expert_groups(ep)
+            # EP and EDP groups run along the data-parallel dimension of the mesh; the experts
+            # are whole (replicated) on the ranks of one TP group.
+            groups = expert_groups(ep, self.mesh.tp_size)
             group, gworld = groups.edp_group, groups.edp_world
             grank = comm.get_rank(group) if group is not None else self.rank
         elif self.mesh.tp_size > 1:
@@ -328,9 +325,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             return
         ep = zp.expert_ep_size if zp is not None else None
         if ep is not None and ep > 1:
-            g = expert_groups(ep)
+            g = expert_groups(ep, self.mesh.tp_size)
             if g.edp_world > 1:
-                self.acc.broadcast(t, self.rank % ep, g.edp_group)
+                self.acc.broadcast(t, g.edp_src, g.edp_group)
         elif zp is not None and zp.tp_sharded:
             # A TP shard is equal across its DP group only (from the group's first rank).
             if self.mesh.dp_size > 1:

@@ -152,15 +152,9 @@ def initialize(
     if split > 1 and cfg.tensor_parallel.autotp_size <= 1 and not isinstance(cfg_src, DSConfig):
         # Split by tp_model_init beforehand: batch sizes count data-parallel replicas.
         cfg = load_config(cfg_src, world // split)
-    if cfg.expert_parallel.enabled and max(cfg.tensor_parallel.autotp_size, split) > 1:
-        raise ConfigError(
-            "expert_parallel.enabled with tensor_parallel.autotp_size > 1 (AutoEP + AutoTP) "
-            "is not supported yet: AutoTP would split the experts' linear layers; use one of "
-            "them, or AutoEP with data parallelism"
-        )
     if cfg.expert_parallel.enabled:
         # Before the engine: it partitions and reduces the marked experts over their groups.
-        apply_autoep(model, cfg.expert_parallel)
+        apply_autoep(model, cfg.expert_parallel, max(cfg.tensor_parallel.autotp_size, split, 1))
     engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
     loader = None
     if training_data is not None:

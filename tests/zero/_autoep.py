@@ -106,11 +106,25 @@ class QwenMoeBlock(nn.Module):
         return out.view(b, t, d), logits
 
 
+class DenseMLP(nn.Module):
+    """A dense token-wise block (``up_proj``/``down_proj``), so AutoTP has layers to split
+    next to the experts it must leave whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(HIDDEN, FFN)
+        self.down_proj = nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(F.gelu(self.up_proj(x)))
+        return out
+
+
 class Layer(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.input_layernorm = nn.LayerNorm(HIDDEN)
-        self.self_attn = nn.Linear(HIDDEN, HIDDEN)  # a stand-in token mixer (dense)
+        self.dense = DenseMLP()
         self.post_attention_layernorm = nn.LayerNorm(HIDDEN)
         if kind == "mixtral":
             self.block_sparse_moe: nn.Module = MixtralSparseMoeBlock()
@@ -119,7 +133,7 @@ class Layer(nn.Module):
         self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+        x = x + self.dense(self.input_layernorm(x))
         moe = self.block_sparse_moe if self.kind == "mixtral" else self.mlp
         out, _ = moe(self.post_attention_layernorm(x))
         return x + out
@@ -161,6 +175,7 @@ class EPScenario:
     stage: int
     world: int
     ep: int = 2
+    tp: int = 1  # AutoTP on top: TP × DP ranks, EP along DP
     gas: int = 2
     steps: int = 3
     clip: float = 0.5
@@ -173,7 +188,7 @@ class EPScenario:
 
     @property
     def dp(self) -> int:
-        return self.world
+        return self.world // self.tp
 
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
@@ -189,6 +204,8 @@ class EPScenario:
         }
         if not self.function_form:
             cfg["expert_parallel"] = {"enabled": True, "autoep_size": self.ep}
+        if self.tp > 1:
+            cfg["tensor_parallel"] = {"autotp_size": self.tp}
         cfg.update(self.extra)
         return cfg
 
@@ -198,6 +215,10 @@ def scenarios(world: int) -> dict[str, EPScenario]:
         return {
             "ep2edp2_s1": EPScenario(stage=1, world=4),
             "ep2edp2_s3": EPScenario(stage=3, world=4),
+            # EP groups {0, 2} and {1, 3} (one TP coordinate each); experts whole on both TP
+            # ranks; EDP = 1
+            "tp2ep2_s1": EPScenario(stage=1, world=4, tp=2),
+            "tp2ep2_grad_s2": EPScenario(stage=2, world=4, tp=2, sgd=True, steps=1, clip=0.0),
         }
     return {
         **{f"ep2_s{s}": EPScenario(stage=s, world=2) for s in range(4)},
@@ -277,8 +298,10 @@ def train(sc: EPScenario) -> dict[str, Any]:
     import ds_core
     from ds_core import comm
     from ds_core.moe import expert_parallel_size
+    from ds_core.tp import TP_ATTR
 
     rank = comm.get_rank()
+    dp_rank = rank // sc.tp
     if sc.zero_init:
         torch.manual_seed(0)
         with ds_core.zero.Init():
@@ -294,10 +317,10 @@ def train(sc: EPScenario) -> dict[str, Any]:
     engine, _, _, _ = ds_core.initialize(
         model=model, optimizer=optimizer(model.parameters(), sc.sgd), config=sc.config()
     )
-    ep_rank = rank % sc.ep
+    ep_rank = dp_rank % sc.ep
     before = engine.gathered_state_dict()
     losses, norms = [], []
-    sl = slice(rank * MICRO, (rank + 1) * MICRO)
+    sl = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
     for step in batches(sc):
         for idx, tgt in step:
             loss = engine(idx[sl], tgt[sl])
@@ -317,6 +340,10 @@ def train(sc: EPScenario) -> dict[str, Any]:
             if expert_parallel_size(p) == sc.ep
         ),
         "types": {n: type(m).__name__ for n, m in engine.module.named_modules()},
+        "kinds": {
+            global_name(n, ep_rank, sc.ep): getattr(p, TP_ATTR, None)
+            for n, p in engine.module.named_parameters()
+        },
     }
     engine.destroy()
     return out
@@ -344,10 +371,9 @@ def refusals() -> dict[str, Any]:
     on = {"enabled": True, "autoep_size": 2}
     return {
         "indivisible": attempt(three_experts, on),
-        "not_a_block": attempt(build, {**on, "moe_layer_pattern": r"model\.layers\.0\.self_attn"}),
+        "not_a_block": attempt(build, {**on, "moe_layer_pattern": r"model\.layers\.0\.dense"}),
         "no_match": attempt(build, {**on, "moe_layer_pattern": r"layers\.0\.mlp"}),
         "dp_world": attempt(build, {"enabled": True, "autoep_size": 4}),
-        "with_tp": attempt(build, on, tensor_parallel={"autotp_size": 2}),
     }
 
 

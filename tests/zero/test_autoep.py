@@ -23,6 +23,7 @@ from ds_core.zero.config import load_config
 from ds_core.zero.config_sections import ExpertParallelConfig
 from tests.zero import _autoep as A  # noqa: N812
 from tests.zero.conftest import SuiteResults
+from tests.zero.test_autotp import _expected_shard
 
 RTOL, ATOL = 1e-5, 1e-6
 SCENARIOS = [(4, n) for n in A.scenarios(4)] + [(2, n) for n in A.scenarios(2)]
@@ -49,14 +50,16 @@ def test_autoep_matches_single_process_reference(
             rtol=RTOL,
             atol=ATOL,
         )
-        ep_rank = rank % sc.ep
+        ep_rank = (rank // sc.tp) % sc.ep
         local = range(ep_rank * A.EXPERTS // sc.ep, (ep_rank + 1) * A.EXPERTS // sc.ep)
         experts = {n for n in res["state"] if ".experts." in n}
         assert experts == set(res["experts"]) and experts
         assert {int(n.split(".experts.")[1].split(".")[0]) for n in experts} == set(local)
         held |= experts
         for pname, value in res["state"].items():
-            want = ref["params"][pname]
+            kind = res["kinds"][pname]
+            assert kind is None or ".experts." not in pname  # AutoTP leaves experts whole
+            want = _expected_shard(ref["params"][pname], kind, 1, sc.tp, rank % sc.tp)
             floor = max(ATOL, RTOL * float(want.abs().max()))
             torch.testing.assert_close(
                 value,
@@ -78,11 +81,17 @@ def test_each_expert_gradient_is_the_reference_gradient(
     sums the contributions of tokens from both ranks (through the all-to-all) over its
     expert-data-parallel group and is divided by the data-parallel size, so it must equal the
     single-process gradient of the mean loss: a missing or doubled scale fails here."""
-    sc = A.scenarios(2)["ep2_grad_s2"]
+    for world, name in ((2, "ep2_grad_s2"), (4, "tp2ep2_grad_s2")):
+        _check_minus_grad(A.scenarios(world)[name], suite("autoep", world).ranks(name))
+
+
+def _check_minus_grad(sc: A.EPScenario, ranks: list[dict[str, object]]) -> None:
     ref = A.run_reference(sc)
-    for rank, res in enumerate(suite("autoep", 2).ranks("ep2_grad_s2")):
-        for pname, delta in res["minus_grad"].items():
-            want = -ref["grads"][pname]
+    for rank, res in enumerate(ranks):
+        kinds: dict[str, str | None] = res["kinds"]  # type: ignore[assignment]
+        assert any(k is not None for k in kinds.values()) == (sc.tp > 1)
+        for pname, delta in res["minus_grad"].items():  # type: ignore[attr-defined]
+            want = _expected_shard(-ref["grads"][pname], kinds[pname], 1, sc.tp, rank % sc.tp)
             assert float(want.abs().max()) > 0, pname
             # lr 1: the change carries the parameter's rounding (|values| up to ~3: ulp 2.4e-7)
             floor = max(ATOL, RTOL * float(want.abs().max()))
@@ -102,11 +111,10 @@ def test_wrong_configs_are_refused_naming_the_module(
     for res in suite("autoep", 2).ranks("refusals"):
         assert "model.layers.1.block_sparse_moe" in res["indivisible"]
         assert "3 experts" in res["indivisible"] and "autoep_size" in res["indivisible"]
-        assert "model.layers.0.self_attn" in res["not_a_block"]
+        assert "model.layers.0.dense" in res["not_a_block"]
         assert "moe_layer_pattern" in res["not_a_block"]
         assert "matches no module" in res["no_match"]
         assert "data-parallel size 2" in res["dp_world"] and "autoep_size" in res["dp_world"]
-        assert "AutoEP + AutoTP" in res["with_tp"] and "not supported yet" in res["with_tp"]
 
 
 # --------------------------------------------------------------------------- in one process
@@ -180,8 +188,8 @@ def test_detection_of_the_common_shapes() -> None:
 
 def test_a_pattern_naming_a_non_block_is_refused_naming_it() -> None:
     # (an expert count not divisible by autoep_size needs 2 ranks: the refusals job)
-    cfg = {"enabled": True, "moe_layer_pattern": r"model\.layers\.\d+\.self_attn"}
-    with pytest.raises(ConfigError, match=r"'model\.layers\.0\.self_attn' \(Linear\)"):
+    cfg = {"enabled": True, "moe_layer_pattern": r"model\.layers\.\d+\.dense"}
+    with pytest.raises(ConfigError, match=r"'model\.layers\.0\.dense' \(DenseMLP\)"):
         apply_autoep(A.build(), cfg)
     only_one = {"enabled": True, "moe_layer_pattern": r"model\.layers\.1\.block_sparse_moe"}
     model = A.build()
