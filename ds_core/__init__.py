@@ -16,7 +16,6 @@ from ds_core.accelerator import (
     unregister_plugin,
 )
 from ds_core.comm import destroy_distributed, init_distributed
-from ds_core.ep import autoep_model_init
 from ds_core.errors import (
     BackendSelectionError,
     BackendValidationError,
@@ -27,6 +26,7 @@ from ds_core.errors import (
 from ds_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from ds_core.tp import tp_model_init
 from ds_core.zero import add_config_arguments, initialize
+from ds_core.zero.autoep import autoep_model_init
 
 __version__ = "0.1.0"
 

@@ -299,7 +299,7 @@ class DSConfig(BaseModel):
     ``initialize()``; batch sizes then count data-parallel replicas (see :mod:`ds_core.tp`)."""
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     """AutoEP: spread each MoE block's experts over ``autoep_size`` ranks inside
-    ``initialize()`` (see :mod:`ds_core.ep`)."""
+    ``initialize()`` (see :mod:`ds_core.zero.autoep`)."""
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous I/O of NVMe offload's swap files (see :mod:`ds_core.io`)."""
     dataloader_drop_last: Bool = False

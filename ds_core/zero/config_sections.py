@@ -212,7 +212,7 @@ class TensorParallelConfig(BaseModel):
 class ExpertParallelConfig(BaseModel):
     """``expert_parallel``: AutoEP (DeepSpeed's ``AutoEPConfig`` keys that ds_core implements;
     ``use_grouped_mm`` and ``grouped_mm_backend`` are accepted and ignored, the others are
-    refused where they would change results). See :mod:`ds_core.ep` and docs/from-deepspeed.md (AutoEP)."""
+    refused where they would change results). See :mod:`ds_core.zero.autoep` and docs/from-deepspeed.md (AutoEP)."""
 
     model_config = _FROZEN
 

@@ -35,9 +35,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
-from ds_core.ep import dropped_parameters
 from ds_core.errors import ConfigError
-from ds_core.moe import expert_groups, expert_parallel_size
+from ds_core.moe import dropped_parameters, expert_groups, expert_parallel_size
 from ds_core.tp import apply_autotp, is_tp_sharded, model_tp_size, replaced_parameters
 from ds_core.zero import capture as _capture
 from ds_core.zero import guards as _guards

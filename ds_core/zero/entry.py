@@ -18,9 +18,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ds_core import comm
 from ds_core.checkpoint.loader import ResumableLoader
-from ds_core.ep import apply_autoep
 from ds_core.errors import ConfigError
 from ds_core.tp import model_tp_size
+from ds_core.zero.autoep import apply_autoep
 from ds_core.zero.config import DSConfig, load_config
 from ds_core.zero.engine import ZeroEngine
 from ds_core.zero.guards import check_model

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ds_core.ep import ExpertParallelMoE, apply_autoep, find_moe_blocks
 from ds_core.errors import ConfigError
+from ds_core.zero.autoep import ExpertParallelMoE, apply_autoep, find_moe_blocks
 from ds_core.zero.config import load_config
 from ds_core.zero.config_sections import ExpertParallelConfig
 from tests.zero import _autoep as A  # noqa: N812

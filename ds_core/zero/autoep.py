@@ -68,7 +68,7 @@ from torch import nn
 from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
-from ds_core.moe import _AllToAll, expert_groups, mark_expert
+from ds_core.moe import DROPPED_ATTR, _AllToAll, dropped_parameters, expert_groups, mark_expert
 from ds_core.zero.config_sections import ExpertParallelConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
 
@@ -77,20 +77,17 @@ __all__ = [
     "MoEBlockSpec",
     "apply_autoep",
     "autoep_model_init",
-    "dropped_parameters",
     "find_moe_blocks",
     "model_ep_size",
 ]
 
-log = logging.getLogger("ds_core.ep")
+log = logging.getLogger("ds_core.autoep")
 
 _ROUTERS = ("gate", "router")
 _SHARED = ("shared_expert", "shared_experts")
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok")
 #: attribute on the root module of a converted model: its EP size.
 _MODEL_ATTR = "ds_autoep_size"
-#: attribute on the root module: ids of the other ranks' expert parameters it dropped.
-_DROPPED_ATTR = "ds_autoep_dropped"
 
 
 @dataclass(frozen=True)
@@ -400,7 +397,7 @@ def apply_autoep(
                 f"{spec.num_experts}"
             )
     ep_rank = expert_groups(ep, tp).ep_rank if ep > 1 else 0
-    dropped: set[int] = set(getattr(model, _DROPPED_ATTR, ()))
+    dropped: set[int] = dropped_parameters(model)
     for spec in specs:
         block = model.get_submodule(spec.path)
         experts = block._modules[spec.experts]
@@ -431,7 +428,7 @@ def apply_autoep(
             raise ConfigError("expert_parallel: the root module itself is an MoE block; wrap it")
         setattr(model.get_submodule(parent_path), name, layer)
     setattr(model, _MODEL_ATTR, ep)
-    setattr(model, _DROPPED_ATTR, dropped)
+    setattr(model, DROPPED_ATTR, dropped)
     log.info("AutoEP (ep=%d): converted %s", ep, ", ".join(s.path for s in specs))
     return [s.path for s in specs]
 
@@ -442,12 +439,6 @@ def autoep_model_init(model: nn.Module, ep_size: int, **keys: Any) -> nn.Module:
     ``expert_parallel`` section (the experts are already marked)."""
     apply_autoep(model, ExpertParallelConfig(enabled=True, autoep_size=ep_size, **keys))
     return model
-
-
-def dropped_parameters(model: nn.Module) -> set[int]:
-    """Ids of the expert parameters a conversion dropped (held by other ranks), so an
-    optimizer built over the parameters before it still binds, without them."""
-    return set(getattr(model, _DROPPED_ATTR, ()))
 
 
 def model_ep_size(model: nn.Module) -> int:
