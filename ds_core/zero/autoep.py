@@ -44,6 +44,12 @@ ZeRO engine reduces them over their expert-data-parallel group and divides their
 the data-parallel size (every rank's loss reaches them through the all-to-all), while the
 router and shared expert stay dense and are averaged over the data-parallel group.
 
+**With AutoTP** (``tensor_parallel.autotp_size`` T): AutoTP's heuristics leave expert
+linears whole, so each expert is replicated on the T ranks of a TP group (which see the same
+tokens); the EP and EDP groups run along the data-parallel dimension inside one TP
+coordinate (:func:`ds_core.moe.expert_groups` with ``tp_size``), and the engine counts an
+expert once per TP group in the gradient norm, as any TP-replicated parameter.
+
 **Values and zero.Init.** As for dense parameters, rank 0's values win: :func:`apply_autoep`
 broadcasts each expert parameter from rank 0 (one at a time, in the same order on every
 rank) before keeping only this rank's experts. Parameters built under

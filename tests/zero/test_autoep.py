@@ -1,12 +1,12 @@
-"""AutoEP with ZeRO: EP=2 on a 4-expert MoE model (2 gloo ranks, and EP=2 × EDP=2 on 4) at
-stages 0-3 equals single-process PyTorch on the global batch with a capacity that drops no
-token; the expert gradients are the reference's (checked directly through an SGD step at
-lr 1); zero.Init-built models, a Qwen-MoE-style block with a shared expert and the function
+"""AutoEP with ZeRO: EP=2 on a 4-expert MoE model (2 gloo ranks, EP=2 × EDP=2 on 4, and
+EP=2 inside TP=2 × DP=2 with AutoTP) at stages 0-3 equals single-process PyTorch on the global batch with a capacity that drops no
+token; the expert gradients are the reference's, with and without AutoTP (checked directly
+through an SGD step at lr 1); zero.Init-built models, a Qwen-MoE-style block with a shared expert and the function
 form convert too; wrong configs are refused naming the module; the dropped-token rule at a
 small capacity is checked in one process against its documented statement.
 
 Each rank's parameters are its local experts (renamed to their global index) and the dense
-parameters. Tolerances as in test_zero_stages.py (fp32, 1e-5 relative; AdamW eps 1e-6).
+parameters (TP shards compared with the reference cut as AutoTP cuts it). Tolerances as in test_zero_stages.py (fp32, 1e-5 relative; AdamW eps 1e-6).
 """
 
 from __future__ import annotations
