@@ -26,6 +26,7 @@ from ds_core.errors import (
 from ds_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from ds_core.tp import tp_model_init
 from ds_core.zero import add_config_arguments, initialize
+from ds_core.zero.autoep import autoep_model_init
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "NotSupportedError",
     "__version__",
     "add_config_arguments",
+    "autoep_model_init",
     "checkpointing",
     "destroy_distributed",
     "get_accelerator",

@@ -24,12 +24,17 @@ from ds_core.comm.groups import ExpertGroups, expert_groups, reset_expert_groups
 
 #: attribute naming an expert parameter; its value is the expert-parallel size (an int ≥ 1).
 EXPERT_ATTR = "ds_expert_parallel_size"
+#: attribute on the root module of a model AutoEP converted (:mod:`ds_core.zero.autoep`): ids of the
+#: other ranks' expert parameters it dropped.
+DROPPED_ATTR = "ds_autoep_dropped"
 
 __all__ = [
+    "DROPPED_ATTR",
     "EXPERT_ATTR",
     "Expert",
     "ExpertGroups",
     "MoE",
+    "dropped_parameters",
     "expert_groups",
     "expert_parallel_size",
     "mark_expert",
@@ -45,6 +50,12 @@ def mark_expert(param: torch.Tensor, ep_size: int) -> None:
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
         raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
     setattr(param, EXPERT_ATTR, ep_size)
+
+
+def dropped_parameters(model: nn.Module) -> set[int]:
+    """Ids of the expert parameters AutoEP dropped from ``model`` (other ranks hold them), so
+    an optimizer built over the parameters before the conversion still binds, without them."""
+    return set(getattr(model, DROPPED_ATTR, ()))
 
 
 def expert_parallel_size(param: torch.Tensor) -> int | None:

@@ -29,6 +29,8 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 256
+    n_experts: int = 0  # > 0: the MoE variant (every block's MLP is a mixture of experts)
+    top_k: int = 2  # experts per token in the MoE variant
 
 
 #: named sizes used by the example and the benchmarks; parameter counts at vocab 32
@@ -69,13 +71,37 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x_BTC)))
 
 
+class MoEMLP(nn.Module):
+    """The MoE variant's MLP: a router ``gate`` and ``n_experts`` MLPs; each token goes to its
+    ``top_k`` experts, weighted by their softmax probabilities renormalised over the chosen
+    ones. Written plainly (a loop over experts) so the unconverted model is the reference;
+    ``--ep`` (AutoEP) spreads the experts over ranks."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.top_k, True
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        x_NC = x_BTC.reshape(-1, x_BTC.shape[-1])
+        probs_NE = F.softmax(self.gate(x_NC), dim=-1, dtype=torch.float)
+        w_NK, e_NK = torch.topk(probs_NE, self.top_k, dim=-1)
+        w_NK = (w_NK / w_NK.sum(dim=-1, keepdim=True)).to(x_NC.dtype)
+        out_NC = torch.zeros_like(x_NC)
+        for e, expert in enumerate(self.experts):
+            n, k = torch.where(e_NK == e)
+            out_NC = out_NC.index_add(0, n, expert(x_NC[n]) * w_NK[n, k, None])
+        return out_NC.view_as(x_BTC)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoEMLP(cfg) if cfg.n_experts > 0 else MLP(cfg)
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
         x_BTC = x_BTC + self.attn(self.ln_1(x_BTC))

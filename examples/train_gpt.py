@@ -10,6 +10,7 @@ backend installed, the CPU), batches go to its device, and the log's loss is ave
     python -m examples.train_gpt --stage 3 --bf16 --steps 100
     torchrun --nproc_per_node 2 examples/train_gpt.py --config examples/ds_config.json
     python examples/train_gpt.py --tp 2                               # AutoTP over 2 ranks
+    python examples/train_gpt.py --ep 2                               # MoE (4 experts), AutoEP
 
 Flags or a DeepSpeed-style JSON config (``--config``); flags given explicitly override the
 file. 100 steps of a 3.2 M-parameter GPT on 8 × 64 characters per rank take about 45 seconds
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -106,6 +108,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=at_least(1),
         help="AutoTP: split the linear layers over this many adjacent ranks "
         "(tensor_parallel.autotp_size; the ranks of one TP group read the same batch)",
+    )
+    p.add_argument(
+        "--experts",
+        type=at_least(1),
+        help="the MoE variant: every block's MLP becomes this many experts (top-2 routing)",
+    )
+    p.add_argument(
+        "--ep",
+        type=at_least(1),
+        help="AutoEP: spread each MoE block's experts over this many ranks "
+        "(expert_parallel.autoep_size; implies --experts 4 unless given)",
     )
     p.add_argument("--steps", type=at_least(1), default=100, help="optimizer steps (default 100)")
     p.add_argument("--micro-batch", type=at_least(1), help="sequences per rank per micro-step (8)")
@@ -342,6 +355,12 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         config.setdefault("zero_optimization", {})["stage"] = args.stage
     if args.tp is not None:
         config["tensor_parallel"] = {**config.get("tensor_parallel", {}), "autotp_size": args.tp}
+    if args.ep is not None:
+        config["expert_parallel"] = {
+            **config.get("expert_parallel", {}),
+            "enabled": True,
+            "autoep_size": args.ep,
+        }
     if args.bf16:
         config["bf16"] = {**config.get("bf16", {}), "enabled": True}
     if args.offload is not None:
@@ -459,7 +478,9 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
 
     # build model: same seed everywhere (the engine also broadcasts rank 0's weights)
     torch.manual_seed(args.seed)
-    model = GPT(PRESETS[args.model])
+    experts = args.experts or (4 if args.ep is not None else 0)
+    model = GPT(dataclasses.replace(PRESETS[args.model], n_experts=experts))
+    ep = config.expert_parallel.autoep_size if config.expert_parallel.enabled else 1
     n_params = model.n_params()  # before the engine partitions it
 
     # build engine; the counter wraps the collective hooks to count bytes communicated
@@ -486,7 +507,9 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
             f"GPT {args.model}: {n_params / 1e6:.1f} M parameters | ZeRO stage "
             f"{config.zero_optimization.stage}{offload_label(config)} | {config.precision} | "
             f"{world} ranks on {acc.device_name()} ({acc.communication_backend_name()})"
-            f"{f' | TP={tp} x DP={dp}' if tp > 1 else ''} | "
+            f"{f' | TP={tp} x DP={dp}' if tp > 1 else ''}"
+            f"{f' | MoE {experts} experts' if experts else ''}"
+            f"{f' | EP={ep} x EDP={dp // ep}' if ep > 1 else ''} | "
             f"batch {micro}×{args.seq}×{accum}×{dp}",
             file=sys.stderr,
         )

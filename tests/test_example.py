@@ -149,3 +149,19 @@ def test_train_gpt_tp2_matches_tp1_and_its_checkpoint_resumes_at_tp1(tmp_path: P
     )
     model = GPT(PRESETS["tiny"])  # the fused qkv comes back as [q; k; v], unsharded
     model.load_state_dict(consolidated_state_dict(ck))
+
+
+@pytest.mark.slow
+def test_train_gpt_ep2_matches_the_moe_variant_without_ep(tmp_path: Path) -> None:
+    """``--ep 2`` (the MoE variant, 4 experts, AutoEP over both ranks: 2 experts each) logs
+    the losses of the same MoE model trained without expert parallelism on 2 ranks."""
+    common = ("--stage", "2", "--micro-batch", "4", "--lr", "1e-2", "--steps", "3", "--no-plot")
+    ep = run_example(tmp_path / "ep", *common, "--ep", "2")
+    assert ep.returncode == 0, ep.stderr[-4000:]
+    assert "MoE 4 experts | EP=2 x EDP=1" in ep.stderr
+    ref = run_example(tmp_path / "ref", *common, "--experts", "4")
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    assert "EP=" not in ref.stderr
+    torch.testing.assert_close(
+        _losses(tmp_path / "ep"), _losses(tmp_path / "ref"), rtol=1e-5, atol=1e-6
+    )

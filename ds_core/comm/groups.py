@@ -195,6 +195,7 @@ class ExpertGroups:
     :param edp_group: this rank's expert-data-parallel group (``None`` = the world).
     :param ep_rank: this rank's index in its EP group.
     :param edp_world: ranks in the EDP group.
+    :param edp_src: global rank of the EDP group's first member (a broadcast source).
     """
 
     ep_size: int
@@ -202,51 +203,58 @@ class ExpertGroups:
     edp_group: Any
     ep_rank: int
     edp_world: int
+    edp_src: int = 0
 
 
-_expert_groups: dict[int, ExpertGroups] = {}
+_expert_groups: dict[tuple[int, int], ExpertGroups] = {}
 
 
-def expert_groups(ep_size: int) -> ExpertGroups:
+def expert_groups(ep_size: int, tp_size: int = 1) -> ExpertGroups:
     """The (cached) groups for ``ep_size``; the first call is collective on every rank.
 
-    The experts of a layer are split over ``ep_size`` consecutive ranks (an EP group); ranks
-    holding the same experts, ``{j, j + E, j + 2E, ...}``, form the expert-data-parallel group.
-    :func:`destroy_distributed` forgets the cache.
+    The experts of a layer are split over ``ep_size`` consecutive data-parallel ranks (an EP
+    group); ranks holding the same experts, ``{j, j + E, j + 2E, ...}`` in data-parallel
+    rank, form the expert-data-parallel group. With a tensor-parallel size ``T`` (the mesh of
+    :mod:`ds_core.comm.mesh`: ``dp_rank = rank // T``, ``tp_rank = rank % T``) both groups
+    stay inside one TP coordinate: the global rank of data-parallel rank ``d`` is
+    ``d·T + tp_rank``. :func:`destroy_distributed` forgets the cache.
 
-    :raises ValueError: when the world size is not a multiple of ``ep_size``.
+    :raises ValueError: when the data-parallel size is not a multiple of ``ep_size``.
     """
-    cached = _expert_groups.get(ep_size)
+    cached = _expert_groups.get((ep_size, tp_size))
     if cached is not None:
         return cached
     world, rank = get_world_size(), get_rank()
-    if world % ep_size:
+    dp, tp_rank, dp_rank = world // tp_size, rank % tp_size, rank // tp_size
+    if world % tp_size or dp % ep_size:
         raise ValueError(
-            f"expert-parallel size {ep_size} does not divide the world size {world}; "
-            "choose an ep_size that divides the number of ranks"
+            f"expert-parallel size {ep_size} does not divide the data-parallel size {dp} "
+            f"(world {world} / tensor-parallel {tp_size}); choose an ep_size dividing it"
         )
-    if ep_size == 1:
-        groups = ExpertGroups(1, None, None, 0, world)
+    if ep_size == 1 and tp_size == 1:
+        groups = ExpertGroups(1, None, None, 0, world, 0)
     else:
         # Every rank creates every group in the same order, as torch.distributed requires.
         ep_group = edp_group = None
-        for k in range(world // ep_size):
-            ranks = list(range(k * ep_size, (k + 1) * ep_size))
-            g = new_group(ranks)
-            if rank in ranks:
-                ep_group = g
-        edp_world = world // ep_size
-        if edp_world == world:
-            edp_group = None
-        else:
-            for j in range(ep_size):
-                ranks = list(range(j, world, ep_size))
-                g = new_group(ranks)
-                if rank in ranks:
-                    edp_group = g
-        groups = ExpertGroups(ep_size, ep_group, edp_group, rank % ep_size, edp_world)
+        for t in range(tp_size):
+            if ep_size > 1:
+                for k in range(dp // ep_size):
+                    ranks = [(k * ep_size + i) * tp_size + t for i in range(ep_size)]
+                    g = new_group(ranks)
+                    if rank in ranks:
+                        ep_group = g
+            if dp // ep_size < world:
+                for j in range(ep_size):
+                    ranks = [(j + m * ep_size) * tp_size + t for m in range(dp // ep_size)]
+                    g = new_group(ranks)
+                    if rank in ranks:
+                        edp_group = g
+        groups = ExpertGroups(
+            ep_size, ep_group, edp_group, dp_rank % ep_size, dp // ep_size,
+            (dp_rank % ep_size) * tp_size + tp_rank,
+        )  # fmt: skip
     with _lock:
-        _expert_groups[ep_size] = groups
+        _expert_groups[(ep_size, tp_size)] = groups
     return groups
 
 

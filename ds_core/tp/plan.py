@@ -27,6 +27,8 @@ from ds_core.tp.layers import (
 
 log = logging.getLogger("ds_core.tp")
 
+#: :data:`ds_core.moe.EXPERT_ATTR` (not imported: ds_core.moe imports the accelerator early).
+_EXPERT = "ds_expert_parallel_size"
 #: attribute on the root module of a converted model: its TP size.
 _MODEL_ATTR = "ds_autotp_size"
 #: attribute on the root module: ``id(replaced parameter) -> its shard``.
@@ -172,7 +174,9 @@ def plan_autotp(model: nn.Module, tp_size: int, partition_config: Any = None) ->
     if use_defaults:
         by_parent: dict[str, list[str]] = {}
         for path, mod in modules.items():
-            if isinstance(mod, nn.Linear) and path not in decided:
+            # AutoEP's experts stay whole: their ranks exchange tokens, not activations' halves.
+            expert = getattr(mod, "weight", None) is not None and hasattr(mod.weight, _EXPERT)
+            if isinstance(mod, nn.Linear) and path not in decided and not expert:
                 parent, _, leaf = path.rpartition(".")
                 if leaf not in lm_heads:
                     by_parent.setdefault(parent, []).append(path)

@@ -46,6 +46,7 @@ from ds_core.zero.config_optim import (
 )
 from ds_core.zero.config_sections import (
     ActivationCheckpointingConfig,
+    ExpertParallelConfig,
     TensorParallelConfig,
     TorchAutocastConfig,
     accelerator_section_errors,
@@ -296,6 +297,9 @@ class DSConfig(BaseModel):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """AutoTP: split the model's linear layers over ``autotp_size`` ranks inside
     ``initialize()``; batch sizes then count data-parallel replicas (see :mod:`ds_core.tp`)."""
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    """AutoEP: spread each MoE block's experts over ``autoep_size`` ranks inside
+    ``initialize()`` (see :mod:`ds_core.zero.autoep`)."""
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous I/O of NVMe offload's swap files (see :mod:`ds_core.io`)."""
     dataloader_drop_last: Bool = False
@@ -490,7 +494,7 @@ def load_config(
     ignored: list[str] = []
     errors: list[str] = accelerator_section_errors(raw.get("accelerator"))
     raw = strip_known_extras(raw, (), ignored, errors)
-    for section in ("zero_optimization", "fp16", "bf16", "tensor_parallel"):
+    for section in ("zero_optimization", "fp16", "bf16", "tensor_parallel", "expert_parallel"):
         if isinstance(raw.get(section), dict):
             raw[section] = strip_known_extras(raw[section], (section,), ignored, errors)
 

@@ -1,5 +1,5 @@
 """Config sections added for DeepSpeed compatibility (``torch_autocast``,
-``activation_checkpointing``), apart from the core schema in :mod:`ds_core.zero.config`.
+``activation_checkpointing``, ``tensor_parallel``, ``expert_parallel``), apart from the core schema in :mod:`ds_core.zero.config`.
 (Reading config files, JSON or hjson, is :mod:`ds_core.zero.config_file`.)"""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ds_core.zero.config_types import Bool, Int
 
 __all__ = [
     "ActivationCheckpointingConfig",
+    "ExpertParallelConfig",
     "TPLayerSpecConfig",
     "TPPartitionConfig",
     "TensorParallelConfig",
@@ -225,3 +226,148 @@ class TensorParallelConfig(BaseModel):
         if value < 0:
             raise ValueError(f"must be >= 0, got {value}")
         return value
+
+
+class ExpertParallelConfig(BaseModel):
+    """``expert_parallel``: AutoEP (DeepSpeed's ``AutoEPConfig`` keys that ds_core implements;
+    ``use_grouped_mm`` and ``grouped_mm_backend`` are accepted and ignored, the others are
+    refused where they would change results). See :mod:`ds_core.zero.autoep` and docs/from-deepspeed.md (AutoEP)."""
+
+    model_config = _FROZEN
+
+    enabled: Bool = False
+    """Convert the model's MoE blocks inside ``initialize()``. (Default: false)"""
+    autoep_size: Int = 1
+    """Ranks each MoE layer's experts are split over (an EP group of adjacent data-parallel
+    ranks); must divide the data-parallel size and every block's expert count. (Default: 1)"""
+    preset_model: str | None = None
+    """``mixtral``, ``qwen2_moe`` or ``qwen3_moe``: fixes the routing math (top-k weights
+    renormalised for ``mixtral``; Qwen blocks read their ``norm_topk_prob``). ``None``
+    detects it per block. DeepSpeed's ``deepseek_v2``/``deepseek_v3``/``llama4`` presets
+    (sigmoid scores, grouped routing) are not supported yet."""
+    moe_layer_pattern: str | None = None
+    """A regular expression matched with ``re.fullmatch`` against full module paths: only
+    these modules are converted, and each one must be a recognisable MoE block."""
+    router_pattern: str | None = None
+    """Child name of the router ``nn.Linear`` (default: ``gate``, else ``router``)."""
+    expert_pattern: str | None = None
+    """Child name of the experts' ``nn.ModuleList`` (default: ``experts``)."""
+    top_k: Int | str = "auto"
+    """Experts per token; ``auto`` reads the block's ``top_k`` / ``num_experts_per_tok``
+    (or ``top_k_attr``), else 1."""
+    top_k_attr: str | None = None
+    """Attribute of the block holding its top-k (read when ``top_k`` is ``auto``)."""
+    num_experts_attr: str | None = None
+    """Attribute of the block holding its expert count; checked against the experts found."""
+    route_norm: Bool | None = None
+    """Renormalise the top-k weights to sum to 1; ``None`` follows the preset / the block."""
+    route_scale: float = 1.0
+    """Multiplies the routing weights."""
+    routed_scaling_factor: float | str = "auto"
+    """Multiplies the routing weights too; ``auto`` reads the block's attribute of that name,
+    else 1.0."""
+    score_func: str = "auto"
+    """Only ``auto`` / ``softmax`` is supported (``sigmoid``: not supported yet)."""
+    score_apply: str = "auto"
+    """Only ``auto`` / ``post`` (weights applied to expert outputs) is supported."""
+    num_expert_groups: Int | None = None
+    """Grouped routing: not supported yet, must be absent."""
+    num_limited_groups: Int | None = None
+    """Grouped routing: not supported yet, must be absent."""
+    load_balance_coeff: float | None = None
+    """Auxiliary-loss-free expert-bias balancing: not supported yet. ds_core's default is
+    ``None`` (DeepSpeed's is ``1e-3``); any other value is refused."""
+    expert_w1: str | None = None
+    """Name of an expert's first weight (``w1``, ``gate_proj``...); when given, every expert
+    must have it (ds_core calls each expert module as it is, so it needs no weight layout)."""
+    expert_w2: str | None = None
+    """As ``expert_w1``, for the output weight."""
+    expert_w3: str | None = None
+    """As ``expert_w1``, for the third (up) weight."""
+    has_shared_experts: Bool | None = None
+    """Whether blocks carry a shared expert applied to every token; ``None`` detects it."""
+    shared_experts_pattern: str | None = None
+    """Child name of the shared expert (default: ``shared_expert`` or ``shared_experts``);
+    a sibling ``<name>_gate`` ``nn.Linear`` to one output gates it by a sigmoid (Qwen2-MoE)."""
+    capacity_factor: float | None = None
+    """ds_core's key: slots per expert per rank are ``ceil(capacity_factor · tokens · top_k
+    / num_experts)``; choices past an expert's slots are dropped (see docs/from-deepspeed.md (AutoEP)).
+    ``None`` or 0 drops no token. (Default: None)"""
+
+    @field_validator("autoep_size")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("preset_model")
+    @classmethod
+    def _preset(cls, value: str | None) -> str | None:
+        if value is not None and value not in _EP_PRESETS:
+            hint = (
+                f"{NOT_YET_EP} (sigmoid scores / grouped routing)"
+                if value in _EP_PRESETS_NOT_YET
+                else f"must be one of {', '.join(_EP_PRESETS)}"
+            )
+            raise ValueError(f"{value!r}: {hint}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | str) -> int | str:
+        if value != "auto" and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"must be 'auto' or an int >= 1, got {value!r}")
+        return value
+
+    @field_validator("routed_scaling_factor")
+    @classmethod
+    def _scaling(cls, value: float | str) -> float | str:
+        if isinstance(value, str) and value != "auto":
+            raise ValueError(f"must be 'auto' or a number, got {value!r}")
+        return value
+
+    @field_validator("score_func")
+    @classmethod
+    def _score_func(cls, value: str) -> str:
+        if value not in ("auto", "softmax"):
+            raise ValueError(f"{value!r}: {NOT_YET_EP}; only 'auto' / 'softmax'")
+        return value
+
+    @field_validator("score_apply")
+    @classmethod
+    def _score_apply(cls, value: str) -> str:
+        if value not in ("auto", "post"):
+            raise ValueError(f"{value!r}: {NOT_YET_EP}; only 'auto' / 'post'")
+        return value
+
+    @field_validator("num_expert_groups", "num_limited_groups", "load_balance_coeff")
+    @classmethod
+    def _absent(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(f"{NOT_YET_EP} (it would change routing); remove it or set null")
+        return value
+
+    @field_validator("moe_layer_pattern")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        import re
+
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"{value!r} is not a regular expression: {exc}") from None
+        return value
+
+    @field_validator("capacity_factor")
+    @classmethod
+    def _capacity(cls, value: float | None) -> float | None:
+        if value is not None and value < 0:
+            raise ValueError(f"must be >= 0 (0 or null: drop no token), got {value}")
+        return value
+
+
+NOT_YET_EP = "not supported yet"
+_EP_PRESETS = ("mixtral", "qwen2_moe", "qwen3_moe")
+_EP_PRESETS_NOT_YET = ("deepseek_v2", "deepseek_v3", "llama4", "qwen3_5_moe")

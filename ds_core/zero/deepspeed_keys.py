@@ -53,6 +53,8 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
     ("fp16",): frozenset({"fp16_master_weights_and_grads"}),
     ("bf16",): frozenset({"immediate_grad_update"}),
     ("tensor_parallel",): frozenset({"tp_overlap_comm"}),
+    # grouped GEMM is a kernel choice; the experts compute the same values one by one
+    ("expert_parallel",): frozenset({"use_grouped_mm", "grouped_mm_backend"}),
 }
 
 NOT_YET = "not supported yet"

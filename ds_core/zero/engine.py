@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
-from ds_core.moe import expert_groups, expert_parallel_size
+from ds_core.moe import dropped_parameters, expert_groups, expert_parallel_size
 from ds_core.tp import apply_autotp, is_tp_sharded, model_tp_size, replaced_parameters
 from ds_core.zero import capture as _capture
 from ds_core.zero import guards as _guards
@@ -236,12 +236,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         zcfg = self.config.zero_optimization
         ep = expert_parallel_size(p)
         if ep is not None and ep > 1:
-            if self.mesh.tp_size > 1:
-                raise ConfigError(
-                    f"{name}: expert parameters with tensor parallelism (AutoEP + AutoTP) are "
-                    "not supported yet"
-                )
-            groups = expert_groups(ep)
+            # EP and EDP groups run along the data-parallel dimension of the mesh; the experts
+            # are whole (replicated) on the ranks of one TP group.
+            groups = expert_groups(ep, self.mesh.tp_size)
             group, gworld = groups.edp_group, groups.edp_world
             grank = comm.get_rank(group) if group is not None else self.rank
         elif self.mesh.tp_size > 1:
@@ -335,9 +332,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             return
         ep = zp.expert_ep_size if zp is not None else None
         if ep is not None and ep > 1:
-            g = expert_groups(ep)
+            g = expert_groups(ep, self.mesh.tp_size)
             if g.edp_world > 1:
-                self.acc.broadcast(t, self.rank % ep, g.edp_group)
+                self.acc.broadcast(t, g.edp_src, g.edp_group)
         elif zp is not None and zp.tp_sharded:
             # A TP shard is equal across its DP group only (from the group's first rank).
             if self.mesh.dp_size > 1:
@@ -391,6 +388,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         for old, shard in replaced_parameters(self.module).items():
             # An optimizer built before AutoTP split the model names the full parameters.
             masters.setdefault(old, masters.get(id(shard)))
+        for old_id in dropped_parameters(self.module):
+            masters.setdefault(old_id, None)  # another rank's expert (AutoEP): not stepped here
         return bind_optimizer(
             optimizer,
             model_parameters,

@@ -20,6 +20,7 @@ from ds_core import comm
 from ds_core.checkpoint.loader import ResumableLoader
 from ds_core.errors import ConfigError
 from ds_core.tp import model_tp_size
+from ds_core.zero.autoep import apply_autoep
 from ds_core.zero.config import DSConfig, load_config
 from ds_core.zero.engine import ZeroEngine
 from ds_core.zero.guards import check_model
@@ -151,6 +152,9 @@ def initialize(
     if split > 1 and cfg.tensor_parallel.autotp_size <= 1 and not isinstance(cfg_src, DSConfig):
         # Split by tp_model_init beforehand: batch sizes count data-parallel replicas.
         cfg = load_config(cfg_src, world // split)
+    if cfg.expert_parallel.enabled:
+        # Before the engine: it partitions and reduces the marked experts over their groups.
+        apply_autoep(model, cfg.expert_parallel, max(cfg.tensor_parallel.autotp_size, split, 1))
     engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
     loader = None
     if training_data is not None:

@@ -721,6 +721,10 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         from tests.zero import _autotp
 
         return _autotp.jobs(world)
+    if suite == "autoep":
+        from tests.zero import _autoep
+
+        return _autoep.jobs(world)
     raise SystemExit(f"unknown suite {suite}")
 
 
