@@ -281,3 +281,21 @@ def resolve(root: Path, tag: str | None) -> Path | None:
         return folder
     replaced = root / f".{tag}.replaced"  # killed between the two renames of a replacement
     return replaced if (replaced / MANIFEST).is_file() else None
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host, flat, over a storage holding exactly its elements.
+
+    ``torch.save`` of a view writes the view's whole underlying storage (a master piece is a
+    view of its unit's buffer). A contiguous host view is re-based on a slice of that storage,
+    which shares the memory, so nothing is copied; anything else is cloned.
+    """
+    flat = t.detach().reshape(-1).to("cpu")
+    size = flat.element_size()
+    if flat.untyped_storage().nbytes() == flat.numel() * size and not flat.storage_offset():
+        return flat
+    if not flat.is_contiguous():
+        return flat.clone()
+    start = flat.storage_offset() * size
+    storage: torch.UntypedStorage = flat.untyped_storage()[start : start + flat.numel() * size]
+    return torch.empty(0, dtype=flat.dtype).set_(storage, 0, (flat.numel(),), (1,))

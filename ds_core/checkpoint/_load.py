@@ -24,6 +24,7 @@ from ds_core.checkpoint import _io, _nvme, _state, _tp
 from ds_core.checkpoint._io import CheckpointError
 from ds_core.checkpoint._reader import CheckpointReader
 from ds_core.checkpoint._save import agree
+from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -264,8 +265,6 @@ def _step_for(engine: ZeroEngine, step: Any) -> Any:
     """``step`` in the form the engine's optimizer keeps it, so state saved with host or NVMe
     offload (an ``int``) resumes on a device ``torch.optim`` Adam (a float tensor) and the
     other way round; any other optimizer gets it as saved."""
-    from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
-
     if isinstance(engine.optimizer, DeepSpeedCPUAdam):
         return int(_state.scalar_value(step))
     if isinstance(engine.optimizer, (torch.optim.Adam, torch.optim.AdamW)):

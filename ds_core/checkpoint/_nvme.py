@@ -47,10 +47,9 @@ STATE = ("fp32", "exp_avg", "exp_avg_sq")
 
 def swap(engine: ZeroEngine) -> NvmeOptimizerOffload | None:
     """The engine's NVMe optimizer swap, or ``None`` when its state is elsewhere."""
-    from ds_core.zero.nvme import NvmeOptimizerOffload
-
     off = getattr(engine, "offload", None)
-    return off if isinstance(off, NvmeOptimizerOffload) else None
+    # Not isinstance: importing ds_core.zero here would close an import cycle.
+    return off if getattr(off, "in_files", False) else None
 
 
 def sub_group_file(rank: int, index: int) -> str:
@@ -78,7 +77,6 @@ def write_native(
     """Write this rank's sub-group files; returns their manifest entries and, per parameter
     key, the files holding its piece in order."""
     (tmp / FOLDER).mkdir(exist_ok=True)
-    from ds_core.checkpoint._save import host
 
     files: dict[str, dict[str, Any]] = {}
     where: dict[str, list[str]] = {}
@@ -91,8 +89,8 @@ def write_native(
             key = _state.param_key(zp, engine.rank)
             payload[key] = {
                 "start": start,
-                "fp32": host(views["fp32"]),
-                "state": {k: host(views[k]) for k in STATE[1:]} if moments else {},
+                "fp32": _io.host(views["fp32"]),
+                "state": {k: _io.host(views[k]) for k in STATE[1:]} if moments else {},
             }
         rel = sub_group_file(engine.rank, index)
         files[rel] = _io.save_object(tmp / rel, payload)

@@ -55,24 +55,6 @@ def agree(engine: ZeroEngine, error: BaseException | None, what: str) -> None:
         raise CheckpointError(f"{what} failed on rank {rank}: {msg}")
 
 
-def host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the host, flat, over a storage holding exactly its elements.
-
-    ``torch.save`` of a view writes the view's whole underlying storage (a master piece is a
-    view of its unit's buffer). A contiguous host view is re-based on a slice of that storage,
-    which shares the memory, so nothing is copied; anything else is cloned.
-    """
-    flat = t.detach().reshape(-1).to("cpu")
-    size = flat.element_size()
-    if flat.untyped_storage().nbytes() == flat.numel() * size and not flat.storage_offset():
-        return flat
-    if not flat.is_contiguous():
-        return flat.clone()
-    start = flat.storage_offset() * size
-    storage: torch.UntypedStorage = flat.untyped_storage()[start : start + flat.numel() * size]
-    return torch.empty(0, dtype=flat.dtype).set_(storage, 0, (flat.numel(),), (1,))
-
-
 def piece_value(zp: ZeroParam) -> torch.Tensor:
     """This rank's piece of ``zp``'s weights in the model dtype: elements ``[lo, hi)`` of the
     flattened parameter (the whole parameter when replicated)."""
@@ -238,15 +220,15 @@ def _native_fragments(
             frag["swapped"] = swapped.get(key, [])
             frag["scalars"] = _nvme.scalars(nv, zp)
         elif zp.master is not None:
-            frag["fp32"] = host(zp.master)
+            frag["fp32"] = _io.host(zp.master)
             tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
-            frag["state"] = {k: host(v) for k, v in tensors.items()}
+            frag["state"] = {k: _io.host(v) for k, v in tensors.items()}
             frag["scalars"] = {
                 k: v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else v
                 for k, v in scalars.items()
             }
         else:
-            frag["frozen"] = host(piece_value(zp))
+            frag["frozen"] = _io.host(piece_value(zp))
         out[_state.param_key(zp, engine.rank)] = frag
     return out
 
@@ -366,7 +348,7 @@ def _to_host(entry: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in entry.items():
         if isinstance(v, torch.Tensor):
-            out[k] = host(v).view(v.shape)
+            out[k] = _io.host(v).view(v.shape)
         elif isinstance(v, dict):
             out[k] = _to_host(v)
         else:

@@ -77,6 +77,8 @@ class NvmeOptimizerOffload(OptimizerOffload):
         start; :meth:`make_masters` also when its file system lacks room for the files).
     """
 
+    in_files = True
+
     def __init__(
         self,
         acc: Accelerator,

@@ -65,6 +65,9 @@ class OptimizerOffload:
         ``pinned_memory``.
     """
 
+    #: the masters and moments live in swap files, not host memory (NVMe offload).
+    in_files = False
+
     def __init__(self, acc: Accelerator, pin_memory: bool) -> None:
         self.acc = acc
         self.pinned = bool(pin_memory) and "pinned_memory" in acc.capabilities

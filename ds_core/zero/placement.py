@@ -1,0 +1,195 @@
+"""How a model's parameters become an engine's: one :class:`ZeroParam` each, grouped into
+flat units and moved onto the device equal on every rank, and their fp32 masters.
+
+:class:`Placement` does this once, inside :class:`~ds_core.zero.engine.ZeroEngine`'s
+constructor; the engine owns what it builds (``zparams``, ``units``, ``param_swap``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ds_core import comm
+from ds_core.accelerator import Accelerator
+from ds_core.comm import Mesh
+from ds_core.moe import expert_groups, expert_parallel_size
+from ds_core.tp import is_tp_sharded
+from ds_core.zero.config import DSConfig
+from ds_core.zero.init import INIT_ATTR, restore_full
+from ds_core.zero.nvme_param import ParamSwapper
+from ds_core.zero.offload import OptimizerOffload
+from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
+
+log = logging.getLogger("ds_core.zero")
+
+
+class Placement:
+    """Places ``model`` for an engine of ``config``'s stage on ``acc``'s device over ``mesh``.
+
+    After construction: ``zparams`` (by name, unique parameters), ``by_param`` (``id(param)``
+    to its :class:`ZeroParam`), ``trainable``, ``units`` and ``param_swap`` (NVMe parameter
+    offload's swap files and buffers, see [Note: NVMe parameter swap], or ``None``). Each rank
+    keeps only what it holds; one full parameter is on the device at a time. Collective: every
+    rank constructs it (the parameters are broadcast).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: DSConfig,
+        acc: Accelerator,
+        mesh: Mesh,
+        model_dtype: torch.dtype | None,
+    ) -> None:
+        self.zcfg = config.zero_optimization
+        self.aio = config.aio
+        self.stage: int = self.zcfg.stage
+        self.acc = acc
+        self.device = acc.device()
+        self.mesh = mesh
+        self.world = comm.get_world_size()
+        self.rank = comm.get_rank()
+        self.model_dtype = model_dtype
+        self.zparams: dict[str, ZeroParam] = {}
+        self.by_param: dict[int, ZeroParam] = {}
+        for name, p in model.named_parameters():
+            zp = self._zparam(name, p)
+            self.zparams[name] = zp
+            self.by_param[id(p)] = zp
+        self.param_swap: ParamSwapper | None = None
+        self.units: list[FlatUnit] = self._build_units(model)
+        self._place(model)
+        self.trainable = [zp for zp in self.zparams.values() if zp.trainable]
+
+    def _zparam(self, name: str, p: nn.Parameter) -> ZeroParam:
+        zcfg = self.zcfg
+        ep = expert_parallel_size(p)
+        if ep is not None and ep > 1:
+            # EP and EDP groups run along the data-parallel dimension of the mesh; the experts
+            # are whole (replicated) on the ranks of one TP group.
+            groups = expert_groups(ep, self.mesh.tp_size)
+            group, gworld = groups.edp_group, groups.edp_world
+            grank = comm.get_rank(group) if group is not None else self.rank
+        elif self.mesh.tp_size > 1:
+            group, gworld, grank = self.mesh.dp_group, self.mesh.dp_size, self.mesh.dp_rank
+        else:
+            group, gworld, grank = None, self.world, self.rank
+        numel = getattr(p, INIT_ATTR)[2] if hasattr(p, INIT_ATTR) else p.numel()
+        if self.stage == 3 and numel > zcfg.stage3_param_persistence_threshold:
+            mode = Mode.PARTITIONED
+        elif self.stage in (1, 2, 3) and p.requires_grad:
+            mode = Mode.SHARDED_STATE
+        else:
+            mode = Mode.REPLICATED
+        zp = ZeroParam(name, p, mode, group, gworld, grank, ep)
+        zp.tp_sharded = is_tp_sharded(p)
+        if hasattr(p, INIT_ATTR):
+            # Built under zero.Init: the parameter is a placeholder until placed.
+            _, zp.shape, zp.numel = getattr(p, INIT_ATTR)
+            zp.hi = zp.numel
+        if self.model_dtype is not None and zp.dtype.is_floating_point:
+            zp.dtype = self.model_dtype
+        setattr(p, ZERO_PARAM_ATTR, zp)
+        return zp
+
+    def _build_units(self, model: nn.Module) -> list[FlatUnit]:
+        """Group parameters into units (see [Note: shard layout]): reduce buckets of
+        ``reduce_bucket_size`` elements, and at stage 3 one unit per module's own parameters."""
+        limit = self.zcfg.reduce_bucket_size
+        units: list[FlatUnit] = []
+        if self.stage == 3:
+            pcfg = self.zcfg.offload_param
+            host = pcfg.device in ("cpu", "nvme")
+            if pcfg.device == "nvme":
+                self.param_swap = ParamSwapper(self.acc, pcfg, self.aio, self.rank)
+            if host and "pinned_memory" not in self.acc.capabilities:
+                log.info(
+                    "offload_param: backend '%s' does not declare pinned_memory; host "
+                    "shards are pageable and their copies to the device synchronous",
+                    self.acc.name,
+                )
+            seen: set[int] = set()
+            for sub in model.modules():
+                own = [
+                    self.by_param[id(p)]
+                    for p in sub._parameters.values()
+                    if p is not None and id(p) not in seen and id(p) in self.by_param
+                ]
+                own = [zp for zp in own if zp.mode is Mode.PARTITIONED]
+                seen.update(id(zp.param) for zp in own)
+                for part in bucketize(own, limit):
+                    units.append(
+                        FlatUnit(part, Mode.PARTITIONED, self.device, host, self.param_swap)
+                    )
+        for mode in (Mode.REPLICATED, Mode.SHARDED_STATE):
+            members = [zp for zp in self.zparams.values() if zp.mode is mode and zp.trainable]
+            for part in bucketize(members, limit):
+                units.append(FlatUnit(part, mode, self.device))
+        return units
+
+    def _place(self, module: nn.Module) -> None:
+        """Move the module onto the device one parameter at a time, equal on every rank
+        (broadcast from rank 0; experts from the first rank of their group), keeping only
+        what this rank holds."""
+        with torch.no_grad():
+            for zp in self.zparams.values():
+                p = zp.param
+                if hasattr(p, INIT_ATTR):
+                    # zero.Init broadcast it from rank 0 before partitioning; rebuild it here.
+                    restore_full(p, self.device, zp.dtype)
+                    full = p.data
+                else:
+                    full = p.data.to(self.device, zp.dtype)
+                    self._broadcast(full, zp)
+                if zp.unit is not None:
+                    zp.unit.place(zp, full)
+                else:
+                    p.data = full
+            for sub in module.modules():
+                for key, b in sub._buffers.items():
+                    if b is None:
+                        continue
+                    dtype = self.model_dtype if b.is_floating_point() and self.model_dtype else None
+                    moved = b.to(self.device, dtype)
+                    self._broadcast(moved, None)
+                    sub._buffers[key] = moved
+
+    def _broadcast(self, t: torch.Tensor, zp: ZeroParam | None) -> None:
+        if self.world == 1:
+            return
+        ep = zp.expert_ep_size if zp is not None else None
+        if ep is not None and ep > 1:
+            g = expert_groups(ep, self.mesh.tp_size)
+            if g.edp_world > 1:
+                self.acc.broadcast(t, g.edp_src, g.edp_group)
+        elif zp is not None and zp.tp_sharded:
+            # A TP shard is equal across its DP group only (from the group's first rank).
+            if self.mesh.dp_size > 1:
+                self.acc.broadcast(t, self.mesh.dp_src, self.mesh.dp_group)
+        else:
+            self.acc.broadcast(t, 0, None)
+
+    def make_masters(self, offload: OptimizerOffload | None) -> None:
+        """fp32 masters of each trainable parameter's piece; fp32 parameters are their own
+        masters (the optimizer steps the unit's storage in place, so no copy exists)."""
+        if offload is not None:
+            offload.make_masters(
+                [u for u in self.units if u.trainable and u.mode is not Mode.REPLICATED]
+            )
+        with torch.no_grad():
+            for zp in self.trainable:
+                if offload is not None and offload.holds(zp.unit):
+                    continue
+                if zp.mode is Mode.REPLICATED:
+                    p = zp.param
+                    zp.master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float())
+                    continue
+                assert zp.unit is not None
+                piece = zp.unit.piece(zp)
+                if zp.unit.host_shard:  # offload_param: the optimizer steps on the device
+                    zp.master = nn.Parameter(piece.to(self.device, torch.float32, copy=True))
+                    continue
+                zp.master = nn.Parameter(piece if piece.dtype == torch.float32 else piece.float())
