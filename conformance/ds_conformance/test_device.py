@@ -41,7 +41,8 @@ def test_index_round_trips_through_set_and_current(acc: Any) -> None:
     start = acc.current_device()
     try:
         for index in range(acc.device_count()):
-            acc.set_device(index)
+            done = acc.set_device(index)
+            check(done is True, f"set_device({index})", done, "True", f"set_device({index})")
             got = acc.current_device()
             check(got == index, "current_device()", got, str(index), f"set_device({index})")
     finally:
