@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -13,10 +14,26 @@ from ds_conformance.marks import hooks, tier
 pytestmark = tier("basic")
 
 
+_COUNT = """
+import json
+from ds_core import get_accelerator
+print(json.dumps({"count": get_accelerator().device_count()}))
+"""
+
+
 @hooks("ds_device_count")
 def test_count_is_positive(acc: Any) -> None:
+    """An int ≥ 1; on cpu, the launcher's ``LOCAL_WORLD_SIZE`` (1 when it is unset)."""
     n = acc.device_count()
     check(isinstance(n, int) and n >= 1, "device_count()", n, "an int ≥ 1", "ds_device_count()")
+    if acc.device_type != "cpu":
+        return
+    # cpu devices are the launcher's local ranks, so the environment is the independent answer
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    for env, want in (({}, 1), ({"LOCAL_WORLD_SIZE": "2"}, 2)):
+        got = run_python(_COUNT, env=env, base_env=base)["count"]
+        call = f"ds_device_count() with {env or 'LOCAL_WORLD_SIZE unset'}"
+        check(got == want, "device_count()", got, str(want), call)
 
 
 @hooks("ds_device_set", "ds_device_current")
@@ -24,7 +41,8 @@ def test_index_round_trips_through_set_and_current(acc: Any) -> None:
     start = acc.current_device()
     try:
         for index in range(acc.device_count()):
-            acc.set_device(index)
+            done = acc.set_device(index)
+            check(done is True, f"set_device({index})", done, "True", f"set_device({index})")
             got = acc.current_device()
             check(got == index, "current_device()", got, str(index), f"set_device({index})")
     finally:

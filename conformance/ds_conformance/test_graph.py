@@ -101,6 +101,35 @@ def test_replay_of_an_op_returning_a_list_of_tensors_equals_eager(graph_acc: Any
     )
 
 
+def _keywords(x: torch.Tensor) -> torch.Tensor:
+    # alpha and dtype are keyword-only in the ops' schemas, so they reach a recorder as kwargs
+    return torch.add(x, x.flip(0), alpha=3).cumsum(1, dtype=torch.float64)
+
+
+@hooks("ds_graph_create")
+def test_ops_with_keyword_only_arguments_capture_and_replay_as_eager(graph_acc: Any) -> None:
+    x, _w, _b = _static(graph_acc)
+    eager = _keywords(x).cpu()
+    graph, out = _capture(graph_acc, lambda: _keywords(x))
+    check(
+        torch.equal(out.cpu(), eager),
+        "output of torch.add(alpha=3).cumsum(dtype=float64) during capture",
+        "different",
+        "equal to eager execution (keyword arguments kept)",
+        "capture()",
+    )
+    x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x.device))
+    graph_acc.replay_graph(graph)
+    graph_acc.synchronize()
+    check(
+        torch.allclose(out.cpu(), _keywords(x).cpu(), rtol=1e-12, atol=1e-12),
+        "replayed output of torch.add(alpha=3).cumsum(dtype=float64)",
+        "different",
+        "equal to eager execution on the new input",
+        "graph.replay()",
+    )
+
+
 @hooks("ds_graph_create")
 def test_replay_reads_the_new_static_input(graph_acc: Any) -> None:
     x, w, b = _static(graph_acc)

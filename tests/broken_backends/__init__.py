@@ -72,6 +72,16 @@ BROKEN: dict[str, tuple[str, str, str]] = {
         "test_values_follow_an_imposed_process_limit[RLIMIT_DATA-VmData]",
         "a limit source (RLIMIT_DATA) ignored",
     ),
+    "memory_ignores_cgroup_v2": (
+        "memory",
+        "test_values_follow_an_imposed_cgroup_limit[cgroup-v2-limited]",
+        "a limit source (cgroup v2 memory.max) ignored",
+    ),
+    "memory_ignores_cgroup_v1": (
+        "memory",
+        "test_values_follow_an_imposed_cgroup_limit[cgroup-v1-limited]",
+        "a limit source (cgroup v1 memory.limit_in_bytes) ignored",
+    ),
     "memory_available_ignores_usage": (
         "memory",
         "test_values_follow_an_imposed_process_limit[RLIMIT_AS-VmSize]",
@@ -188,6 +198,8 @@ BROKEN: dict[str, tuple[str, str, str]] = {
 #: fail for its planted bug rather than for everything (the pinned-memory clones cannot
 #: page-lock on a CPU build of torch, so their page-locking check fails whatever is planted).
 MUST_PASS: dict[str, tuple[str, ...]] = {
+    "memory_ignores_cgroup_v2": ("test_values_follow_an_imposed_cgroup_limit[cgroup-v1-limited]",),
+    "memory_ignores_cgroup_v1": ("test_values_follow_an_imposed_cgroup_limit[cgroup-v2-limited]",),
     "pinned_alloc_wrong_dtype": (
         "test_free_pinned_releases_the_storage_and_refuses_any_other_tensor",
     ),
