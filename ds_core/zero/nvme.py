@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -44,6 +43,7 @@ from torch import nn
 from ds_core.accelerator import Accelerator
 from ds_core.errors import ConfigError
 from ds_core.io import ALIGN, AsyncIO, AsyncIOError
+from ds_core.io.folders import make_swap_folder, remove_swap_folder
 from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
 from ds_core.zero.config_offload import AioConfig, OffloadOptimizerConfig
 from ds_core.zero.offload import OptimizerOffload, _HostRange
@@ -91,21 +91,9 @@ class NvmeOptimizerOffload(OptimizerOffload):
         assert cfg.nvme_path is not None
         self.buffer_count = int(cfg.buffer_count)
         self.sub_group_size = int(sub_group_size)
-        self.folder = os.path.join(
-            os.path.abspath(cfg.nvme_path), "ds_core_swap", f"rank{rank}.{os.getpid()}"
+        self.folder = make_swap_folder(
+            cfg.nvme_path, f"rank{rank}.{os.getpid()}", "offload_optimizer.nvme_path"
         )
-        try:
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(
-                f"offload_optimizer.nvme_path: cannot create the swap folder {self.folder}: "
-                f"{exc.strerror or exc}; choose a writable folder on a local disk"
-            ) from exc
-        if not os.access(self.folder, os.W_OK | os.X_OK):
-            raise ConfigError(
-                f"offload_optimizer.nvme_path: the swap folder {self.folder} is not writable "
-                "by this user; choose a writable folder"
-            )
         self.io = AsyncIO(
             block_size=aio.block_size,
             queue_depth=aio.queue_depth,
@@ -404,12 +392,7 @@ class NvmeOptimizerOffload(OptimizerOffload):
         try:
             self.io.close()
         finally:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            parent = os.path.dirname(self.folder)
-            try:
-                os.rmdir(parent)  # only when no other rank's folder is left
-            except OSError:
-                pass
+            remove_swap_folder(self.folder)
             self.sub_groups.clear()
             self._buffers.clear()
             super().release()

@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +39,7 @@ import torch
 from ds_core.accelerator import Accelerator
 from ds_core.errors import ConfigError
 from ds_core.io import AsyncIO
+from ds_core.io.folders import make_swap_folder, remove_swap_folder
 from ds_core.zero.config_offload import AioConfig, OffloadParamConfig
 
 if TYPE_CHECKING:
@@ -85,21 +85,9 @@ class ParamSwapper:
         self.buffer_size = int(cfg.buffer_size)
         self.max_in_cpu = int(cfg.max_in_cpu)
         self.pinned = bool(cfg.pin_memory) and "pinned_memory" in acc.capabilities
-        self.folder = os.path.join(
-            os.path.abspath(cfg.nvme_path), "ds_core_swap", f"param_rank{rank}.{os.getpid()}"
+        self.folder = make_swap_folder(
+            cfg.nvme_path, f"param_rank{rank}.{os.getpid()}", "offload_param.nvme_path"
         )
-        try:
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(
-                f"offload_param.nvme_path: cannot create the swap folder {self.folder}: "
-                f"{exc.strerror or exc}; choose a writable folder on a local disk"
-            ) from exc
-        if not os.access(self.folder, os.W_OK | os.X_OK):
-            raise ConfigError(
-                f"offload_param.nvme_path: the swap folder {self.folder} is not writable by "
-                "this user; choose a writable folder"
-            )
         self.io = AsyncIO(
             block_size=aio.block_size,
             queue_depth=aio.queue_depth,
@@ -323,8 +311,4 @@ class ParamSwapper:
             self.slots.clear()
             self._slot_of.clear()
             self._units.clear()
-            shutil.rmtree(self.folder, ignore_errors=True)
-            try:
-                os.rmdir(os.path.dirname(self.folder))  # only when no other folder is left
-            except OSError:
-                pass
+            remove_swap_folder(self.folder)
