@@ -8,8 +8,9 @@ part, ``--preset small`` for a quick look at it.
 
 1. Bandwidth, per request size (1-256 MiB): ``256 MiB / size`` requests (at least one) are
    written into one file, then read back, through :class:`ds_core.io.AsyncIO` (the ``aio``
-   defaults: 1 MiB blocks, queue depth 8; ``--threads`` blocks of a request in parallel, one
-   table per value, default 1 (DeepSpeed's default) and 4), and
+   defaults: 1 MiB blocks, queue depth 8 blocks in flight per intra-op thread; ``--threads``
+   the ``intra_op_parallelism`` values, one table each, default 1 (DeepSpeed's default: 8
+   blocks in flight) and 4 (32)), and
    the same bytes with plain sequential ``O_DIRECT`` ``pwrite``/``pread`` of the same size in
    one thread (``dd ... bs=<size> oflag=direct``'s I/O pattern): the bound. The page cache is
    dropped (``/proc/sys/vm/drop_caches``, where permitted) before every read; writes end with
@@ -106,7 +107,8 @@ def bandwidth(folder: str, repeat: int, threads: int) -> None:
     io = AsyncIO(intra_op_parallelism=threads)
     dropped = drop_caches()
     print(f"folder {folder}: O_DIRECT {'yes' if direct_supported(folder) else 'no'}; engine: "
-          f"{io_status()}; block 1 MiB, queue depth 8, {threads} threads per request; page "
+          f"{io_status()}; block 1 MiB, queue depth 8, intra_op_parallelism {threads}: "
+          f"{io.blocks_in_flight} blocks in flight per request; page "
           f"cache {'dropped before reads' if dropped else 'NOT dropped (no permission)'}")  # fmt: skip
     print(f"{'request':>8} {'n':>4} {'write MiB/s':>12} {'bound':>8} {'ratio':>6}"
           f" {'read MiB/s':>11} {'bound':>8} {'ratio':>6}")  # fmt: skip

@@ -2,8 +2,10 @@
 
 :class:`AsyncIO` submits reads and writes of contiguous host tensors (pinned or pageable,
 any dtype) to files at byte offsets and waits for them. A request is split into
-``block_size`` chunks spread over ``intra_op_parallelism`` threads; ``thread_count`` requests
-run at once and at most ``queue_depth`` are in flight. ``O_DIRECT`` is used where the folder's
+``block_size`` chunks of which ``queue_depth x intra_op_parallelism`` (at most 32) are in
+flight at once, one blocking ``pread``/``pwrite`` per thread, so even one intra-op thread keeps
+``queue_depth`` blocks outstanding as DeepSpeed's libaio engine does; ``thread_count``
+requests run at once and later submits queue. ``O_DIRECT`` is used where the folder's
 file system accepts it (:func:`direct_supported` probes it; tmpfs does not), chunks whose
 address is not 4 KiB-aligned go through an aligned bounce buffer, and a tail whose size is
 not aligned goes through a buffered descriptor: no I/O error and no short read from alignment.

@@ -32,7 +32,10 @@ ALIGN = 4096
 _SOURCE = Path(__file__).parents[1] / "ops" / "csrc" / "async_io.c"
 _CFLAGS = ("-std=c11", "-Wall", "-pthread")
 _LDFLAGS = ("-pthread",)
-_MAX_INTRA = 30  # the C side's thread bookkeeping
+_MAX_INTRA = 30  # AioConfig.intra_op_parallelism's bound
+#: Most blocks of one request in flight (threads one transfer starts): queue_depth 8 x
+#: intra_op_parallelism 4 fits; beyond it a virtio or NVMe queue gains nothing measurable.
+MAX_BLOCKS_IN_FLIGHT = 32
 
 
 class AsyncIOError(DSCoreError, OSError):
@@ -127,7 +130,9 @@ class _Python:
     def _chunk_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(_MAX_INTRA, thread_name_prefix="ds_aio_chunk")
+                self._pool = ThreadPoolExecutor(
+                    MAX_BLOCKS_IN_FLIGHT, thread_name_prefix="ds_aio_chunk"
+                )
             return self._pool
 
     @staticmethod
@@ -199,21 +204,27 @@ class _Python:
             chunks = [
                 (addr + s, min(block, nbytes - s), offset + s) for s in range(0, nbytes, block)
             ]
-            if threads <= 1 or len(chunks) <= 1:
-                for a, n, o in chunks:
-                    self._chunk((fd_direct, fd_buf), write, a, n, o)
-            else:
-                futures = [
-                    self._chunk_pool().submit(self._chunk, (fd_direct, fd_buf), write, a, n, o)
-                    for a, n, o in chunks
-                ]
-                first: BaseException | None = None
-                for f in futures:  # every chunk finishes before the descriptors close
-                    failed = f.exception()
-                    if failed is not None and first is None:
-                        first = failed
-                if first is not None:
-                    raise first
+            fds = (fd_direct, fd_buf)
+            # Like the C pool: `threads` workers take every threads-th chunk, so at most
+            # `threads` blocks are in flight; a worker stops at its first failure.
+            workers = max(1, min(threads, len(chunks)))
+
+            def stripe(t: int) -> None:
+                for a, n, o in chunks[t::workers]:
+                    self._chunk(fds, write, a, n, o)
+
+            futures = [self._chunk_pool().submit(stripe, t) for t in range(1, workers)]
+            first: BaseException | None = None
+            try:
+                stripe(0)
+            except BaseException as exc:  # raised once the other workers have finished
+                first = exc
+            for f in futures:  # every chunk finishes before the descriptors close
+                failed = f.exception()
+                if failed is not None and first is None:
+                    first = failed
+            if first is not None:
+                raise first
         except _StopError as stop:
             raise _fail(op, path, nbytes, offset, stop.code, stop.at) from None
         finally:
@@ -327,9 +338,14 @@ class AsyncIO:
     """Reads and writes of host tensors to files at byte offsets, asynchronously.
 
     :param block_size: bytes per ``pread``/``pwrite`` call (rounded up to 4 KiB).
-    :param queue_depth: most requests in flight; a submit beyond it waits for a free slot.
-    :param intra_op_parallelism: threads one request's blocks are spread over.
-    :param thread_count: requests served at once (worker threads of the handle).
+    :param queue_depth: blocks of a request kept in flight per intra-op thread (DeepSpeed's
+        meaning: its libaio queue depth per thread).
+    :param intra_op_parallelism: threads a request's blocks are spread over, each keeping
+        ``queue_depth`` blocks in flight: a request has ``queue_depth x intra_op_parallelism``
+        blocks in flight (at most :data:`MAX_BLOCKS_IN_FLIGHT`, and no more than it has
+        blocks), each one blocking ``pread``/``pwrite`` on its own thread.
+    :param thread_count: requests served at once (worker threads of the handle); further
+        submits queue behind them without blocking the caller.
     :param use_direct: ``O_DIRECT`` (``None``: where :func:`direct_supported` says so).
     :param implementation: ``auto``, ``compiled`` or ``python`` (``None``: ``DS_CORE_ASYNC_IO``).
 
@@ -356,12 +372,13 @@ class AsyncIO:
         self.block_size = -(-int(block_size) // ALIGN) * ALIGN
         self.queue_depth = int(queue_depth)
         self.intra = min(int(intra_op_parallelism), _MAX_INTRA)
+        #: blocks of one request in flight at once (threads its transfer runs on).
+        self.blocks_in_flight = min(self.queue_depth * self.intra, MAX_BLOCKS_IN_FLIGHT)
         self.use_direct = use_direct
         self.impl = load_impl(implementation)
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max(1, int(thread_count)), thread_name_prefix="ds_aio"
         )
-        self._slots = threading.BoundedSemaphore(self.queue_depth)
         self._pending: list[Future[None]] = []
 
     @property
@@ -386,16 +403,14 @@ class AsyncIO:
             raise ValueError(f"AsyncIO: offset {offset} < 0")
         p = os.fspath(path)
         nbytes = tensor.numel() * tensor.element_size()
-        args = (p, write, tensor.data_ptr(), nbytes, int(offset), self.block_size, self.intra,
-                self._direct(p))  # fmt: skip
-        self._slots.acquire()
+        args = (p, write, tensor.data_ptr(), nbytes, int(offset), self.block_size,
+                self.blocks_in_flight, self._direct(p))  # fmt: skip
 
         def run() -> None:
             try:
                 if nbytes:
                     self.impl(*args)
             finally:
-                self._slots.release()
                 del keep[:]
 
         keep = [tensor]  # the tensor's memory stays alive until the transfer ends

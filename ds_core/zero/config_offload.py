@@ -24,10 +24,12 @@ class AioConfig(BaseModel):
     """Bytes per I/O call: each request is split into blocks of this size (rounded up to
     4 KiB for ``O_DIRECT``). (Default: 1048576)"""
     queue_depth: Int = Field(default=8, gt=0)
-    """Requests in flight at once; a submit beyond it waits for one to finish. (Default: 8)"""
+    """Blocks of a request kept in flight per intra-op thread, as DeepSpeed's libaio queue
+    depth: a request has ``queue_depth x intra_op_parallelism`` blocks outstanding at once
+    (at most 32), each a blocking ``pread``/``pwrite`` on its own pool thread. (Default: 8)"""
     intra_op_parallelism: Int = Field(default=1, gt=0, le=30)
-    """Threads one request's blocks are spread over (DeepSpeed's older name:
-    ``thread_count``, read too). (Default: 1)"""
+    """Intra-op threads a request's blocks are spread over, each keeping ``queue_depth``
+    blocks in flight (DeepSpeed's older name: ``thread_count``, read too). (Default: 1)"""
     single_submit: Bool = False
     """DeepSpeed: submit a request's blocks one at a time instead of as one batch. The
     pread/pwrite engine issues one call per block either way; accepted. (Default: false)"""

@@ -10,12 +10,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from ds_core.io import AsyncIO, AsyncIOError, direct_supported, io_status
+from ds_core.io._engine import MAX_BLOCKS_IN_FLIGHT, _Python
 
 IMPLS = ["compiled", "python"]
 
@@ -59,6 +61,50 @@ def test_unaligned_tensors_round_trip_exactly(disk: Path, impl: str, direct: boo
         for src, out in zip(srcs, outs, strict=True):
             assert torch.equal(src, out)
         h.close()
+
+
+@pytest.mark.parametrize(("depth", "intra"), [(8, 1), (4, 2), (1, 1)])
+def test_a_request_keeps_queue_depth_blocks_in_flight(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, depth: int, intra: int
+) -> None:
+    # Every block call of the Python twin waits at a barrier of depth x intra parties, so it
+    # passes only when that many calls are active together: an engine issuing fewer at once
+    # breaks it (the timeout is a hang guard, not a measurement). The peak shows no more run.
+    want = depth * intra
+    barrier = threading.Barrier(want, timeout=120)
+    lock = threading.Lock()
+    active, peak, calls = [0], [0], [0]
+    real = _Python._move
+
+    def counted(fd: int, fd_buf: int, write: bool, view: memoryview, off: int) -> int:
+        with lock:
+            active[0] += 1
+            calls[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            barrier.wait()
+            return real(fd, fd_buf, write, view, off)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(_Python, "_move", staticmethod(counted))
+    h = AsyncIO(block_size=4096, queue_depth=depth, intra_op_parallelism=intra,
+                use_direct=False, implementation="python")  # fmt: skip
+    assert h.blocks_in_flight == want
+    src = torch.randn(3 * want * 1024)  # three rounds of `want` 4 KiB blocks
+    back = torch.empty_like(src)
+    h.sync_write(src, disk / "qd.bin")
+    h.sync_read(back, disk / "qd.bin")
+    h.close()
+    assert torch.equal(src, back)
+    assert calls[0] == 2 * 3 * want and peak[0] == want
+
+
+def test_blocks_in_flight_are_capped() -> None:
+    h = AsyncIO(queue_depth=64, intra_op_parallelism=4, implementation="python")
+    assert h.blocks_in_flight == MAX_BLOCKS_IN_FLIGHT
+    h.close()
 
 
 def test_direct_probe_on_a_real_disk(disk: Path) -> None:

@@ -1,5 +1,7 @@
 /* async_io: one file transfer (read or write of a host buffer at a file offset), split into
- * block-sized chunks over a few threads, pread/pwrite only (no libaio/liburing needed).
+ * block-sized chunks over `nthreads` threads, pread/pwrite only (no libaio/liburing needed).
+ * Each thread has one blocking call outstanding, so `nthreads` is also the number of blocks
+ * the disk sees in flight (the caller passes queue_depth x intra_op_parallelism, capped).
  *
  * O_DIRECT is used for chunks whose file offset and length are multiples of `align`; a chunk
  * whose buffer address is not aligned goes through the thread's aligned bounce buffer; a chunk
@@ -100,8 +102,9 @@ int ds_aio_transfer(const char *path, int is_write, void *buf, int64_t nbytes, i
     if (nthreads > nchunks) nthreads = nchunks > 0 ? (int)nchunks : 1;
     job_t *jobs = calloc((size_t)nthreads, sizeof(job_t));
     pthread_t *th = calloc((size_t)nthreads, sizeof(pthread_t));
-    int started = 0, rc = 0;
-    if (jobs == NULL || th == NULL) {
+    char *started = calloc((size_t)nthreads, 1);
+    int rc = 0;
+    if (jobs == NULL || th == NULL || started == NULL) {
         rc = -ENOMEM;
     } else {
         for (int t = 0; t < nthreads; t++) {
@@ -109,16 +112,14 @@ int ds_aio_transfer(const char *path, int is_write, void *buf, int64_t nbytes, i
                               nbytes,    offset, block,    align, 0, -1};
         }
         for (int t = 1; t < nthreads; t++) {
-            if (pthread_create(&th[t], NULL, worker, &jobs[t]) == 0) {
-                started |= 1 << (t < 30 ? t : 30);
-                if (t >= 30) pthread_join(th[t], NULL); /* more than 30: run in turn */
-            } else {
+            if (pthread_create(&th[t], NULL, worker, &jobs[t]) == 0)
+                started[t] = 1;
+            else
                 worker(&jobs[t]); /* not started: this thread takes its chunks */
-            }
         }
         worker(&jobs[0]);
-        for (int t = 1; t < nthreads && t < 30; t++)
-            if (started & (1 << t)) pthread_join(th[t], NULL);
+        for (int t = 1; t < nthreads; t++)
+            if (started[t]) pthread_join(th[t], NULL);
         for (int t = 0; t < nthreads && rc == 0; t++) {
             if (jobs[t].rc != 0) {
                 rc = jobs[t].rc;
@@ -126,6 +127,7 @@ int ds_aio_transfer(const char *path, int is_write, void *buf, int64_t nbytes, i
             }
         }
     }
+    free(started);
     free(jobs);
     free(th);
     if (fd_direct >= 0 && close(fd_direct) != 0 && rc == 0) rc = -errno;
