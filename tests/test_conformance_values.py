@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ds_conformance.comm_cases import cases
+from ds_backend_cpu.shm_groups import DEFAULT_SLOT_BYTES
+from ds_conformance.comm_cases import LARGE_NUMEL, cases
 from ds_conformance.values import (
     REDUCE_OPS,
     op_applies,
@@ -120,3 +121,32 @@ def test_every_reduce_op_and_collective_is_covered_on_every_dtype() -> None:
     for collective in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
         assert (collective, "group") in variants and (collective, "late-async") in variants
     assert ("barrier", "late-sync") in variants and ("all_to_all", "equal-splits") in variants
+
+
+@pytest.mark.parametrize("numel", [0, 1, 34, 35, 36, 71, 1000])
+@pytest.mark.parametrize("salt", [0, 5])
+def test_tiled_positions_equal_the_formula_evaluated_everywhere(numel: int, salt: int) -> None:
+    # rank_values tiles one period of its integers; a wrong period would shift them.
+    i = torch.arange(numel, dtype=torch.int64)
+    for rank in range(4):
+        formula = (3 * i + 2 * rank + (i * i) % 5 + salt) % 7 + 1
+        got = rank_values(rank, numel, torch.int64, 4, salt) - int(2.0**60)
+        assert torch.equal(got, formula), (numel, rank, salt)
+
+
+def test_large_cases_span_several_cpu_slots_and_their_oracle_is_exact() -> None:
+    large = {(c.collective, c.op, c.world) for c in cases(DTYPES) if c.variant == "large"}
+    assert large == {
+        ("all_reduce", "sum", 2), ("all_reduce", "avg", 2), ("all_reduce", "sum", 4),
+        ("reduce_scatter", "sum", 2), ("all_gather", "", 2), ("broadcast", "", 2),
+    }  # fmt: skip
+    # Past the CPU backend's default slot (float32 elements) at least three times, and odd so
+    # the last piece of any power-of-two chunking is partial.
+    assert LARGE_NUMEL >= 3 * DEFAULT_SLOT_BYTES // 4 and LARGE_NUMEL % 2 == 1
+    for world in WORLDS:
+        data = [rank_values(r, LARGE_NUMEL, torch.float32, world) for r in range(world)]
+        for op in ("sum", "avg"):
+            in_float32 = torch.stack(data).sum(0)
+            if op == "avg":
+                in_float32 = in_float32 / world
+            assert torch.equal(in_float32, reduce(data, op)), (world, op)

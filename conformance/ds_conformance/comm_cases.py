@@ -12,6 +12,13 @@ contract says about blocking: a barrier and a synchronous collective do not retu
 late peer joins; an asynchronous call returns before its peers join, and ``wait()`` makes the
 result visible. A marker file written by the late rank just before it joins makes this a
 causal check, not a timing threshold: a correct backend passes however slow the host is.
+
+Large cases (``large`` variant, float32) move :data:`LARGE_NUMEL` elements per rank, more than
+one staging buffer of typical backends (the CPU backend's shared-memory slot is 4 MiB, a
+vendor library's chunk a few MiB), so a backend that splits a message into pieces is checked
+past its first piece. The count is not a power of two, so the last piece is partial, and the
+data's period (35 elements) does not divide a power-of-two piece, so a piece written at
+another piece's offset differs.
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ SUBGROUPS: tuple[tuple[int, ...], ...] = ((0, 2), (1, 3))
 LATE_S = 0.3
 #: Seconds a late rank waits for the early rank's "my async call returned" marker.
 MARKER_TIMEOUT_S = 30.0
+#: Elements per rank of a ``large`` case: 16 MiB of float32 (4 CPU shared-memory slots and a
+#: partial fifth at the default slot size), odd so no piece size divides it.
+LARGE_NUMEL = 2**22 + 13
+#: Results longer than this are reported by their first differing positions, not in full.
+REPORT_NUMEL = 64
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,7 @@ class Case:
     dtype: str  # torch dtype name without "torch."
     op: str = ""
     async_op: bool = False
-    variant: str = ""  # "", "group", "equal-splits", "late-sync", "late-async", "stream-*"
+    variant: str = ""  # "", "group", "equal-splits", "large", "late-sync", "late-async", "stream-*"
 
     @property
     def id(self) -> str:
@@ -106,6 +118,12 @@ def cases(dtypes: Iterable[torch.dtype]) -> list[Case]:
     for collective in COLLECTIVES[:-1]:
         op = "avg" if collective in ("all_reduce", "reduce_scatter") else ""
         out.append(Case(collective, 4, "float32", op, variant="group"))
+    for op in ("sum", "avg"):
+        out.append(Case("all_reduce", 2, "float32", op, variant="large"))
+    out.append(Case("all_reduce", 4, "float32", "sum", variant="large"))
+    out.append(Case("reduce_scatter", 2, "float32", "sum", variant="large"))
+    for collective in ("all_gather", "broadcast"):
+        out.append(Case(collective, 2, "float32", variant="large"))
     out.append(Case("barrier", 2, "", variant="late-sync"))
     for collective in ("all_reduce", "broadcast"):
         op = "sum" if collective == "all_reduce" else ""
@@ -145,10 +163,30 @@ def _fail(ctx: Context, case: Case, what: str, got: Any, expected: Any) -> None:
     )
 
 
+def _numel(case: Case, small: int) -> int:
+    """Elements per rank: ``small`` (a case's usual odd count) or :data:`LARGE_NUMEL`."""
+    return LARGE_NUMEL if case.variant == "large" else small
+
+
 def _check(ctx: Context, case: Case, got: torch.Tensor, expected: torch.Tensor) -> None:
     result = got.cpu()
-    if result.dtype != expected.dtype or not torch.equal(result, expected):
+    if result.dtype == expected.dtype and torch.equal(result, expected):
+        return
+    if result.dtype != expected.dtype or result.numel() <= REPORT_NUMEL:
         _fail(ctx, case, "result", result.flatten().tolist(), expected.flatten().tolist())
+    # A full listing of millions of elements would bury the message; name where it differs.
+    flat, want = result.flatten(), expected.flatten()
+    if flat.numel() != want.numel():
+        _fail(ctx, case, "result numel", flat.numel(), want.numel())
+    wrong = (flat != want).nonzero().flatten()
+    first = wrong[:8].tolist()
+    _fail(
+        ctx,
+        case,
+        f"result ({wrong.numel()} of {want.numel()} elements differ, first at {first})",
+        flat[wrong[:8]].tolist(),
+        want[wrong[:8]].tolist(),
+    )
 
 
 def _wait_for(path: Path, timeout: float) -> bool:
@@ -207,7 +245,7 @@ def _all_reduce(
     acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
     world: int, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
-    data = [_inputs(case, r, 13, dtype, world) for r in members]
+    data = [_inputs(case, r, _numel(case, 13), dtype, world) for r in members]
     expected = reduce(data, case.op)
     tensor = data[me].to(device, copy=True)  # reduced in place
     work = acc.all_reduce(tensor, case.op, group, case.async_op)
@@ -218,8 +256,9 @@ def _all_gather(
     acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
     world: int, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
-    data = [rank_values(r, 7, dtype, world) for r in members]
-    got = torch.empty(7 * world, dtype=dtype, device=device)
+    n = _numel(case, 7)
+    data = [rank_values(r, n, dtype, world) for r in members]
+    got = torch.empty(n * world, dtype=dtype, device=device)
     work = acc.all_gather(got, data[me].to(device), group, case.async_op)
     return got, torch.cat(data), work
 
@@ -228,9 +267,10 @@ def _reduce_scatter(
     acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
     world: int, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
-    full = [_inputs(case, r, 5 * world, dtype, world) for r in members]
-    expected = reduce(full, case.op)[me * 5 : (me + 1) * 5]
-    got = torch.empty(5, dtype=dtype, device=device)
+    n = _numel(case, 5)
+    full = [_inputs(case, r, n * world, dtype, world) for r in members]
+    expected = reduce(full, case.op)[me * n : (me + 1) * n]
+    got = torch.empty(n, dtype=dtype, device=device)
     work = acc.reduce_scatter(got, full[me].to(device, copy=True), case.op, group, case.async_op)
     return got, expected, work
 
@@ -240,8 +280,9 @@ def _broadcast(
     world: int, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
     src = members[-1]  # a global rank that is not the group's rank 0
-    expected = rank_values(src, 11, dtype, world)
-    own = rank_values(members[me], 11, dtype, world, salt=0 if me == world - 1 else 5)
+    n = _numel(case, 11)
+    expected = rank_values(src, n, dtype, world)
+    own = rank_values(members[me], n, dtype, world, salt=0 if me == world - 1 else 5)
     got = own.to(device, copy=True)
     work = acc.broadcast(got, src, group, case.async_op)
     return got, expected, work
