@@ -74,7 +74,14 @@ from torch import nn
 from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
-from ds_core.moe import DROPPED_ATTR, _AllToAll, dropped_parameters, expert_groups, mark_expert
+from ds_core.moe import (
+    DROPPED_ATTR,
+    _AllToAll,
+    dropped_parameters,
+    expert_groups,
+    mark_expert,
+    mark_expert_index,
+)
 from ds_core.zero.config_sections import ExpertParallelConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
 
@@ -162,6 +169,8 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleList(experts)
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
+        for j, expert in enumerate(self.experts):  # checkpoints key them by global expert
+            mark_expert_index(expert, j, self.num_local)
         for p in self.experts.parameters():
             mark_expert(p, ep_size)
 
