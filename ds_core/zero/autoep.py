@@ -50,6 +50,10 @@ tokens); the EP and EDP groups run along the data-parallel dimension inside one 
 coordinate (:func:`ds_core.moe.expert_groups` with ``tp_size``), and the engine counts an
 expert once per TP group in the gradient norm, as any TP-replicated parameter.
 
+**Checkpoints** store each expert parameter under its global expert index (recorded with
+:func:`ds_core.moe.mark_expert_index`; see :func:`ds_core.checkpoint._state.param_key`), so
+they reload at any EP size.
+
 **Values and zero.Init.** As for dense parameters, rank 0's values win: :func:`apply_autoep`
 broadcasts each expert parameter from rank 0 (one at a time, in the same order on every
 rank) before keeping only this rank's experts. Parameters built under
