@@ -24,6 +24,11 @@ from ds_core.comm.groups import ExpertGroups, expert_groups, reset_expert_groups
 
 #: attribute naming an expert parameter; its value is the expert-parallel size (an int ≥ 1).
 EXPERT_ATTR = "ds_expert_parallel_size"
+#: attribute of an expert parameter giving its place among the layer's experts:
+#: ``(local, num_local, rel)`` — it belongs to local expert ``local`` of the ``num_local`` this
+#: rank holds, and ``rel`` is its name inside that expert module. EP rank ``r`` holds global
+#: experts ``r · num_local …``; checkpoints name the parameter by its global expert.
+EXPERT_INDEX_ATTR = "ds_expert_index"
 #: attribute on the root module of a model AutoEP converted (:mod:`ds_core.zero.autoep`): ids of the
 #: other ranks' expert parameters it dropped.
 DROPPED_ATTR = "ds_autoep_dropped"
@@ -31,6 +36,7 @@ DROPPED_ATTR = "ds_autoep_dropped"
 __all__ = [
     "DROPPED_ATTR",
     "EXPERT_ATTR",
+    "EXPERT_INDEX_ATTR",
     "Expert",
     "ExpertGroups",
     "MoE",
@@ -38,6 +44,7 @@ __all__ = [
     "expert_groups",
     "expert_parallel_size",
     "mark_expert",
+    "mark_expert_index",
     "reset_expert_groups",
 ]
 
@@ -50,6 +57,15 @@ def mark_expert(param: torch.Tensor, ep_size: int) -> None:
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
         raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
     setattr(param, EXPERT_ATTR, ep_size)
+
+
+def mark_expert_index(expert: nn.Module, local: int, num_local: int) -> None:
+    """Record on each parameter of ``expert`` (local expert ``local`` of ``num_local`` on this
+    rank, held in a ``ModuleList`` so its parameters are named ``....<local>.<rel>``) where it
+    sits, so that checkpoints store it under its global expert index (see
+    :data:`EXPERT_INDEX_ATTR`)."""
+    for rel, p in expert.named_parameters():
+        setattr(p, EXPERT_INDEX_ATTR, (local, num_local, rel))
 
 
 def dropped_parameters(model: nn.Module) -> set[int]:
@@ -123,6 +139,8 @@ class MoE(nn.Module):
         self.ep_rank = expert_groups(ep_size).ep_rank if ep_size > 1 else 0
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(self.num_local))
+        for j, expert in enumerate(self.experts):
+            mark_expert_index(expert, j, self.num_local)
         for p in self.experts.parameters():
             mark_expert(p, ep_size)
 

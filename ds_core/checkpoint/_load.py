@@ -105,8 +105,8 @@ def load_checkpoint(
     engine.sync_params_from_masters()
     meta = reader.meta
     if want_opt:
-        names = {id(zp.master): zp.name for zp in engine.zparams.values() if zp.master is not None}
-        _state.restore_param_groups(engine, meta["optimizer"]["param_groups"], names)
+        keys = _state.master_keys(engine)
+        _state.restore_param_groups(engine, meta["optimizer"]["param_groups"], keys)
     if not load_module_only:
         _state.restore_counters(engine, meta, load_lr_scheduler_states)
         if reader.world_size == engine.world:
@@ -137,7 +137,7 @@ def _plan(
         reader.format == "native" and reader.world_size == engine.world and _tp.tp_size(engine) == 1
     )
     for zp in engine.zparams.values():
-        key = _state.param_key(zp, engine.rank)
+        key = _state.param_key(engine, zp)
         info = reader.params.get(key)
         if info is None:
             missing.append(key)
@@ -163,8 +163,9 @@ def _plan(
         # the piece this rank saved is the piece it holds now: read it, nothing else
         fast = own is not None and (int(own["lo"]), int(own["hi"])) == (zp.lo, zp.hi)
         plan.append((zp, key, fast))
-    names = {zp.name for zp in engine.zparams.values()}
-    unexpected = sorted({i["name"] for i in reader.params.values()} - names)
+    # by key: at another EP size this rank's experts are others, but all ranks' keys agree
+    ours = {k for zp in engine.zparams.values() for k in _state.param_keys(engine, zp)}
+    unexpected = sorted(set(reader.params) - ours)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{reader.folder} does not match the model: missing from the checkpoint "

@@ -86,7 +86,7 @@ def write_native(
             continue
         payload: dict[str, Any] = {}
         for zp, start, views in pieces:
-            key = _state.param_key(zp, engine.rank)
+            key = _state.param_key(engine, zp)
             payload[key] = {
                 "start": start,
                 "fp32": _io.host(views["fp32"]),
@@ -96,7 +96,7 @@ def write_native(
         files[rel] = _io.save_object(tmp / rel, payload)
         del payload  # the views alias the swap buffer, refilled for the next sub-group
         for zp, _, _ in pieces:
-            where.setdefault(_state.param_key(zp, engine.rank), []).append(rel)
+            where.setdefault(_state.param_key(engine, zp), []).append(rel)
     return files, where
 
 

@@ -139,8 +139,8 @@ def save_checkpoint(
             error = CheckpointError(f"cannot create {_io.partial_dir(root, tag)}: {exc}")
     agree(engine, error, "creating the checkpoint folder")
     tmp = _io.partial_dir(root, tag)
-    # Param groups list members by module name: the same on every rank, experts included.
-    keys = {id(zp.master): zp.name for zp in engine.zparams.values() if zp.master is not None}
+    # Param groups list members by every rank's keys: the same on every rank and EP size.
+    keys = _state.master_keys(engine)
     files: dict[str, dict[str, Any]] = {}
     try:
         if universal:
@@ -216,7 +216,7 @@ def _native_fragments(
             continue
         frag: dict[str, Any] = {"lo": zp.lo, "hi": zp.hi}
         if nv is not None and zp.master is not None:
-            key = _state.param_key(zp, engine.rank)
+            key = _state.param_key(engine, zp)
             frag["swapped"] = swapped.get(key, [])
             frag["scalars"] = _nvme.scalars(nv, zp)
         elif zp.master is not None:
@@ -229,7 +229,7 @@ def _native_fragments(
             }
         else:
             frag["frozen"] = _io.host(piece_value(zp))
-        out[_state.param_key(zp, engine.rank)] = frag
+        out[_state.param_key(engine, zp)] = frag
     return out
 
 
@@ -282,13 +282,13 @@ def _agreed_layout(engine: ZeroEngine) -> dict[str, dict[str, Any]]:
     nv = _nvme.swap(engine)
     for zp in engine.zparams.values():
         if nv is not None and zp.master is not None and stores(zp):
-            mine[_state.param_key(zp, engine.rank)] = {
+            mine[_state.param_key(engine, zp)] = {
                 "tensors": _nvme.layout(nv, zp),
                 "scalars": {k: _encode(v) for k, v in _nvme.scalars(nv, zp).items()},
             }
         elif zp.master is not None and stores(zp):
             tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
-            mine[_state.param_key(zp, engine.rank)] = {
+            mine[_state.param_key(engine, zp)] = {
                 "tensors": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
                 "scalars": {k: _encode(v) for k, v in scalars.items()},
             }
@@ -317,7 +317,7 @@ def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dic
             writer = zp.group_rank == i % zp.group_world
         # TP ranks hold the same replicated parameter, and each the full one after a gather
         writer = writer and _tp.tp_rank(engine) == 0
-        key = _state.param_key(zp, engine.rank)
+        key = _state.param_key(engine, zp)
         entry: dict[str, Any] = {}
         if zp.master is not None:
             layout = agreed.get(key, {"tensors": {}, "scalars": {}})

@@ -21,6 +21,7 @@ import torch
 from ds_core.accelerator import get_accelerator
 from ds_core.checkpoint import _tp
 from ds_core.checkpoint._io import FORMAT_VERSION, CheckpointError
+from ds_core.moe import EXPERT_INDEX_ATTR
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -39,17 +40,41 @@ _SAMPLES_BASE = "_ds_checkpoint_samples_base"
 _PLAIN = (str, int, float, bool, type(None), torch.Size)
 
 
-def param_key(zp: ZeroParam, rank: int) -> str:
-    """The name a parameter is stored under.
+def ep_rank(engine: ZeroEngine, zp: ZeroParam) -> int:
+    """This rank's index in ``zp``'s expert-parallel group: EP groups run along the mesh's
+    data-parallel dimension (:func:`ds_core.comm.groups.expert_groups`), so it is the
+    data-parallel rank modulo the EP size, not the global rank's."""
+    return (engine.rank // _tp.tp_size(engine)) % (zp.expert_ep_size or 1)
 
-    A dense parameter is stored under its module name. Expert-parallel ranks hold different
-    experts under the same local name, so an expert parameter split over ``E > 1`` ranks is
-    stored as ``<name>@ep<j>of<E>`` with ``j = rank % E`` (its expert-parallel rank).
+
+def param_key(engine: ZeroEngine, zp: ZeroParam, rank_in_ep: int | None = None) -> str:
+    """The name a parameter is stored under (on EP rank ``rank_in_ep``; this rank's when
+    ``None``).
+
+    A dense parameter is stored under its module name. An expert parameter whose layer
+    recorded its place (:data:`ds_core.moe.EXPERT_INDEX_ATTR`: AutoEP and ``ds_core.moe.MoE``
+    do) is stored under its name with the local expert index replaced by the global one
+    (``...experts.3.w1.weight`` for local expert 1 of 2 on EP rank 1), the name it has in the
+    model without expert parallelism; so the key does not depend on the EP or TP size. Any
+    other expert parameter split over ``E > 1`` ranks is stored as ``<name>@ep<j>of<E>``, ``j``
+    its EP rank.
     """
-    ep = zp.expert_ep_size
-    if ep is not None and ep > 1:
-        return f"{zp.name}@ep{rank % ep}of{ep}"
+    ep = zp.expert_ep_size or 1
+    j = ep_rank(engine, zp) if rank_in_ep is None else rank_in_ep
+    place = getattr(zp.param, EXPERT_INDEX_ATTR, None)
+    if zp.expert_ep_size is not None and place is not None:
+        local, num_local, rel = place
+        tail = f"{local}.{rel}"
+        if zp.name.endswith(f".{tail}"):
+            return f"{zp.name[: -len(tail)]}{j * num_local + local}.{rel}"
+    if ep > 1:
+        return f"{zp.name}@ep{j}of{ep}"
     return zp.name
+
+
+def param_keys(engine: ZeroEngine, zp: ZeroParam) -> list[str]:
+    """Every key ``zp`` is stored under across the ranks: one per EP rank for an expert."""
+    return [param_key(engine, zp, j) for j in range(zp.expert_ep_size or 1)]
 
 
 def check_plain(obj: Any, where: str) -> None:
@@ -144,20 +169,35 @@ def scalar_value(v: Any) -> float:
     return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
 
 
-def param_groups(engine: ZeroEngine, keys: Mapping[int, str]) -> list[dict[str, Any]]:
-    """The optimizer's param groups with masters replaced by their parameter keys."""
+def master_keys(engine: ZeroEngine) -> dict[int, list[str]]:
+    """``id(master)`` -> the keys of its parameter on every rank (:func:`param_keys`)."""
+    return {
+        id(zp.master): param_keys(engine, zp)
+        for zp in engine.zparams.values()
+        if zp.master is not None
+    }
+
+
+def _members(g: Mapping[str, Any], keys: Mapping[int, list[str]]) -> list[str]:
+    # Sorted: the ranks' experts interleave differently at another EP size.
+    return sorted(k for p in g["params"] for k in keys[id(p)])
+
+
+def param_groups(engine: ZeroEngine, keys: Mapping[int, list[str]]) -> list[dict[str, Any]]:
+    """The optimizer's param groups with masters replaced by their parameters' keys (every
+    rank's, sorted, so the same at any EP size)."""
     if engine.optimizer is None:
         return []
     out = []
     for g in engine.optimizer.param_groups:
         entry = {k: v for k, v in g.items() if k != "params"}
-        entry["params"] = [keys[id(p)] for p in g["params"]]
+        entry["params"] = _members(g, keys)
         out.append(entry)
     return out
 
 
 def restore_param_groups(
-    engine: ZeroEngine, saved: list[dict[str, Any]], keys: Mapping[int, str]
+    engine: ZeroEngine, saved: list[dict[str, Any]], keys: Mapping[int, list[str]]
 ) -> None:
     """Write saved hyperparameters (lr, betas, a fused optimizer's group ``step``...) back.
 
@@ -170,8 +210,8 @@ def restore_param_groups(
             "the optimizer with the same groups, or pass load_optimizer_states=False"
         )
     for i, (g, s) in enumerate(zip(groups, saved, strict=True)):
-        ours = [keys[id(p)] for p in g["params"]]
-        theirs = [str(n) for n in s["params"]]
+        ours = _members(g, keys)
+        theirs = sorted(str(n) for n in s["params"])
         if ours != theirs:
             diff = next((a, b) for a, b in zip([*ours, ""], [*theirs, ""], strict=False) if a != b)
             raise CheckpointError(
@@ -251,7 +291,7 @@ def versions() -> dict[str, str]:
 def param_table(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, dict[str, Any]]:
     """Per parameter key: name, full shape, dtype, trainable, layout it was saved from.
 
-    An expert parameter gets one key per expert-parallel rank (see :func:`param_key`).
+    An expert parameter gets one key per expert-parallel rank (see :func:`param_keys`).
     """
     table: dict[str, dict[str, Any]] = {}
     for zp in engine.zparams.values():
@@ -268,8 +308,8 @@ def param_table(engine: ZeroEngine, exclude_frozen: bool) -> dict[str, dict[str,
             "ep_size": zp.expert_ep_size or 1,
             "tp": None if split is None else {"kind": split[0], "fused": split[1]},
         }
-        for ep_rank in range(zp.expert_ep_size or 1):
-            table[param_key(zp, ep_rank)] = dict(info)
+        for key in param_keys(engine, zp):
+            table[key] = dict(info)
     return table
 
 
@@ -299,7 +339,7 @@ def build_meta(
     tag: str,
     checkpoint_id: str,
     client_state: Mapping[str, Any],
-    keys: Mapping[int, str],
+    keys: Mapping[int, list[str]],
     exclude_frozen: bool,
 ) -> dict[str, Any]:
     """Rank 0's ``meta.pt``: layout, counters, scheduler, scaler, groups, config, versions."""

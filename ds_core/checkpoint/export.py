@@ -50,7 +50,9 @@ def consolidated_state_dict(
 
     Trainable parameters come from the fp32 masters, frozen ones are cast up from the model
     dtype; tied parameters appear under every name (same tensor), buffers as saved. Expert
-    parameters split over ``E > 1`` ranks appear as ``<name>@ep<j>of<E>``.
+    parameters appear under their global expert index, as in the model without expert
+    parallelism (``<name>@ep<j>of<E>`` for experts marked by hand; see
+    :func:`ds_core.checkpoint._state.param_key`).
 
     :raises CheckpointError: as :class:`CheckpointReader`.
     """

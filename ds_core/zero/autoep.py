@@ -50,6 +50,10 @@ tokens); the EP and EDP groups run along the data-parallel dimension inside one 
 coordinate (:func:`ds_core.moe.expert_groups` with ``tp_size``), and the engine counts an
 expert once per TP group in the gradient norm, as any TP-replicated parameter.
 
+**Checkpoints** store each expert parameter under its global expert index (recorded with
+:func:`ds_core.moe.mark_expert_index`; see :func:`ds_core.checkpoint._state.param_key`), so
+they reload at any EP size.
+
 **Values and zero.Init.** As for dense parameters, rank 0's values win: :func:`apply_autoep`
 broadcasts each expert parameter from rank 0 (one at a time, in the same order on every
 rank) before keeping only this rank's experts. Parameters built under
@@ -74,7 +78,14 @@ from torch import nn
 from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
-from ds_core.moe import DROPPED_ATTR, _AllToAll, dropped_parameters, expert_groups, mark_expert
+from ds_core.moe import (
+    DROPPED_ATTR,
+    _AllToAll,
+    dropped_parameters,
+    expert_groups,
+    mark_expert,
+    mark_expert_index,
+)
 from ds_core.zero.config_sections import ExpertParallelConfig
 from ds_core.zero.init import INIT_ATTR, restore_full
 
@@ -162,6 +173,8 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleList(experts)
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
+        for j, expert in enumerate(self.experts):  # checkpoints key them by global expert
+            mark_expert_index(expert, j, self.num_local)
         for p in self.experts.parameters():
             mark_expert(p, ep_size)
 

@@ -429,6 +429,10 @@ def jobs(suite: str, world: int, root: Path) -> dict[str, Callable[[], dict[str,
         from tests.checkpoint import _nvme
 
         return _nvme.jobs(suite, root)
+    if suite.startswith("ep_"):
+        from tests.checkpoint import _ep
+
+        return _ep.jobs(suite, root)
     if suite.startswith("tp_"):
         from tests.checkpoint import _tp
 

@@ -25,6 +25,9 @@ SUITES: dict[str, tuple[int, str | None]] = {
     "nvme_load": (2, "nvme_save"),
     "tp_save": (2, None),
     "tp_w1": (1, "tp_save"),
+    "ep_save": (2, None),
+    "ep_w1": (1, "ep_save"),
+    "ep_tp": (4, None),
 }
 
 

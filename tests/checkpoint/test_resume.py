@@ -75,10 +75,12 @@ def test_resume_moves_the_state_that_matters(suite: Any) -> None:
     group = ref.ranks("save_s1_group_step")[0]
     assert group["groups"][0]["step"] == 2 * RESUME["s1_group_step"].n
     assert all("step" not in st for st in group["opt"].values())
-    # expert-parallel ranks hold different experts under one local name: stored per EP rank
+    # expert-parallel ranks hold different experts under one local name: each is stored under
+    # its global expert index (EP rank 1's local expert 0 is expert 1)
     params = ref.ckroot / "s2_ep2" / "universal" / "global_step3" / "params"
     names = {p.name for p in params.iterdir()}
-    assert {"moe.experts.0.fc1.weight@ep0of2.pt", "moe.experts.0.fc1.weight@ep1of2.pt"} <= names
+    assert {"moe.experts.0.fc1.weight.pt", "moe.experts.1.fc1.weight.pt"} <= names
+    assert not any("@ep" in n for n in names)
     for name in ("s2_offload", "s3_offload"):
         assert ref.ranks(f"save_{name}")[0]["optimizer"] == ("DeepSpeedCPUAdam", True)
     param = ref.ranks("save_s3_param_step")[0]
