@@ -127,10 +127,10 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "not supported yet",
     ),
     (
-        "parameter offload",
+        "NVMe parameter offload without its folder",
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
         "zero_optimization.offload_param",
-        "not supported yet",
+        "needs nvme_path",
     ),
     ("pipeline", {"pipeline": {"stages": 2}}, "pipeline", "not supported yet"),
     (
@@ -220,7 +220,7 @@ def test_corpus_files() -> None:
         load_config(CONFIGS / "megatron_style_refused.json", 2)
     msg = str(info.value)
     assert "compression_training: not supported yet" in msg, msg
-    assert "offload_param: device='nvme' is not supported yet" in msg, msg
+    assert "offload_param: device='nvme' needs nvme_path" in msg, msg
     # implemented: ds_core.checkpointing, the engine's input cast
     assert "activation_checkpointing" not in msg and "auto_cast" not in msg
 
