@@ -24,7 +24,7 @@ from ds_core.errors import (
     NotSupportedError,
 )
 from ds_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
-from ds_core.tp import tp_model_init
+from ds_core.parallel.tensor import tp_model_init
 from ds_core.zero import add_config_arguments, initialize
 from ds_core.zero.autoep import autoep_model_init
 

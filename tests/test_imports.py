@@ -198,31 +198,33 @@ def test_the_graph_sees_the_old_cycle_and_function_local_imports(tmp_path: Path)
     """The checker itself: the cycle this layout replaced is found, through a package."""
     edges = {
         "ds_core.accelerator": {"ds_core.comm"},
-        "ds_core.comm": {"ds_core.moe"},
-        "ds_core.moe": {"ds_core.accelerator"},
+        "ds_core.comm": {"ds_core.parallel.expert.moe"},
+        "ds_core.parallel.expert.moe": {"ds_core.accelerator"},
         "ds_core.errors": set(),
     }
     (cycle,) = find_cycles(edges)
     assert cycle[0] == cycle[-1] and set(cycle) == {
         "ds_core.accelerator",
         "ds_core.comm",
-        "ds_core.moe",
+        "ds_core.parallel.expert.moe",
     }
     source = "def f():\n    from ds_core.accelerator import get_accelerator\n"
     ((node, in_function),) = list(_imports(ast.parse(source)))
     assert in_function
-    assert _targets(node, "ds_core.moe", False, {"ds_core.accelerator"}) == {"ds_core.accelerator"}
+    assert _targets(node, "ds_core.parallel.expert.moe", False, {"ds_core.accelerator"}) == {
+        "ds_core.accelerator"
+    }
 
 
 @pytest.mark.parametrize(
     ("statement", "importer", "expected"),
     [
-        ("from ds_core import comm", "ds_core.moe", {"ds_core.comm"}),
+        ("from ds_core import comm", "ds_core.parallel.expert.moe", {"ds_core.comm"}),
         ("from ds_core import hookimpl", "ds_core.scaffold", {"ds_core"}),
-        ("import ds_core.comm.groups", "ds_core.moe", {"ds_core.comm.groups"}),
+        ("import ds_core.comm.groups", "ds_core.parallel.expert.moe", {"ds_core.comm.groups"}),
         ("from .groups import new_group", "ds_core.comm", {"ds_core.comm.groups"}),
         ("from . import groups", "ds_core.comm.counting", {"ds_core.comm.groups"}),
-        ("import torch.distributed", "ds_core.moe", set()),
+        ("import torch.distributed", "ds_core.parallel.expert.moe", set()),
     ],
 )
 def test_import_targets_resolve_to_modules(
@@ -237,6 +239,6 @@ def test_import_targets_resolve_to_modules(
 def test_parent_packages_are_edges_from_outside_only() -> None:
     edges, _ = import_graph()
     # moe imports ds_core.comm.groups, which runs the package ds_core.comm first.
-    assert {"ds_core.comm.groups", "ds_core.comm"} <= edges["ds_core.moe"]
+    assert {"ds_core.comm.groups", "ds_core.comm"} <= edges["ds_core.parallel.expert.moe"]
     # the package's own modules do not depend on the package they are part of.
     assert "ds_core.comm" not in edges["ds_core.comm.groups"]

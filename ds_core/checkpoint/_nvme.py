@@ -2,7 +2,7 @@
 
 [Note: NVMe state in checkpoints]
 With ``offload_optimizer.device = "nvme"`` the fp32 masters and Adam moments are in the swap
-files of :class:`~ds_core.zero.nvme.NvmeOptimizerOffload`, not in ``optimizer.state``. They
+files of :class:`~ds_core.zero.offload.nvme.NvmeOptimizerOffload`, not in ``optimizer.state``. They
 reach a checkpoint only through that engine: each sub-group is swapped in through the I/O
 engine into the first swap buffer and serialized from there (the swap files are never copied,
 their layout is no part of any format), so a save holds one sub-group of state at a time on
@@ -35,12 +35,12 @@ from ds_core.checkpoint import _io, _state
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
-    from ds_core.zero.nvme import NvmeOptimizerOffload
+    from ds_core.zero.offload.nvme import NvmeOptimizerOffload
     from ds_core.zero.partition import ZeroParam
 
 #: the folder of the native format's per-sub-group files.
 FOLDER = "nvme"
-#: the regions of a sub-group (``ds_core.zero.nvme.STATE``; not imported: ``ds_core.zero``
+#: the regions of a sub-group (``ds_core.zero.offload.nvme.STATE``; not imported: ``ds_core.zero``
 #: imports this package).
 STATE = ("fp32", "exp_avg", "exp_avg_sq")
 

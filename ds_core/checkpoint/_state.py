@@ -21,7 +21,7 @@ import torch
 from ds_core.accelerator import get_accelerator
 from ds_core.checkpoint import _tp
 from ds_core.checkpoint._io import FORMAT_VERSION, CheckpointError
-from ds_core.moe import EXPERT_INDEX_ATTR
+from ds_core.parallel.expert.moe import EXPERT_INDEX_ATTR
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -52,7 +52,7 @@ def param_key(engine: ZeroEngine, zp: ZeroParam, rank_in_ep: int | None = None) 
     ``None``).
 
     A dense parameter is stored under its module name. An expert parameter whose layer
-    recorded its place (:data:`ds_core.moe.EXPERT_INDEX_ATTR`: AutoEP and ``ds_core.moe.MoE``
+    recorded its place (:data:`ds_core.parallel.expert.moe.EXPERT_INDEX_ATTR`: AutoEP and ``ds_core.parallel.expert.moe.MoE``
     do) is stored under its name with the local expert index replaced by the global one
     (``...experts.3.w1.weight`` for local expert 1 of 2 on EP rank 1), the name it has in the
     model without expert parallelism; so the key does not depend on the EP or TP size. Any

@@ -1,7 +1,7 @@
 """Tensor-parallel shards in checkpoints: gathered to full tensors on save, cut on load.
 
 [Note: TP in checkpoints]
-A TP-sharded parameter (see :mod:`ds_core.tp`) is stored in the universal format under its
+A TP-sharded parameter (see :mod:`ds_core.parallel.tensor`) is stored in the universal format under its
 full name with its full (unsharded) shape, exactly as a model without TP stores it, so a
 checkpoint does not record, or depend on, the TP size it was saved with. With ``T`` TP ranks
 and ``r`` this rank's TP rank:
@@ -10,7 +10,7 @@ and ``r`` this rank's TP rank:
   full tensor is the concatenation of the shards along dim 0 — per sub-parameter for a fused
   weight (``[q; k; v]``, equal or of the grouped-query sizes ``(q, kv, kv)``): sub-parameter
   ``i`` of ``n_i`` rows has rank ``r``'s rows ``r·n_i/T … (r+1)·n_i/T`` in rank ``r``'s shard,
-  after its earlier sub-parameters' pieces (:func:`ds_core.tp.layers.slice_rows`);
+  after its earlier sub-parameters' pieces (:func:`ds_core.parallel.tensor.layers.slice_rows`);
 - **row** (input features split): concatenation along dim 1;
 - every other parameter is replicated over the TP group and taken from TP rank 0.
 
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ds_core.tp import TP_ATTR, TP_FUSED_ATTR
-from ds_core.tp.layers import Fused, join_rows, slice_rows
+from ds_core.parallel.tensor import TP_ATTR, TP_FUSED_ATTR
+from ds_core.parallel.tensor.layers import Fused, join_rows, slice_rows
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -47,7 +47,7 @@ def tp_rank(engine: ZeroEngine) -> int:
 
 def split_of(engine: ZeroEngine, zp: ZeroParam) -> tuple[str, Fused] | None:
     """``(kind, fused)`` of a TP-sharded parameter on a TP engine, else ``None`` (``fused``: a
-    count of equal sub-parameters, or their full sizes; see :data:`ds_core.tp.TP_FUSED_ATTR`)."""
+    count of equal sub-parameters, or their full sizes; see :data:`ds_core.parallel.tensor.TP_FUSED_ATTR`)."""
     if tp_size(engine) == 1:
         return None
     kind = getattr(zp.param, TP_ATTR, None)

@@ -188,7 +188,7 @@ def get_world_size(group: Any = None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ExpertGroups:
-    """Process groups for one expert-parallel size (see :mod:`ds_core.moe` for the layout).
+    """Process groups for one expert-parallel size (see :mod:`ds_core.parallel.expert.moe` for the layout).
 
     :param ep_size: ranks an expert layer is split over.
     :param ep_group: this rank's EP group (``None`` when ``ep_size`` is 1: no exchange).

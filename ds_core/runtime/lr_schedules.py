@@ -1,5 +1,5 @@
 """``deepspeed.runtime.lr_schedules``'s names: ``from ds_core.runtime.lr_schedules import
-WarmupLR`` works as with DeepSpeed. The classes are :mod:`ds_core.zero.schedules`'s.
+WarmupLR`` works as with DeepSpeed. The classes are :mod:`ds_core.zero.compat.builders`'s.
 
 ``OneCycle`` is not implemented: importing it raises ``ImportError`` naming the alternatives.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_core.zero.schedules import LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from ds_core.zero.compat.builders import LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = ["LRRangeTest", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
 

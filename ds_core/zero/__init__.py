@@ -5,18 +5,18 @@ Public API: :func:`initialize` (also ``ds_core.initialize``), :class:`ZeroEngine
 :class:`GatheredParameters` (scoped full parameters in stage 3) and :class:`Init` (build a
 model already partitioned).
 Configuration lives in :mod:`ds_core.zero.config`, optimizer and schedule builders in
-:mod:`ds_core.zero.schedules`.
+:mod:`ds_core.zero.compat.builders`.
 """
 
 from __future__ import annotations
 
+from ds_core.zero.compat.builders import needs_full_gradients
+from ds_core.zero.compat.entry import add_config_arguments, initialize
 from ds_core.zero.engine import ZeroEngine
-from ds_core.zero.entry import add_config_arguments, initialize
 from ds_core.zero.gathered import GatheredParameters
-from ds_core.zero.init import Init
 from ds_core.zero.partition import Mode, ZeroParam
+from ds_core.zero.partitioned_init import Init
 from ds_core.zero.precision import LossScaler
-from ds_core.zero.schedules import needs_full_gradients
 
 __all__ = [
     "GatheredParameters",

@@ -3,7 +3,7 @@
 :func:`apply_autoep` (called by :func:`ds_core.initialize` when ``expert_parallel.enabled``
 is true) and :func:`autoep_model_init` (its function form) find the model's MoE blocks and
 replace each by an :class:`ExpertParallelMoE` whose experts are spread over an EP group of
-``autoep_size`` adjacent ranks (the groups of :func:`ds_core.moe.expert_groups`).
+``autoep_size`` adjacent ranks (the groups of :func:`ds_core.parallel.expert.moe.expert_groups`).
 
 **Which modules.** A block is a module with a router ``nn.Linear`` child (``gate``, else
 ``router``; ``router_pattern`` names another) to ``E`` outputs and an ``nn.ModuleList`` child
@@ -39,7 +39,7 @@ nothing and the token's other weights are not renormalised, so a token all of wh
 are dropped gets a zero routed output (its residual connection, and the shared expert, still
 apply). All ranks of an EP group must feed the same number of tokens per micro-batch.
 
-**Gradients.** Local experts' parameters are marked with :func:`ds_core.moe.mark_expert`; the
+**Gradients.** Local experts' parameters are marked with :func:`ds_core.parallel.expert.moe.mark_expert`; the
 ZeRO engine reduces them over their expert-data-parallel group and divides their gradient by
 the data-parallel size (every rank's loss reaches them through the all-to-all), while the
 router and shared expert stay dense and are averaged over the data-parallel group.
@@ -47,11 +47,11 @@ router and shared expert stay dense and are averaged over the data-parallel grou
 **With AutoTP** (``tensor_parallel.autotp_size`` T): AutoTP's heuristics leave expert
 linears whole, so each expert is replicated on the T ranks of a TP group (which see the same
 tokens); the EP and EDP groups run along the data-parallel dimension inside one TP
-coordinate (:func:`ds_core.moe.expert_groups` with ``tp_size``), and the engine counts an
+coordinate (:func:`ds_core.parallel.expert.moe.expert_groups` with ``tp_size``), and the engine counts an
 expert once per TP group in the gradient norm, as any TP-replicated parameter.
 
 **Checkpoints** store each expert parameter under its global expert index (recorded with
-:func:`ds_core.moe.mark_expert_index`; see :func:`ds_core.checkpoint._state.param_key`), so
+:func:`ds_core.parallel.expert.moe.mark_expert_index`; see :func:`ds_core.checkpoint._state.param_key`), so
 they reload at any EP size.
 
 **Values and zero.Init.** As for dense parameters, rank 0's values win: :func:`apply_autoep`
@@ -78,7 +78,7 @@ from torch import nn
 from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
-from ds_core.moe import (
+from ds_core.parallel.expert.moe import (
     DROPPED_ATTR,
     _AllToAll,
     dropped_parameters,
@@ -86,8 +86,8 @@ from ds_core.moe import (
     mark_expert,
     mark_expert_index,
 )
-from ds_core.zero.config_sections import ExpertParallelConfig
-from ds_core.zero.init import INIT_ATTR, restore_full
+from ds_core.zero.config.sections import ExpertParallelConfig
+from ds_core.zero.partitioned_init import INIT_ATTR, restore_full
 
 __all__ = [
     "ExpertParallelMoE",
@@ -146,7 +146,7 @@ class ExpertParallelMoE(nn.Module):
     :param shared_expert_gate: ``nn.Linear(hidden, 1)``; its sigmoid scales the shared output.
     :param return_router_logits: return ``(output, router_logits)`` as the original did.
     :param tp_size: the tensor-parallel size of the mesh: EP groups join ranks of the same TP
-        coordinate (:func:`ds_core.moe.expert_groups`).
+        coordinate (:func:`ds_core.parallel.expert.moe.expert_groups`).
     """
 
     def __init__(

@@ -36,18 +36,20 @@ from torch.utils.hooks import RemovableHandle
 from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
-from ds_core.moe import dropped_parameters
-from ds_core.tp import apply_autotp, model_tp_size, replaced_parameters
+from ds_core.parallel.expert.moe import dropped_parameters
+from ds_core.parallel.tensor import apply_autotp, model_tp_size, replaced_parameters
 from ds_core.zero import capture as _capture
-from ds_core.zero import guards as _guards
 from ds_core.zero.accounting import model_state_bytes
-from ds_core.zero.api import DeepSpeedEngineAPI
+from ds_core.zero.compat import guards as _guards
+from ds_core.zero.compat.builders import bind_optimizer, bind_scheduler
+from ds_core.zero.compat.engine_api import DeepSpeedEngineAPI
+from ds_core.zero.compat.throughput import ThroughputTimer
 from ds_core.zero.config import DSConfig
-from ds_core.zero.init import INIT_ATTR
-from ds_core.zero.nvme import NvmeOptimizerOffload
-from ds_core.zero.nvme_param import ParamSwapper
-from ds_core.zero.offload import OptimizerOffload
+from ds_core.zero.offload.host import OptimizerOffload
+from ds_core.zero.offload.nvme import NvmeOptimizerOffload
+from ds_core.zero.offload.nvme_param import ParamSwapper
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam
+from ds_core.zero.partitioned_init import INIT_ATTR
 from ds_core.zero.placement import Placement
 from ds_core.zero.precision import (
     LossScaler,
@@ -56,9 +58,7 @@ from ds_core.zero.precision import (
     step_with_found_inf,
 )
 from ds_core.zero.reducer import GradReducer
-from ds_core.zero.schedules import bind_optimizer, bind_scheduler
 from ds_core.zero.stage3 import ParamCoordinator
-from ds_core.zero.throughput import ThroughputTimer
 
 _COMM_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp16": torch.float16}
 _COMM_DTYPES["bf16"] = torch.bfloat16
@@ -70,7 +70,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     """Trains a module with ZeRO; build it with :func:`ds_core.initialize`.
 
     DeepSpeed's engine members (``local_rank``, ``train_batch_size()``, ``state_dict()``,
-    ``no_sync()``, ...) come from :class:`~ds_core.zero.api.DeepSpeedEngineAPI`. Without an
+    ``no_sync()``, ...) come from :class:`~ds_core.zero.compat.engine_api.DeepSpeedEngineAPI`. Without an
     optimizer (none passed, no ``optimizer`` section) the engine runs forward only.
 
     Public state: ``module`` (the wrapped model), ``optimizer`` (stepping the fp32 masters),
@@ -79,7 +79,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     :class:`ZeroParam` per unique parameter, by name), ``units`` (the flat units they live in),
     ``reducer`` (the gradient path), ``loss_scaler`` (fp16), ``last_grad_norm`` and ``mesh``
     (the data-parallel × tensor-parallel :class:`~ds_core.comm.Mesh`; AutoTP in
-    :mod:`ds_core.tp`).
+    :mod:`ds_core.parallel.tensor`).
     """
 
     def __init__(
@@ -114,7 +114,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.rank = comm.get_rank()
         self.norm_dtype = torch.float64 if self.acc.is_fp64_supported() else torch.float32
         # The mesh: ZeRO partitions, reduces and averages over the data-parallel group only;
-        # AutoTP splits the model over the tensor-parallel group first (see ds_core.tp).
+        # AutoTP splits the model over the tensor-parallel group first (see ds_core.parallel.tensor).
         tpcfg = config.tensor_parallel
         self.mesh = comm.device_mesh(max(tpcfg.autotp_size, model_tp_size(model), 1))
         if tpcfg.autotp_size > 1:
@@ -539,7 +539,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     def destroy(self) -> None:
         """Release every buffer and hook the engine owns; the engine is unusable after (every
-        call raises :class:`~ds_core.zero.guards.EngineDestroyedError`), and so is its model,
+        call raises :class:`~ds_core.zero.compat.guards.EngineDestroyedError`), and so is its model,
         whose parameters are emptied. A second call does nothing."""
         if self._destroyed:
             return

@@ -28,7 +28,7 @@ from ds_core.accelerator import get_accelerator
 from ds_core.types import Work
 
 if TYPE_CHECKING:
-    from ds_core.zero.nvme_param import ParamSwapper
+    from ds_core.zero.offload.nvme_param import ParamSwapper
 
 #: attribute set on each parameter an engine manages, holding its :class:`ZeroParam`.
 ZERO_PARAM_ATTR = "ds_zero_param"
@@ -100,7 +100,7 @@ class ZeroParam:
         self.trainable = param.requires_grad
         self.mode = mode
         self.expert_ep_size = expert_ep_size
-        #: a tensor-parallel shard (see :mod:`ds_core.tp`): its values differ on each TP rank,
+        #: a tensor-parallel shard (see :mod:`ds_core.parallel.tensor`): its values differ on each TP rank,
         #: so it counts on every TP rank in the gradient norm; replicated ones only on TP rank 0.
         self.tp_sharded = False
         #: the group the parameter is partitioned and reduced over (EDP group for experts).

@@ -15,13 +15,13 @@ from torch import nn
 from ds_core import comm
 from ds_core.accelerator import Accelerator
 from ds_core.comm import Mesh
-from ds_core.moe import expert_groups, expert_parallel_size
-from ds_core.tp import is_tp_sharded
+from ds_core.parallel.expert.moe import expert_groups, expert_parallel_size
+from ds_core.parallel.tensor import is_tp_sharded
 from ds_core.zero.config import DSConfig
-from ds_core.zero.init import INIT_ATTR, restore_full
-from ds_core.zero.nvme_param import ParamSwapper
-from ds_core.zero.offload import OptimizerOffload
+from ds_core.zero.offload.host import OptimizerOffload
+from ds_core.zero.offload.nvme_param import ParamSwapper
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
+from ds_core.zero.partitioned_init import INIT_ATTR, restore_full
 
 log = logging.getLogger("ds_core.zero")
 

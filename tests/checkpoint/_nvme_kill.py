@@ -67,7 +67,7 @@ def _rank(rank: int, port: int, work: str, phase: str) -> None:
 
     import ds_core
     from ds_core.checkpoint import _io
-    from ds_core.zero.nvme import NvmeOptimizerOffload
+    from ds_core.zero.offload.nvme import NvmeOptimizerOffload
     from tests.checkpoint._nvme import engine_for, opt_state, scenario
     from tests.checkpoint._worker import seed_all, train
 

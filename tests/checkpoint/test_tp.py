@@ -21,7 +21,7 @@ from ds_core.checkpoint import _tp, consolidated_state_dict
 from ds_core.checkpoint._reader import CheckpointReader
 from ds_core.cli import main
 from ds_core.comm.mesh import Mesh
-from ds_core.tp import TP_ATTR, TP_FUSED_ATTR, slice_rows
+from ds_core.parallel.tensor import TP_ATTR, TP_FUSED_ATTR, slice_rows
 from tests.zero import _autotp as A  # noqa: N812
 
 LOADS = [

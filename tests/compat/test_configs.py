@@ -13,8 +13,8 @@ import torch
 
 from ds_core import ConfigError
 from ds_core.zero.adam import AdamNoBiasCorrection
+from ds_core.zero.compat.builders import build_optimizer, build_scheduler
 from ds_core.zero.config import load_config
-from ds_core.zero.schedules import build_optimizer, build_scheduler
 
 CONFIGS = Path(__file__).parent / "configs"
 MB = {"train_micro_batch_size_per_gpu": 2}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_core.zero import deepspeed_keys
+from ds_core.zero.config import deepspeed_keys
 from ds_core.zero.engine import ZeroEngine
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "from-deepspeed.md").read_text()

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from ds_core.zero import throughput
-from ds_core.zero.throughput import ThroughputTimer
+from ds_core.zero.compat import throughput
+from ds_core.zero.compat.throughput import ThroughputTimer
 
 
 def test_samples_per_second_over_counted_windows(

@@ -297,8 +297,8 @@ def train(sc: EPScenario) -> dict[str, Any]:
     reference) and, for ``sgd`` scenarios, their change over the step (minus the gradient)."""
     import ds_core
     from ds_core import comm
-    from ds_core.moe import expert_parallel_size
-    from ds_core.tp import TP_ATTR
+    from ds_core.parallel.expert.moe import expert_parallel_size
+    from ds_core.parallel.tensor import TP_ATTR
 
     rank = comm.get_rank()
     dp_rank = rank // sc.tp

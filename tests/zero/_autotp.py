@@ -138,7 +138,7 @@ class TinyLlama(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.model(idx))
         if self.parallel_ce:  # sharded logits under TP; F.cross_entropy otherwise
-            from ds_core.tp import vocab_parallel_cross_entropy
+            from ds_core.parallel.tensor import vocab_parallel_cross_entropy
 
             return vocab_parallel_cross_entropy(logits, targets, self.lm_head)
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
@@ -353,7 +353,7 @@ def train(sc: TPScenario) -> dict[str, Any]:
     """Train ``sc`` on this rank: losses, per-step global norms, local shards, layout."""
     import ds_core
     from ds_core import comm
-    from ds_core.tp import TP_ATTR
+    from ds_core.parallel.tensor import TP_ATTR
 
     rank = comm.get_rank()
     dp_rank = rank // sc.tp

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from ds_core.moe import MoE
+from ds_core.parallel.expert.moe import MoE
 
 IN, HID, OUT = 8, 16, 4
 MICRO = 4  # samples per rank per micro-batch

@@ -20,7 +20,7 @@ import torch
 from ds_core.errors import ConfigError
 from ds_core.zero.autoep import ExpertParallelMoE, apply_autoep, find_moe_blocks
 from ds_core.zero.config import load_config
-from ds_core.zero.config_sections import ExpertParallelConfig
+from ds_core.zero.config.sections import ExpertParallelConfig
 from tests.zero import _autoep as A  # noqa: N812
 from tests.zero.conftest import SuiteResults
 from tests.zero.test_autotp import _expected_shard

@@ -23,7 +23,7 @@ from torch import nn
 
 from ds_core.comm.mesh import Mesh
 from ds_core.errors import ConfigError
-from ds_core.tp import (
+from ds_core.parallel.tensor import (
     LinearColumnParallel,
     LinearRowParallel,
     VocabParallelEmbedding,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ds_core import ConfigError
+from ds_core.zero.compat.builders import build_optimizer, build_scheduler
 from ds_core.zero.config import DSConfig, OptimizerConfig, SchedulerConfig, load_config
-from ds_core.zero.schedules import build_optimizer, build_scheduler
 
 
 def error_of(config: Any, world_size: int = 2) -> str:

@@ -18,8 +18,8 @@ import torch
 
 from ds_core.errors import ConfigError
 from ds_core.zero.config import load_config
-from ds_core.zero.config_offload import AioConfig, OffloadParamConfig
-from ds_core.zero.nvme_param import ParamSwapper
+from ds_core.zero.config.offload import AioConfig, OffloadParamConfig
+from ds_core.zero.offload.nvme_param import ParamSwapper
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
 from tests.zero.conftest import SuiteResults
 

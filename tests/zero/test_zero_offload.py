@@ -19,7 +19,7 @@ import torch
 
 from ds_core.errors import ConfigError
 from ds_core.zero.config import load_config
-from ds_core.zero.offload import OptimizerOffload
+from ds_core.zero.offload.host import OptimizerOffload
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
 from tests.zero._offload import scenarios
 from tests.zero.conftest import SuiteResults

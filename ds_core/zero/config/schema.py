@@ -32,10 +32,11 @@ from pydantic import (
 )
 
 from ds_core.errors import ConfigError
-from ds_core.zero.config_errors import ConfigProblemsError, fail, messages, unknown_key_message
-from ds_core.zero.config_file import read_config_file
-from ds_core.zero.config_offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
-from ds_core.zero.config_optim import (
+from ds_core.zero.config.deepspeed_keys import NOT_YET, strip_known_extras
+from ds_core.zero.config.errors import ConfigProblemsError, fail, messages, unknown_key_message
+from ds_core.zero.config.files import read_config_file
+from ds_core.zero.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from ds_core.zero.config.optimizer import (
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
     AdamParams,
@@ -44,16 +45,15 @@ from ds_core.zero.config_optim import (
     WarmupDecayLRParams,
     WarmupLRParams,
 )
-from ds_core.zero.config_sections import (
+from ds_core.zero.config.sections import (
     ActivationCheckpointingConfig,
     ExpertParallelConfig,
     TensorParallelConfig,
     TorchAutocastConfig,
     accelerator_section_errors,
 )
-from ds_core.zero.config_types import FROZEN as _FROZEN
-from ds_core.zero.config_types import Bool, Float, Int, as_int
-from ds_core.zero.deepspeed_keys import NOT_YET, strip_known_extras
+from ds_core.zero.config.types import FROZEN as _FROZEN
+from ds_core.zero.config.types import Bool, Float, Int, as_int
 
 __all__ = [
     "TorchAutocastConfig",
@@ -296,7 +296,7 @@ class DSConfig(BaseModel):
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """AutoTP: split the model's linear layers over ``autotp_size`` ranks inside
-    ``initialize()``; batch sizes then count data-parallel replicas (see :mod:`ds_core.tp`)."""
+    ``initialize()``; batch sizes then count data-parallel replicas (see :mod:`ds_core.parallel.tensor`)."""
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     """AutoEP: spread each MoE block's experts over ``autoep_size`` ranks inside
     ``initialize()`` (see :mod:`ds_core.zero.autoep`)."""

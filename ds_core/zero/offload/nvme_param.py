@@ -40,7 +40,7 @@ from ds_core.accelerator import Accelerator
 from ds_core.errors import ConfigError
 from ds_core.io import AsyncIO
 from ds_core.io.folders import make_swap_folder, remove_swap_folder
-from ds_core.zero.config_offload import AioConfig, OffloadParamConfig
+from ds_core.zero.config.offload import AioConfig, OffloadParamConfig
 
 if TYPE_CHECKING:
     from ds_core.zero.partition import FlatUnit

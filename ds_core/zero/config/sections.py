@@ -1,6 +1,6 @@
 """Config sections added for DeepSpeed compatibility (``torch_autocast``,
 ``activation_checkpointing``, ``tensor_parallel``, ``expert_parallel``), apart from the core schema in :mod:`ds_core.zero.config`.
-(Reading config files, JSON or hjson, is :mod:`ds_core.zero.config_file`.)"""
+(Reading config files, JSON or hjson, is :mod:`ds_core.zero.config.files`.)"""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pydantic import BaseModel, field_validator, model_validator
 
 from ds_core.known_backends import KNOWN_BACKENDS
 from ds_core.plugins import BACKEND_GROUP
-from ds_core.zero.config_file import parse_config_text
-from ds_core.zero.config_types import FROZEN as _FROZEN
-from ds_core.zero.config_types import Bool, Int
+from ds_core.zero.config.files import parse_config_text
+from ds_core.zero.config.types import FROZEN as _FROZEN
+from ds_core.zero.config.types import Bool, Int
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -107,7 +107,7 @@ _PARTITION_TYPES = ("column", "row", "skip", "replicate")
 class TPLayerSpecConfig(BaseModel):
     """One ``tensor_parallel.partition_config.layer_specs`` entry (DeepSpeed's ``TPLayerSpec``):
     regular expressions matched with ``re.match`` against ``<full module path>.weight``, and
-    how the matching ``nn.Linear`` is split. See :mod:`ds_core.tp`."""
+    how the matching ``nn.Linear`` is split. See :mod:`ds_core.parallel.tensor`."""
 
     model_config = _FROZEN
 
@@ -211,14 +211,14 @@ class TPPartitionConfig(BaseModel):
 
 class TensorParallelConfig(BaseModel):
     """``tensor_parallel``: AutoTP for training (DeepSpeed's ``TPTrainingConfig`` keys that
-    ds_core implements; the others are refused in :mod:`ds_core.zero.deepspeed_keys`)."""
+    ds_core implements; the others are refused in :mod:`ds_core.zero.config.deepspeed_keys`)."""
 
     model_config = _FROZEN
 
     autotp_size: Int = 0
     """Ranks each split layer is spread over; 0 or 1 disables AutoTP. (Default: 0)"""
     partition_config: TPPartitionConfig | None = None
-    """Path patterns that override the name heuristics (see :mod:`ds_core.tp`)."""
+    """Path patterns that override the name heuristics (see :mod:`ds_core.parallel.tensor`)."""
 
     @field_validator("autotp_size")
     @classmethod

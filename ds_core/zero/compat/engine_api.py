@@ -20,7 +20,7 @@ from torch import nn
 from ds_core import comm
 from ds_core.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from ds_core.errors import ConfigError
-from ds_core.zero import guards as _guards
+from ds_core.zero.compat import guards as _guards
 from ds_core.zero.config import DSConfig
 from ds_core.zero.gathered import GatheredParameters
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, ValidationError
 
 from ds_core.errors import ConfigError
-from ds_core.zero.deepspeed_keys import dotted, extra_keys
+from ds_core.zero.config.deepspeed_keys import dotted, extra_keys
 
 __all__ = ["ConfigProblemsError", "fail", "messages", "unknown_key_message"]
 

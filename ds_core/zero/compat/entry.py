@@ -19,11 +19,11 @@ from torch.utils.data.distributed import DistributedSampler
 from ds_core import comm
 from ds_core.checkpoint.loader import ResumableLoader
 from ds_core.errors import ConfigError
-from ds_core.tp import model_tp_size
+from ds_core.parallel.tensor import model_tp_size
 from ds_core.zero.autoep import apply_autoep
+from ds_core.zero.compat.guards import check_model
 from ds_core.zero.config import DSConfig, load_config
 from ds_core.zero.engine import ZeroEngine
-from ds_core.zero.guards import check_model
 
 __all__ = ["add_config_arguments", "initialize", "make_dataloader"]
 

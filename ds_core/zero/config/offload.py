@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from ds_core.zero.config_types import FROZEN as _FROZEN
-from ds_core.zero.config_types import Bool, Float, Int
-from ds_core.zero.deepspeed_keys import NOT_YET
+from ds_core.zero.config.deepspeed_keys import NOT_YET
+from ds_core.zero.config.types import FROZEN as _FROZEN
+from ds_core.zero.config.types import Bool, Float, Int
 
 __all__ = ["AioConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
 
@@ -106,7 +106,7 @@ class OffloadOptimizerConfig(BaseModel):
 
 class OffloadParamConfig(BaseModel):
     """``zero_optimization.offload_param``: stage-3 parameter shards in host memory or on
-    NVMe (see [Note: NVMe parameter swap] in :mod:`ds_core.zero.nvme_param`)."""
+    NVMe (see [Note: NVMe parameter swap] in :mod:`ds_core.zero.offload.nvme_param`)."""
 
     model_config = _FROZEN
 

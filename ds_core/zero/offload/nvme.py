@@ -1,7 +1,7 @@
 """Optimizer state on NVMe (``offload_optimizer.device = "nvme"``), stages 1-3.
 
 [Note: NVMe optimizer swap]
-A sibling of :class:`~ds_core.zero.offload.OptimizerOffload` (see [Note: offload data path]):
+A sibling of :class:`~ds_core.zero.offload.host.OptimizerOffload` (see [Note: offload data path]):
 the gradient side is unchanged (each unit's host ``grad`` range, accumulated as there), only
 the fp32 master and the two Adam moments leave host memory. Each unit's range is cut into
 sub-groups of at most ``zero_optimization.sub_group_size`` elements; a sub-group's file,
@@ -45,8 +45,8 @@ from ds_core.errors import ConfigError
 from ds_core.io import ALIGN, AsyncIO, AsyncIOError
 from ds_core.io.folders import make_swap_folder, remove_swap_folder
 from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
-from ds_core.zero.config_offload import AioConfig, OffloadOptimizerConfig
-from ds_core.zero.offload import OptimizerOffload, _HostRange
+from ds_core.zero.config.offload import AioConfig, OffloadOptimizerConfig
+from ds_core.zero.offload.host import OptimizerOffload, _HostRange
 from ds_core.zero.partition import FlatUnit, ZeroParam
 
 log = logging.getLogger("ds_core.zero")

@@ -1,5 +1,5 @@
 """AutoTP's tensor-parallel layers, the collectives they need and the shard layout helpers
-(see :mod:`ds_core.tp` for how a model is converted)."""
+(see :mod:`ds_core.parallel.tensor` for how a model is converted)."""
 
 from __future__ import annotations
 

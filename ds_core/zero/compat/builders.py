@@ -31,7 +31,7 @@ from ds_core.zero.config import (
     WarmupDecayLRParams,
     WarmupLRParams,
 )
-from ds_core.zero.config_errors import messages
+from ds_core.zero.config.errors import messages
 
 __all__ = [
     "LRRangeTest",

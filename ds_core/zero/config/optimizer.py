@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
-from ds_core.zero.config_types import FROZEN as _FROZEN
-from ds_core.zero.config_types import Bool, Float, Int, as_float
+from ds_core.zero.config.types import FROZEN as _FROZEN
+from ds_core.zero.config.types import Bool, Float, Int, as_float
 
 
 class AdamParams(BaseModel):

@@ -1,5 +1,5 @@
 """AutoTP's planning (which ``nn.Linear`` splits how) and the in-place conversion of a model
-(see :mod:`ds_core.tp`)."""
+(see :mod:`ds_core.parallel.tensor`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.comm.mesh import Mesh, device_mesh
 from ds_core.errors import ConfigError
-from ds_core.tp.layers import (
+from ds_core.parallel.tensor.layers import (
     Fused,
     LinearColumnParallel,
     LinearRowParallel,
@@ -25,9 +25,9 @@ from ds_core.tp.layers import (
     sub_sizes,
 )
 
-log = logging.getLogger("ds_core.tp")
+log = logging.getLogger("ds_core.parallel.tensor")
 
-#: :data:`ds_core.moe.EXPERT_ATTR` (not imported: ds_core.moe imports the accelerator early).
+#: :data:`ds_core.parallel.expert.moe.EXPERT_ATTR` (not imported: ds_core.parallel.expert.moe imports the accelerator early).
 _EXPERT = "ds_expert_parallel_size"
 #: attribute on the root module of a converted model: its TP size.
 _MODEL_ATTR = "ds_autotp_size"
