@@ -62,7 +62,7 @@ def test_train_gpt_with_a_deepspeed_config_stage_3(tmp_path: Path) -> None:
         # every parameter partitioned, so the volume is the paper's 3Ψ
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "gradient_clipping": 1.0,  # DeepSpeed's default is 0 (no clipping), so say it
+        "gradient_clipping": 1.0,  # the default (DeepSpeed's), said to show it
         "wall_clock_breakdown": False,
     }
     path = tmp_path / "ds_config.json"

@@ -30,7 +30,8 @@ def error_of(config: Any, world_size: int = 2) -> str:
 
 def test_defaults_follow_deepspeed() -> None:
     cfg = load_config({"train_micro_batch_size_per_gpu": 2}, world_size=1)
-    assert cfg.gradient_clipping == 0.0  # DeepSpeed: GRADIENT_CLIPPING_DEFAULT = 0
+    # DeepSpeed 0.19.8, runtime/constants.py: GRADIENT_CLIPPING_DEFAULT = 1.0
+    assert cfg.gradient_clipping == 1.0
     assert cfg.steps_per_print == 10
     assert cfg.log_level == "info"
     assert cfg.precision == "fp32"

@@ -265,8 +265,9 @@ class DSConfig(BaseModel):
     """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: Int = Field(gt=0)
     """Micro-batches per optimizer step. (Default: 1 when not derivable)"""
-    gradient_clipping: Float = Field(default=0.0, ge=0)
-    """Clip the global gradient norm to this value; 0 disables clipping. (Default: 0, as in DeepSpeed)"""
+    gradient_clipping: Float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping. (Default: 1.0, as in
+    DeepSpeed: ``GRADIENT_CLIPPING_DEFAULT`` in its ``runtime/constants.py``)"""
     steps_per_print: Int = Field(default=10, gt=0)
     """Log every this many optimizer steps. (Default: 10)"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
