@@ -248,8 +248,14 @@ def validate_backend(name: str, plugin: Any) -> tuple[BackendInfo, frozenset[str
 
 def _unknown_backend_message(name: str, entries: dict[str, BackendEntry]) -> str:
     installed = ", ".join(entries) or "none"
+    folded = [n for n in (*entries, *KNOWN_BACKENDS) if n.lower() == name.lower()]
     hint = install_hint(name)
-    if hint:
+    if folded:
+        # Backend names are case-sensitive (entry-point names); a wrong case is the likeliest typo.
+        how = f"Backend names are lower-case: did you mean '{folded[0]}'?"
+        if folded[0] not in entries and install_hint(folded[0]):
+            how += f" Install it with: {install_hint(folded[0])}"
+    elif hint:
         how = f"Install it with: {hint}"
     else:
         close = difflib.get_close_matches(name, list(KNOWN_BACKENDS) + list(entries), n=1)

@@ -72,6 +72,19 @@ def test_unknown_name_lists_installed_and_the_extra(site: Path) -> None:
         choose("hots", entries)
 
 
+def test_a_name_in_the_wrong_case_suggests_the_right_one(site: Path) -> None:
+    make_backend(site, "host")
+    entries = only(discover(refresh=True), "host")
+    with pytest.raises(BackendSelectionError, match="lower-case: did you mean 'host'") as info:
+        choose("HOST", entries)
+    assert "Install it" not in str(info.value)  # it is installed, only spelled differently
+    # a known backend that is not installed: the right name and the extra that installs it
+    with pytest.raises(BackendSelectionError) as info:
+        choose("NPU", entries)
+    assert "did you mean 'npu'" in str(info.value)
+    assert 'pip install "ds-core[npu]"' in str(info.value)
+
+
 def test_no_silent_fallback_to_cpu_when_an_accelerator_is_unavailable(site: Path) -> None:
     make_backend(site, "host", priority=0)
     make_backend(
