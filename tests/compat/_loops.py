@@ -20,6 +20,9 @@ from torch.utils.data import DistributedSampler, TensorDataset
 HIDDEN = 10
 MICRO = 4
 LR = 1e-2
+#: gradient_clipping when a config does not set it (DeepSpeed 0.19.8 runtime/constants.py:
+#: GRADIENT_CLIPPING_DEFAULT); the plain-PyTorch twins clip as the engine then does.
+CLIP = 1.0
 
 
 def stage_config(stage: int, **extra: Any) -> dict[str, Any]:
@@ -141,6 +144,7 @@ def autocast_reference(world: int) -> dict[str, Any]:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 total = total + model(xs[mine], ys[mine]).float()
         (total / world).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # DeepSpeed's default clip
         opt.step()
         opt.zero_grad()
     return {"state": model.state_dict()}
@@ -172,6 +176,7 @@ def nosync_reference(world: int) -> dict[str, Any]:
     width = world * MICRO
     for m in range(2):
         model(xs[m * width : (m + 1) * width], ys[m * width : (m + 1) * width]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # DeepSpeed's default clip
     opt.step()
     return {"state": model.state_dict()}
 
@@ -258,6 +263,7 @@ def cifar_reference(world: int) -> dict[str, Any]:
             idx = [j for share in shares for j in share[i * MICRO : (i + 1) * MICRO]]
             images, labels = data[idx]
             criterion(net(images), labels).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)  # DeepSpeed's default clip
             opt.step()
             opt.zero_grad()
     return {"state": net.state_dict(), "batches": per_rank}

@@ -215,7 +215,7 @@ def test_corpus_files() -> None:
         cifar = load_config(CONFIGS / "cifar10_ds_config.json", 2)
         assert (cifar.train_micro_batch_size_per_gpu, cifar.gradient_accumulation_steps) == (8, 1)
         gan = load_config(CONFIGS / "gan_deepspeed_config.json", 1)
-        assert gan.gradient_clipping == 0.0  # DeepSpeed's default: no clipping
+        assert gan.gradient_clipping == 1.0  # DeepSpeed 0.19.8: GRADIENT_CLIPPING_DEFAULT = 1.0
     with pytest.raises(ConfigError) as info:
         load_config(CONFIGS / "megatron_style_refused.json", 2)
     msg = str(info.value)
