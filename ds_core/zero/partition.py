@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,25 @@ def zero_param_of(param: torch.Tensor) -> ZeroParam | None:
     """The :class:`ZeroParam` an engine attached to ``param``, or ``None``."""
     zp = getattr(param, ZERO_PARAM_ATTR, None)
     return zp if isinstance(zp, ZeroParam) else None
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A collective in flight with the buffers it reads and writes.
+
+    The comm hookspec (``ds_core/hookspecs/comm.py``) makes the caller keep a collective's input
+    and output alive until its handle's ``wait()``; holding this record, not the bare handle,
+    does that. :meth:`wait` orders the current stream after the collective and returns the
+    output.
+    """
+
+    handle: Work
+    input: torch.Tensor
+    output: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        self.handle.wait()
+        return self.output
 
 
 class Mode(enum.Enum):
@@ -200,13 +220,11 @@ class FlatUnit:
         self.shard: torch.Tensor | None = None
         #: live users of a gathered PARTITIONED unit (modules, GatheredParameters).
         self.gather_count = 0
-        #: an all-gather in flight (prefetch): its handle and output buffer.
-        self.inflight: tuple[Work, torch.Tensor] | None = None
+        #: an all-gather in flight (prefetch), with its input and output buffers.
+        self.inflight: InFlight | None = None
         #: ``offload_param``: the shard is on the host; ``pinned`` when page-locked.
         self.host_shard = host_shard and mode is Mode.PARTITIONED
         self.pinned = False
-        #: the device copy of a host shard an in-flight all-gather reads.
-        self._gather_src: torch.Tensor | None = None
         #: a device -> host write into a pinned host shard still in flight (see
         #: :meth:`write_owned`); host reads of the shard wait for it, device reads are ordered.
         self._host_write: Any = None
@@ -300,14 +318,17 @@ class FlatUnit:
 
     # -- collectives -------------------------------------------------------------------------
 
-    def all_gather(self, async_op: bool) -> Work:
+    def all_gather(self, async_op: bool) -> InFlight:
         """SHARDED_STATE: rebuild every rank's range in ``flat`` from the owners (after a step).
 
         The input is a copy of this rank's range, so the collective never reads a buffer it is
-        writing (backends differ on in-place all-gathers).
+        writing (backends differ on in-place all-gathers); the returned record keeps that copy
+        alive until its ``wait()``.
         """
         assert self.flat is not None
-        return get_accelerator().all_gather(self.flat, self.owned().clone(), self.group, async_op)
+        send = self.owned().clone()
+        handle = get_accelerator().all_gather(self.flat, send, self.group, async_op)
+        return InFlight(handle, send, self.flat)
 
     def gather(self, async_op: bool = False) -> None:
         """PARTITIONED: start (or with ``async_op`` false, finish) gathering the full unit."""
@@ -326,9 +347,8 @@ class FlatUnit:
             src.copy_(host, non_blocking=self.pinned)
             if self.swapper is not None:
                 self.swapper.read_by_device(self)
-            self._gather_src = src
         handle = get_accelerator().all_gather(self.flat, src, self.group, async_op)
-        self.inflight = (handle, self.flat)
+        self.inflight = InFlight(handle, src, self.flat)
         if not async_op:
             self.wait_gather()
 
@@ -336,10 +356,8 @@ class FlatUnit:
         """Finish an in-flight gather and point the parameters at the gathered buffer."""
         if self.inflight is None:
             return
-        handle, out = self.inflight
-        handle.wait()
+        out = self.inflight.wait()
         self.inflight = None
-        self._gather_src = None
         for zp in self.zparams:
             zp.param.data = out[zp.offset : zp.offset + zp.numel].view(zp.shape)
 
@@ -347,9 +365,8 @@ class FlatUnit:
         """PARTITIONED: free the gathered storage (after any gather in flight finishes); the
         parameters become empty placeholders."""
         if self.inflight is not None:
-            self.inflight[0].wait()  # issued on every rank: it must complete
+            self.inflight.wait()  # issued on every rank: it must complete
             self.inflight = None
-            self._gather_src = None
         if self.mode is not Mode.PARTITIONED or self.flat is None:
             return
         for zp in self.zparams:

@@ -102,6 +102,21 @@ class _UnitGrads:
         self.arrived = 0
 
 
+@dataclass(eq=False)
+class _Reduction:
+    """A gradient collective in flight: the handle, the buffer it reads (the bucket, or its cast
+    to the communication dtype) and the one it writes, both kept alive until ``wait()`` as the
+    comm hookspec requires; ``staging`` goes back to the pool then, and ``first`` says whether
+    this is the window's first contribution to the unit."""
+
+    grads: _UnitGrads
+    handle: Work
+    input: torch.Tensor
+    output: torch.Tensor
+    staging: torch.Tensor | None
+    first: bool
+
+
 class GradReducer:
     """Owns every gradient buffer and collective of the engine's backward.
 
@@ -166,9 +181,8 @@ class GradReducer:
                 torch.empty(capacity, dtype=comm_dtype, device=self.device) for _ in range(count)
             ]
         self._free: deque[torch.Tensor] = deque(self._pool)
-        #: collectives in flight, oldest first: (unit, handle, output, staging, first_write).
-        self._inflight: deque[tuple[_UnitGrads, Work, torch.Tensor, torch.Tensor | None, bool]]
-        self._inflight = deque()
+        #: collectives in flight, oldest first.
+        self._inflight: deque[_Reduction] = deque()
         self._stream = acc.Stream() if overlap else None
         #: optimizer offload's host accumulators (see :meth:`attach_host`), or ``None``.
         self.host: Any = None
@@ -281,7 +295,7 @@ class GradReducer:
         else:
             out = torch.empty(unit.part, dtype=self.comm_dtype, device=self.device)
         handle = self._collective(unit, out, send)
-        self._inflight.append((ug, handle, out, ug.staging, first))
+        self._inflight.append(_Reduction(ug, handle, send, out, ug.staging, first))
         ug.staging = None
         if not self.overlap:
             self._complete_oldest()
@@ -301,10 +315,11 @@ class GradReducer:
             return acc.reduce_scatter(out, send, "sum", unit.group, True)
 
     def _complete_oldest(self) -> None:
-        ug, handle, out, staging, first = self._inflight.popleft()
-        handle.wait()  # orders the current stream after the collective
-        if staging is not None:
-            self._free.append(staging)
+        done = self._inflight.popleft()
+        done.handle.wait()  # orders the current stream after the collective
+        ug, out, first = done.grads, done.output, done.first
+        if done.staging is not None:
+            self._free.append(done.staging)
         if self.policy.all_reduce:
             assert ug.local is not None
             if out is not ug.local:

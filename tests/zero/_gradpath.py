@@ -27,7 +27,15 @@ COMM_DTYPE = {
     "comm_fp16_s3": Scenario(
         stage=3, world=2, overlap=True, extra={"communication_data_type": "fp16"}
     ),
+    # stage 1 accumulates locally and casts the bucket for an asynchronous reduce-scatter: the
+    # cast is a temporary the reducer must hold until wait() (rerun under the lazy plugin)
+    "comm_bf16_s1_overlap": Scenario(
+        stage=1, world=2, overlap=True, extra={"communication_data_type": "bf16"}
+    ),
 }
+
+#: 16-bit reduction scenarios also re-run under the lazy plugin.
+LAZY_COMM = ["comm_bf16_s1_overlap"]
 
 #: scenarios re-run under the lazy plugin (names of ``stage_scenarios(2)``).
 LAZY = ["s0", "s1", "s2", "s3", "s1_explicit", "s2_overlap", "s3_overlap", "s3_sometimes"]

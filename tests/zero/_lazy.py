@@ -2,7 +2,9 @@
 
 Registered over the CPU backend, it turns the comm hookspec's ownership contract into
 deterministic failures: an output read before its handle's ``wait()`` holds NaN (or -1 for
-integers), and an input modified before it changes the result. Synchronous calls run at once
+integers), an input modified before it changes the result, and an input the caller released
+before it (no reference left: the memory could be reused) fails the ``wait()`` naming the
+collective. Synchronous calls run at once
 over ``torch.distributed`` (the facade binds the first implementation directly, so this plugin
 answers every call of the four collectives the engine uses). Ranks run the deferred
 collectives in the order they wait for them, so the engine must wait in the same order on
@@ -11,6 +13,7 @@ every rank — which it must on any backend whose collectives are queued in issu
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +31,26 @@ def _poison(t: torch.Tensor) -> None:
 
 def _discard(_: object) -> None:
     return None
+
+
+def _held(t: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+    """A weak hold on a collective's input: the deferred work reads it through this, so it
+    keeps nothing alive itself, and a caller that dropped every reference before ``wait()``
+    (the memory of a device tensor could be reused by then) is caught. A view is held by its
+    base, which owns the memory."""
+    ref = weakref.ref(t._base if t._base is not None else t)
+    shape, stride, offset = t.shape, t.stride(), t.storage_offset()
+
+    def get() -> torch.Tensor:
+        base = ref()
+        if base is None:
+            raise RuntimeError(
+                f"the input of an asynchronous {name} was released before its wait(); the "
+                "caller must keep it alive until then (ds_core/hookspecs/comm.py)"
+            )
+        return base.as_strided(shape, stride, offset)
+
+    return get
 
 
 class _Deferred:
@@ -76,10 +99,12 @@ class LazyCollectives:
     ) -> _Deferred:
         if async_op:
             _poison(output)
+        source = _held(input, "reduce_scatter")
+        del input
 
         def run() -> None:
             world, rank = dist.get_world_size(group), dist.get_rank(group)
-            tmp = input.clone()
+            tmp = source().clone()
             dist.all_reduce(tmp, _OPS["sum" if op == "avg" else op], group=group)
             mine = tmp.view(world, -1)[rank]
             output.copy_(mine / world if op == "avg" else mine)
@@ -92,11 +117,14 @@ class LazyCollectives:
     ) -> _Deferred:
         if async_op:
             _poison(output)
+        source = _held(input, "all_gather")
+        del input
 
         def run() -> None:
-            rank, n = dist.get_rank(group), input.numel()
-            tmp = torch.zeros(output.numel(), dtype=input.dtype, device=input.device)
-            tmp[rank * n : (rank + 1) * n].copy_(input.reshape(-1))
+            src = source()
+            rank, n = dist.get_rank(group), src.numel()
+            tmp = torch.zeros(output.numel(), dtype=src.dtype, device=src.device)
+            tmp[rank * n : (rank + 1) * n].copy_(src.reshape(-1))
             dist.all_reduce(tmp, _OPS["sum"], group=group)
             output.copy_(tmp.view_as(output))
 

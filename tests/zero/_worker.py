@@ -700,6 +700,8 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         )
         for name, sc in _gradpath.COMM_DTYPE.items():
             out[name] = _gradpath.counted(train, sc)
+        for name in _gradpath.LAZY_COMM:
+            out[f"lazy_{name}"] = _gradpath.lazy(train, _gradpath.COMM_DTYPE[name])
         return out
     if suite == "api":
         return {"api": api_checks}

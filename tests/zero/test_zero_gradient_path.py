@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.zero._gradpath import COMM_DTYPE, LAZY
+from tests.zero._gradpath import COMM_DTYPE, LAZY, LAZY_COMM
 from tests.zero._worker import stage_scenarios
 from tests.zero.conftest import SuiteResults
 from tests.zero.test_zero_stages import check_against_reference
@@ -103,3 +103,7 @@ def test_16_bit_gradient_reduction_matches_the_reference_within_its_precision(
     # roundings of the update
     tol = 2e-2 if "bf16" in name else 4e-3
     check_against_reference(sc, ranks, rtol=tol, atol=tol)
+    if name in LAZY_COMM:  # the same run with collectives deferred to wait(): no change
+        lazy = suite("gradpath", 2).ranks(f"lazy_{name}")
+        assert lazy[0]["deferred"] > 0, "the scenario issued no asynchronous collective"
+        check_against_reference(sc, lazy, rtol=tol, atol=tol)
