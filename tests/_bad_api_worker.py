@@ -22,6 +22,7 @@ CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
     "steps_per_print": 1,
+    "log_level": "info",  # the progress lines are info records; DeepSpeed's default leaves them out
 }
 
 

@@ -100,7 +100,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.gas: int = config.gradient_accumulation_steps
         self.clip: float = config.gradient_clipping
         self.overlap_comm = bool(zcfg.overlap_comm)
-        log.setLevel(config.log_level.upper())
+        if config.log_level is not None:
+            log.setLevel(config.log_level.upper())
 
         # - device and groups
         #: the deterministic policy in force for this engine's lifetime, or ``None``; applied
@@ -436,7 +437,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if self._loss_sum is not None and self._loss_count:
             self._last_loss_t = self._loss_sum / self._loss_count
         self._loss_sum, self._loss_count = None, 0
-        if self.global_steps % self.config.steps_per_print == 0:
+        every = self.config.steps_per_print
+        if every is not None and self.global_steps % every == 0:
             self._log_step()
 
     def _update(self, mult: float | torch.Tensor, found_inf: torch.Tensor | None = None) -> None:

@@ -383,7 +383,8 @@ def api_checks() -> dict[str, Any]:
     import ds_core
 
     out: dict[str, Any] = {}
-    base = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 2}
+    # the progress lines are info records; DeepSpeed's default log_level leaves them out
+    base = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 2, "log_level": "info"}
     for stage in range(4):
         for cls in (Muon, WholeGradients):
             model = MLP(8, 2)

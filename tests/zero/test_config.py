@@ -32,8 +32,10 @@ def test_defaults_follow_deepspeed() -> None:
     cfg = load_config({"train_micro_batch_size_per_gpu": 2}, world_size=1)
     # DeepSpeed 0.19.8, runtime/constants.py: GRADIENT_CLIPPING_DEFAULT = 1.0
     assert cfg.gradient_clipping == 1.0
-    assert cfg.steps_per_print == 10
-    assert cfg.log_level == "info"
+    # STEPS_PER_PRINT_DEFAULT and LOG_LEVEL_DEFAULT are None there: no progress line, the
+    # logger's level left alone (the whole table: tests/zero/test_deepspeed_defaults.py)
+    assert cfg.steps_per_print is None
+    assert cfg.log_level is None
     assert cfg.precision == "fp32"
     fp16 = cfg.fp16
     assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power) == (False, 0.0, 16)
@@ -162,7 +164,7 @@ def test_gradient_clipping_zero_disables_and_negative_is_an_error() -> None:
 def test_steps_per_print_and_log_level() -> None:
     assert "steps_per_print: must be > 0, got 0" in error_of({"steps_per_print": 0})
     msg = error_of({"log_level": "verbose"})
-    assert "log_level: input should be 'debug', 'info', 'warning' or 'error'" in msg
+    assert "log_level: input should be 'debug', 'info', 'warning', 'error' or 'critical'" in msg
     assert load_config({"log_level": "debug"}, 1).log_level == "debug"
 
 
@@ -289,6 +291,81 @@ def test_performance_knobs_are_accepted_with_one_warning() -> None:
         "zero_optimization.round_robin_gradients",
     ):
         assert key in text
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed keys accepted with DeepSpeed's meaning (issue 26 §6)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_param_offload_below_stage_3_is_ignored_as_deepspeed_does(stage: int) -> None:
+    # DeepSpeed 0.19.8 type-checks offload_param at every stage and hands it only to its
+    # stage-3 optimizer (runtime/engine.py, _configure_zero_optimizer); stages 0-2 keep every
+    # parameter whole on each rank whatever it says.
+    zero = {"stage": stage, "offload_param": {"device": "cpu", "pin_memory": True}}
+    pattern = rf"zero_optimization\.offload_param \(device 'cpu': .* stage {stage} keeps"
+    with pytest.warns(UserWarning, match=pattern):
+        cfg = load_config({"zero_optimization": zero}, 1)
+    assert cfg.zero_optimization.stage == stage
+    assert cfg.zero_optimization.offload_param.device == "cpu"  # as given; read at stage 3 only
+    nvme = {"stage": stage, "offload_param": {"device": "nvme"}}  # no folder: never used here
+    with pytest.warns(UserWarning, match=r"offload_param \(device 'nvme'"):
+        load_config({"zero_optimization": nvme}, 1)
+    for legacy in ("cpu_offload_param", "cpu_offload_params"):
+        with pytest.warns(UserWarning, match=r"zero_optimization\.offload_param"):
+            load_config({"zero_optimization": {"stage": stage, legacy: True}}, 1)
+    bad = {"stage": stage, "offload_param": {"device": "disk"}}
+    assert "zero_optimization.offload_param.device: input should be" in error_of(
+        {"zero_optimization": bad}
+    )
+
+
+def test_param_offload_at_stage_3_is_used_and_checked() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # used, so not named as ignored
+        cfg = load_config({"zero_optimization": {"stage": 3, "cpu_offload_param": True}}, 1)
+    assert cfg.zero_optimization.offload_param.device == "cpu"
+    nvme = {"stage": 3, "offload_param": {"device": "nvme"}}
+    assert "offload_param: device='nvme' needs nvme_path" in error_of({"zero_optimization": nvme})
+    legacy = {"stage": 3, "cpu_offload_param": "yes"}
+    assert "cpu_offload_param must be true or false" in error_of({"zero_optimization": legacy})
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "feature"),
+    [
+        ("bf16", "bf16_master_weights_and_grads", "bf16 master weights and bf16 gradients"),
+        ("bf16", "bf16_optimizer_states", "bf16 optimizer state"),
+        ("fp16", "fp16_master_weights_and_grads", "fp16 master weights and fp16 gradients"),
+    ],
+)
+def test_low_precision_masters_false_loads_and_true_names_the_missing_feature(
+    section: str, key: str, feature: str
+) -> None:
+    with pytest.warns(UserWarning, match=rf"{section}\.{key}"):
+        load_config({section: {"enabled": True, key: False}, "zero_optimization": {"stage": 2}}, 1)
+    msg = error_of({section: {"enabled": True, key: True}, "zero_optimization": {"stage": 2}})
+    line = next(ln for ln in msg.splitlines() if f"{section}.{key}" in ln)
+    assert f"{section}.{key}: true asks for {feature}" in line, msg
+    assert "not supported yet" in line and "set it to false or remove it" in line, msg
+    assert f"{section}.{key}" in error_of({section: {key: "yes"}})  # not silently taken as off
+
+
+def test_deepspeed_defaults_of_unimplemented_keys_load() -> None:
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "zero_quantized_weights": False,
+            "zero_quantized_nontrainable_weights": False,
+            "zero_quantized_gradients": False,
+            "zero_hpz_partition_size": 1,
+        },
+        "tensor_parallel": {"keep_module_on_host": False, "replace_with_kernel_inject": False},
+    }
+    with pytest.warns(UserWarning, match="zero_optimization.zero_quantized_weights"):
+        load_config(config, 1)
+    on = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
+    assert "zero_optimization.zero_quantized_weights: not supported yet" in error_of(on)
 
 
 def test_no_warning_without_ignored_keys() -> None:

@@ -10,6 +10,7 @@ unpinned, but every step of the offload path runs.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -207,7 +208,6 @@ def test_config_accepts_deepspeed_offload_spellings() -> None:
         ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs stage 1, 2 or 3"),
         ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "'nvme' needs nvme_path"),
         ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "partial offload"),
-        ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param.*needs stage 3"),
         ({"stage": 3, "offload_param": {"device": "nvme"}}, "'nvme' needs nvme_path"),
         ({"stage": 3, "cpu_offload_params": "yes"}, "cpu_offload_params must be true or false"),
     ],
@@ -313,3 +313,42 @@ def test_a_pinned_host_shard_is_gathered_through_a_device_copy_and_freed(
     shard = unit.shard
     unit.free()
     assert acc.freed == [shard] and shard.untyped_storage().nbytes() == 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_param_offload_below_stage_3_trains_as_without_it(
+    stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed ignores ``offload_param`` below stage 3; so does the engine: the same steps,
+    bit for bit, and no parameter shard moves to the host (one process)."""
+    import ds_core
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    ds_core.reset_accelerator()
+
+    def train(zero: dict[str, Any]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        cfg = {
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": zero,
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the ignored-keys notice
+            engine, _, _, _ = ds_core.initialize(model=model, config=cfg)
+        try:
+            assert not any(u.host_shard for u in engine.units), "a shard moved to the host"
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                x = torch.randn(4, 8, generator=gen)
+                engine.backward(engine(x).square().mean())
+                engine.step()
+            return [p.detach().clone() for p in model.parameters()]
+        finally:
+            engine.destroy()
+
+    plain = train({"stage": stage})
+    ignored = train({"stage": stage, "offload_param": {"device": "cpu", "pin_memory": True}})
+    assert all(torch.equal(a, b) for a, b in zip(plain, ignored, strict=True))
+    ds_core.reset_accelerator()

@@ -50,7 +50,8 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "gather_16bit_weights_on_model_save",
         }
     ),
-    ("fp16",): frozenset({"fp16_master_weights_and_grads"}),
+    # DeepSpeed's BF16_Optimizer adds every micro-batch's bf16 gradient into fp32 either way
+    # (hooks when true, after backward when false); ds_core accumulates in fp32 too.
     ("bf16",): frozenset({"immediate_grad_update"}),
     ("tensor_parallel",): frozenset({"tp_overlap_comm"}),
     # grouped GEMM is a kernel choice; the experts compute the same values one by one
@@ -98,7 +99,7 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "pipeline_loading_checkpoint",
         }
     ),
-    ("fp16",): frozenset({"consecutive_hysteresis"}),
+    ("fp16",): frozenset({"consecutive_hysteresis", "fp16_master_weights_and_grads"}),
     ("bf16",): frozenset({"bf16_master_weights_and_grads", "bf16_optimizer_states"}),
     ("tensor_parallel",): frozenset(
         {
@@ -120,6 +121,16 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
     ((), "gradient_allreduce_op"): lambda v: v == "mean",
     (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
     (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
+    # DeepSpeed's defaults (DeepSpeedZeroConfig, TPTrainingConfig): off, so nothing asked for
+    (("zero_optimization",), "zero_quantized_weights"): lambda v: v is False,
+    (("zero_optimization",), "zero_quantized_nontrainable_weights"): lambda v: v is False,
+    (("zero_optimization",), "zero_quantized_gradients"): lambda v: v is False,
+    (("zero_optimization",), "pipeline_loading_checkpoint"): lambda v: v is False,
+    (("tensor_parallel",), "keep_module_on_host"): lambda v: v is False,
+    (("tensor_parallel",), "replace_with_kernel_inject"): lambda v: v is False,
+    (("tensor_parallel",), "kernel_inject"): lambda v: v is False,
+    (("tensor_parallel",), "preset_model"): lambda v: v is None,
+    (("tensor_parallel",), "injection_policy_tuple"): lambda v: v is None,
     ((), "amp"): lambda v: _disabled(v),
     ((), "hybrid_engine"): lambda v: _disabled(v),
     ((), "compile"): lambda v: isinstance(v, dict) and not any(x is True for x in v.values()),
@@ -131,6 +142,26 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
     ),
     (("bf16",), "bf16_master_weights_and_grads"): lambda v: v is False,
     (("bf16",), "bf16_optimizer_states"): lambda v: v is False,
+    (("fp16",), "fp16_master_weights_and_grads"): lambda v: v is False,
+}
+
+#: (section path, key) -> the feature a refused value asks for, named in the error
+_FEATURES: dict[tuple[tuple[str, ...], str], str] = {
+    (("bf16",), "bf16_master_weights_and_grads"): (
+        "true asks for bf16 master weights and bf16 gradients (DeepSpeed keeps them in bf16 at "
+        "ZeRO stages 1-3); ds_core keeps fp32 masters and accumulates gradients in fp32, and "
+        "low-precision master states are not supported yet; set it to false or remove it"
+    ),
+    (("bf16",), "bf16_optimizer_states"): (
+        "true asks for bf16 optimizer state (DeepSpeed: with bf16_master_weights_and_grads); "
+        "ds_core keeps optimizer state in fp32, and low-precision optimizer states are not "
+        "supported yet; set it to false or remove it"
+    ),
+    (("fp16",), "fp16_master_weights_and_grads"): (
+        "true asks for fp16 master weights and fp16 gradients (DeepSpeed: ZeRO stages 1-3 with "
+        "DeepSpeedCPUAdam); ds_core keeps fp32 masters and accumulates gradients in fp32, and "
+        "low-precision master states are not supported yet; set it to false or remove it"
+    ),
 }
 
 
@@ -156,6 +187,8 @@ def strip_known_extras(
             no_op = _NO_OP_VALUES.get((path, key))
             if no_op is not None and no_op(value):
                 ignored.append(dotted(here))
+            elif (path, key) in _FEATURES:
+                errors.append(f"{dotted(here)}: {_FEATURES[(path, key)]}")
             else:
                 errors.append(
                     f"{dotted(here)}: {NOT_YET} (this key would change training results "

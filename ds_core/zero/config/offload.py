@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, model_validator
 
 from ds_core.zero.config.deepspeed_keys import NOT_YET
 from ds_core.zero.config.types import FROZEN as _FROZEN
 from ds_core.zero.config.types import Bool, Float, Int
 
-__all__ = ["AioConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
+__all__ = ["AioConfig", "BELOW_STAGE_3", "OffloadOptimizerConfig", "OffloadParamConfig"]
+
+BELOW_STAGE_3 = "zero_stage_below_3"
+"""Validation-context key: true when the config's ZeRO stage is 0, 1 or 2, where
+``offload_param`` means nothing (see :func:`~ds_core.zero.config.load_config`)."""
 
 
 class AioConfig(BaseModel):
@@ -106,7 +110,8 @@ class OffloadOptimizerConfig(BaseModel):
 
 class OffloadParamConfig(BaseModel):
     """``zero_optimization.offload_param``: stage-3 parameter shards in host memory or on
-    NVMe (see [Note: NVMe parameter swap] in :mod:`ds_core.zero.offload.nvme_param`)."""
+    NVMe (see [Note: NVMe parameter swap] in :mod:`ds_core.zero.offload.nvme_param`). Below
+    stage 3 it is accepted and ignored, as in DeepSpeed."""
 
     model_config = _FROZEN
 
@@ -138,7 +143,12 @@ class OffloadParamConfig(BaseModel):
     (Default: none)"""
 
     @model_validator(mode="after")
-    def _nvme(self) -> OffloadParamConfig:
+    def _nvme(self, info: ValidationInfo) -> OffloadParamConfig:
+        if (info.context or {}).get(BELOW_STAGE_3):
+            # DeepSpeed reads offload_param only at stage 3 (its stage-3 optimizer and
+            # zero.Init); below it the section is type-checked and otherwise unused, so an
+            # NVMe section without its folder is harmless there.
+            return self
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("device='nvme' needs nvme_path (the folder of the swap files)")
         if self.device == "nvme" and self.buffer_count < 2:

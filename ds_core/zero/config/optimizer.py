@@ -20,6 +20,8 @@ class AdamParams(BaseModel):
     betas: tuple[Float, Float] = (0.9, 0.999)
     eps: Float = Field(default=1e-8, gt=0)
     weight_decay: Float = Field(default=0.0, ge=0)
+    """Weight decay (decoupled in AdamW mode). (Default: 0, FusedAdam's; with ``torch_adam``
+    in AdamW mode 0.01, ``torch.optim.AdamW``'s, which DeepSpeed then builds)"""
     adam_w_mode: Bool = True
     """Decoupled weight decay (AdamW). DeepSpeed's ``Adam`` is AdamW unless this is false."""
     bias_correction: Bool = True
@@ -27,7 +29,22 @@ class AdamParams(BaseModel):
     :class:`~ds_core.zero.adam.AdamNoBiasCorrection`, as DeepSpeed's FusedAdam. (Default: true)"""
     amsgrad: Bool = False
     torch_adam: Bool = False
-    """Accepted for compatibility: this engine always uses torch's Adam/AdamW."""
+    """Accepted for compatibility: this engine always uses torch's Adam/AdamW. It still
+    changes ``weight_decay``'s default, as in DeepSpeed. (Default: false)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _torch_adam_decay(cls, data: Any) -> Any:
+        # DeepSpeed's torch_adam builds torch.optim.AdamW / Adam with the caller's params only,
+        # so an unset weight_decay takes torch's default: 0.01 for AdamW, 0 for Adam.
+        if (
+            isinstance(data, dict)
+            and "weight_decay" not in data
+            and data.get("torch_adam") is True
+            and data.get("adam_w_mode", True) is True
+        ):
+            data = {**data, "weight_decay": 0.01}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> AdamParams:

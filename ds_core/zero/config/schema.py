@@ -35,7 +35,12 @@ from ds_core.errors import ConfigError
 from ds_core.zero.config.deepspeed_keys import NOT_YET, strip_known_extras
 from ds_core.zero.config.errors import ConfigProblemsError, fail, messages, unknown_key_message
 from ds_core.zero.config.files import read_config_file
-from ds_core.zero.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from ds_core.zero.config.offload import (
+    BELOW_STAGE_3,
+    AioConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+)
 from ds_core.zero.config.optimizer import (
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
@@ -176,8 +181,10 @@ class ZeroConfig(BaseModel):
     ``cpu_offload_use_pin_memory``) means ``{"device": "cpu"}``. (Default: off)"""
 
     offload_param: OffloadParamConfig = OffloadParamConfig()
-    """Parameter offload (stage 3 only). DeepSpeed's legacy ``cpu_offload_params: true``
-    means ``{"device": "cpu"}``. (Default: off)"""
+    """Parameter offload (stage 3). Below stage 3 it is kept as given and ignored, with the
+    ignored-keys warning (DeepSpeed passes it only to its stage-3 optimizer). DeepSpeed's
+    legacy ``cpu_offload_param: true`` (older: ``cpu_offload_params``) means
+    ``{"device": "cpu"}``. (Default: off)"""
 
     @model_validator(mode="before")
     @classmethod
@@ -186,20 +193,22 @@ class ZeroConfig(BaseModel):
             data = dict(data)
             legacy = data.pop("stage3_gather_fp16_weights_on_model_save")
             data.setdefault("stage3_gather_16bit_weights_on_model_save", legacy)
-        if isinstance(data, dict) and "cpu_offload_params" in data:
-            data = dict(data)
-            legacy = data.pop("cpu_offload_params")
-            if legacy is True and "offload_param" not in data:
-                data["offload_param"] = {"device": "cpu"}
-            elif legacy not in (True, False):
-                raise ValueError(f"cpu_offload_params must be true or false, got {legacy!r}")
+        # DeepSpeed 0.19.8 spells it cpu_offload_param; its older releases cpu_offload_params.
+        for name in ("cpu_offload_param", "cpu_offload_params"):
+            if isinstance(data, dict) and name in data:
+                data = dict(data)
+                legacy = data.pop(name)
+                if legacy is True and "offload_param" not in data:
+                    data["offload_param"] = {"device": "cpu"}
+                elif legacy not in (True, False, None):
+                    raise ValueError(f"{name} must be true or false, got {legacy!r}")
         if not isinstance(data, dict) or "cpu_offload" not in data:
             return data
         data = dict(data)
         legacy, pin = data.pop("cpu_offload"), data.pop("cpu_offload_use_pin_memory", False)
         if legacy is True and "offload_optimizer" not in data:
             data["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
-        elif legacy not in (True, False):
+        elif legacy not in (True, False, None):
             raise ValueError(f"cpu_offload must be true or false, got {legacy!r}")
         return data
 
@@ -209,12 +218,6 @@ class ZeroConfig(BaseModel):
             raise ValueError(
                 f"offload_optimizer.device='{self.offload_optimizer.device}' needs stage 1, 2 or 3 (stage 0 keeps no "
                 "partitioned optimizer state); set zero_optimization.stage"
-            )
-        if self.offload_param.device != "none" and self.stage != 3:
-            raise ValueError(
-                f"offload_param.device='{self.offload_param.device}' needs stage 3 (stage {self.stage} keeps every "
-                "parameter whole on each rank); set zero_optimization.stage to 3 or use "
-                "offload_optimizer"
             )
         return self
 
@@ -268,10 +271,14 @@ class DSConfig(BaseModel):
     gradient_clipping: Float = Field(default=1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping. (Default: 1.0, as in
     DeepSpeed: ``GRADIENT_CLIPPING_DEFAULT`` in its ``runtime/constants.py``)"""
-    steps_per_print: Int = Field(default=10, gt=0)
-    """Log every this many optimizer steps. (Default: 10)"""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    """Level of the engine's logger. (Default: "info")"""
+    steps_per_print: Int | None = Field(default=None, gt=0)
+    """Log a progress line (step, loss, lr, gradient norm, ...) on rank 0 every this many
+    optimizer steps; ``None`` never does. (Default: None, as DeepSpeed's
+    ``STEPS_PER_PRINT_DEFAULT``: no progress line, and no host read of the loss for one)"""
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
+    """Level the engine sets on the ``ds_core.zero`` logger; ``None`` leaves the logger's level
+    as the program set it (Python's default shows warnings and errors). (Default: None, as
+    DeepSpeed's ``LOG_LEVEL_DEFAULT``)"""
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
@@ -463,6 +470,16 @@ def _typed_section(
     return {"type": canonical, "params": parsed.model_dump()}, errors
 
 
+def _raw_stage(raw: Mapping[str, Any]) -> int | None:
+    """The ZeRO stage a raw config asks for (0 when it names none), or None when the value
+    is not a number (the schema then reports it)."""
+    zero = raw.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if isinstance(stage, bool) or not isinstance(stage, (int, float)):
+        return None
+    return int(stage)
+
+
 def load_config(
     config: Mapping[str, Any] | str | os.PathLike[str] | None, world_size: int
 ) -> DSConfig:
@@ -530,13 +547,22 @@ def load_config(
         train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas
     )
 
+    stage = _raw_stage(raw)
     try:
-        cfg = DSConfig.model_validate(raw)
+        cfg = DSConfig.model_validate(raw, context={BELOW_STAGE_3: stage is not None and stage < 3})
     except ValidationError as exc:
         errors += messages(exc, (), _section_model)
         cfg = None
     if errors:
         raise fail(errors)
+    if cfg is not None and cfg.zero_optimization.stage < 3:
+        device = cfg.zero_optimization.offload_param.device
+        if device != "none":
+            ignored.append(
+                f"zero_optimization.offload_param (device '{device}': parameters are offloaded "
+                f"only at stage 3; stage {cfg.zero_optimization.stage} keeps them whole on "
+                "each rank, as DeepSpeed does)"
+            )
     if ignored:
         warnings.warn(
             "ds_core ignores these DeepSpeed config keys, which change nothing in this design: "

@@ -46,22 +46,26 @@ class TorchAutocastConfig(BaseModel):
     model_config = _FROZEN
 
     enabled: Bool = False
-    dtype: str = "bfloat16"
-    """The autocast dtype: ``bfloat16`` or ``float16`` (DeepSpeed's spellings accepted)."""
+    dtype: str | None = None
+    """The autocast dtype: ``bfloat16`` or ``float16`` (DeepSpeed's spellings accepted);
+    ``None`` takes ``torch.autocast``'s default for the engine's device type (float16 on
+    CUDA, bfloat16 on CPU). (Default: None, as DeepSpeed's ``get_torch_autocast_dtype``)"""
     lower_precision_safe_modules: list[str] | None = None
     """DeepSpeed reduces these modules' gradients in the autocast dtype; ds_core reduces in
     ``communication_data_type`` (fp32 by default) whatever the module. Accepted."""
 
     @field_validator("dtype")
     @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        if value not in _AUTOCAST_DTYPES:
+    def _known_dtype(cls, value: str | None) -> str | None:
+        if value is not None and value not in _AUTOCAST_DTYPES:
             raise ValueError(f"must be one of {', '.join(_AUTOCAST_DTYPES)}, got {value!r}")
         return value
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        """The dtype as a ``torch.dtype``."""
+    def torch_dtype(self) -> torch.dtype | None:
+        """The dtype as a ``torch.dtype``; ``None`` for ``torch.autocast``'s device default."""
+        if self.dtype is None:
+            return None
         return getattr(torch, _AUTOCAST_DTYPES[self.dtype])  # type: ignore[no-any-return]
 
 
@@ -275,8 +279,8 @@ class ExpertParallelConfig(BaseModel):
     num_limited_groups: Int | None = None
     """Grouped routing: not supported yet, must be absent."""
     load_balance_coeff: float | None = None
-    """Auxiliary-loss-free expert-bias balancing: not supported yet. ds_core's default is
-    ``None`` (DeepSpeed's is ``1e-3``); any other value is refused."""
+    """Auxiliary-loss-free expert-bias balancing: not supported yet, so only ``None`` (the
+    default, as DeepSpeed 0.19.8's ``parse_autoep_config``, which refuses other values too)."""
     expert_w1: str | None = None
     """Name of an expert's first weight (``w1``, ``gate_proj``...); when given, every expert
     must have it (ds_core calls each expert module as it is, so it needs no weight layout)."""
