@@ -368,6 +368,44 @@ def test_deepspeed_defaults_of_unimplemented_keys_load() -> None:
     assert "zero_optimization.zero_quantized_weights: not supported yet" in error_of(on)
 
 
+def test_deepspeed_0_19_knobs_load_and_its_features_are_refused_by_name() -> None:
+    # keys of DeepSpeed 0.19.8's config that earlier ds_core refused as unknown
+    knobs = {
+        "disable_python_gc": True,
+        "vocabulary_size": 50257,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_model_persistence_threshold": 10**6,
+            "stage3_allgather_sequential": True,
+            "parameter_alignment": True,
+            "leaf_module": {"classes": ["MoEBlock"]},
+            "cpu_offload_use_pin_memory": True,
+            "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.5},
+        },
+        "expert_parallel": {"combine_impl": "fused_weighted_sum", "comm_num_sm": 20},
+    }
+    with pytest.warns(UserWarning) as record:
+        cfg = load_config(knobs, 1)
+    text = str(record[0].message)
+    for key in ("disable_python_gc", "zero_optimization.leaf_module",
+                "zero_optimization.offload_optimizer.cpuadam_cores_perc",
+                "expert_parallel.comm_num_sm"):  # fmt: skip
+        assert key in text, text
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    for config, key in [
+        ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
+        ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "zenflow"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"super_offload": True}}},
+            "zero_optimization.offload_optimizer.super_offload",
+        ),
+        ({"tensor_parallel": {"vocab_parallel_lm_head": True}}, "vocab_parallel_lm_head"),
+        ({"expert_parallel": {"comm_backend": "deepep"}}, "expert_parallel.comm_backend"),
+        ({"data_types": {"param_dtype": "fp32"}}, "data_types"),
+    ]:
+        assert f"{key}: not supported yet" in error_of(config), key
+
+
 def test_no_warning_without_ignored_keys() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -30,6 +30,9 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "disable_allgather",
             "timers",
             "cuda_visible_devices",
+            # DeepSpeed 0.19.8: Python's cyclic GC off during training; an alignment warning
+            "disable_python_gc",
+            "vocabulary_size",
         }
     ),
     ("zero_optimization",): frozenset(
@@ -48,14 +51,40 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "legacy_stage1",
             "log_trace_cache_warnings",
             "gather_16bit_weights_on_model_save",
+            # DeepSpeed 0.19.8 stage-3 fetch / layout / debugging knobs: which parameters stay
+            # whole, how gathers are grouped, padding, sanity checks; no value changes a result
+            "stage3_model_persistence_threshold",
+            "stage3_allgather_sequential",
+            "parameter_alignment",
+            "enable_sanity_checks",
+            "leaf_module",
+            "save_muon_momentum_buffer_in_memory",
         }
     ),
+    # CPU cores cpu_adam may use (SuperOffload's knob)
+    ("zero_optimization", "offload_optimizer"): frozenset({"cpuadam_cores_perc"}),
     # DeepSpeed's BF16_Optimizer adds every micro-batch's bf16 gradient into fp32 either way
     # (hooks when true, after backward when false); ds_core accumulates in fp32 too.
     ("bf16",): frozenset({"immediate_grad_update"}),
     ("tensor_parallel",): frozenset({"tp_overlap_comm"}),
     # grouped GEMM is a kernel choice; the experts compute the same values one by one
-    ("expert_parallel",): frozenset({"use_grouped_mm", "grouped_mm_backend"}),
+    ("expert_parallel",): frozenset(
+        {
+            "use_grouped_mm",
+            "grouped_mm_backend",
+            "disable_triton_grouped_mm",
+            # how DeepSpeed's kernels combine the same terms, and its DeepEP transport's knobs
+            "combine_impl",
+            "row_weighting_impl",
+            "gate_up_impl",
+            "comm_num_sm",
+            "comm_qp_margin",
+            "comm_max_tokens_per_rank",
+            # extra routing cross-checks and an asynchronous split plan: same routing
+            "validate_folding_routing",
+            "async_split_plan",
+        }
+    ),
 }
 
 NOT_YET = "not supported yet"
@@ -85,6 +114,9 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "gradient_allreduce_op",
             "fp32_allreduce",
             "compile",
+            "managed_gradient_accumulation",
+            "use_data_before_expert_parallelism",
+            "weight_quantization",
         }
     ),
     ("zero_optimization",): frozenset(
@@ -97,8 +129,11 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "mics_hierarchical_params_gather",
             "zeropp_loco_param",
             "pipeline_loading_checkpoint",
+            "compute_grad_norm",
+            "zenflow",
         }
     ),
+    ("zero_optimization", "offload_optimizer"): frozenset({"super_offload"}),
     ("fp16",): frozenset({"consecutive_hysteresis", "fp16_master_weights_and_grads"}),
     ("bf16",): frozenset({"bf16_master_weights_and_grads", "bf16_optimizer_states"}),
     ("tensor_parallel",): frozenset(
@@ -110,6 +145,16 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
             "keep_module_on_host",
             "replace_with_kernel_inject",
             "kernel_inject",
+            "vocab_parallel_lm_head",
+            "vocab_parallel_ce_backend",
+        }
+    ),
+    ("expert_parallel",): frozenset(
+        {
+            "expert_tensor_parallel_size",
+            "comm_backend",
+            "shared_experts_gate_pattern",
+            "expert_activation",
         }
     ),
 }
@@ -131,14 +176,28 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
     (("tensor_parallel",), "kernel_inject"): lambda v: v is False,
     (("tensor_parallel",), "preset_model"): lambda v: v is None,
     (("tensor_parallel",), "injection_policy_tuple"): lambda v: v is None,
+    (("tensor_parallel",), "vocab_parallel_lm_head"): lambda v: v is None or v is False,
+    (("tensor_parallel",), "vocab_parallel_ce_backend"): lambda v: v == "torch",
+    ((), "managed_gradient_accumulation"): lambda v: v is True,
+    ((), "use_data_before_expert_parallelism"): lambda v: v is False,
+    (("zero_optimization",), "compute_grad_norm"): lambda v: v is True,
+    (("zero_optimization",), "zenflow"): lambda v: v is None,
+    (("zero_optimization", "offload_optimizer"), "super_offload"): lambda v: v is False,
+    (("expert_parallel",), "expert_tensor_parallel_size"): lambda v: v == 1,
+    (("expert_parallel",), "comm_backend"): lambda v: v == "comm",
+    (("expert_parallel",), "shared_experts_gate_pattern"): lambda v: v is None,
+    (("expert_parallel",), "expert_activation"): lambda v: v is None,
     ((), "amp"): lambda v: _disabled(v),
     ((), "hybrid_engine"): lambda v: _disabled(v),
     ((), "compile"): lambda v: isinstance(v, dict) and not any(x is True for x in v.values()),
     # ds_core accumulates gradients in fp32 always: only that choice is a no-op.
+    # param_dtype / buffer_dtype None: the training precision's dtype / the buffers' own.
     ((), "data_types"): lambda v: (
         isinstance(v, dict)
-        and set(v) <= {"grad_accum_dtype"}
+        and set(v) <= {"grad_accum_dtype", "param_dtype", "buffer_dtype"}
         and v.get("grad_accum_dtype") in (None, "fp32", "float32")
+        and v.get("param_dtype") is None
+        and v.get("buffer_dtype") is None
     ),
     (("bf16",), "bf16_master_weights_and_grads"): lambda v: v is False,
     (("bf16",), "bf16_optimizer_states"): lambda v: v is False,

@@ -202,10 +202,20 @@ class ZeroConfig(BaseModel):
                     data["offload_param"] = {"device": "cpu"}
                 elif legacy not in (True, False, None):
                     raise ValueError(f"{name} must be true or false, got {legacy!r}")
+        if (
+            isinstance(data, dict)
+            and "cpu_offload" not in data
+            and "cpu_offload_use_pin_memory" in data
+        ):
+            # Without cpu_offload DeepSpeed reads it nowhere (deprecated, no new param set).
+            data = dict(data)
+            if data.pop("cpu_offload_use_pin_memory") not in (True, False, None):
+                raise ValueError("cpu_offload_use_pin_memory must be true or false")
         if not isinstance(data, dict) or "cpu_offload" not in data:
             return data
         data = dict(data)
         legacy, pin = data.pop("cpu_offload"), data.pop("cpu_offload_use_pin_memory", False)
+        pin = bool(pin)  # DeepSpeed's default is None
         if legacy is True and "offload_optimizer" not in data:
             data["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
         elif legacy not in (True, False, None):
@@ -515,6 +525,12 @@ def load_config(
     for section in ("zero_optimization", "fp16", "bf16", "tensor_parallel", "expert_parallel"):
         if isinstance(raw.get(section), dict):
             raw[section] = strip_known_extras(raw[section], (section,), ignored, errors)
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, dict) and isinstance(zero.get("offload_optimizer"), dict):
+        path = ("zero_optimization", "offload_optimizer")
+        zero["offload_optimizer"] = strip_known_extras(
+            zero["offload_optimizer"], path, ignored, errors
+        )
 
     for key, types, not_yet in (
         ("optimizer", OPTIMIZER_TYPES, _NOT_YET_OPTIMIZERS),
