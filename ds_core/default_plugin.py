@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_core.comm_staging import require_contiguous
 from ds_core.errors import DSCoreError
 from ds_core.hookspecs._markers import hookimpl
 from ds_core.types import COMPLETED, REDUCE_OPS, Work
@@ -71,11 +72,14 @@ class DefaultCollectives:
     """Collective hooks over ``torch.distributed`` (registered ``trylast`` by the core).
 
     ``"avg"`` is a sum followed by a division, because not every process-group library
-    implements an average reduction.
+    implements an average reduction. Each raises ``ValueError`` on a non-contiguous tensor:
+    the facade never passes one (:mod:`ds_core.comm_staging`), and ``torch.distributed``
+    would read or write the wrong elements of some (an all-reduce of a column).
     """
 
     @hookimpl(trylast=True)
     def ds_comm_all_reduce(self, tensor: torch.Tensor, op: str, group: Any, async_op: bool) -> Work:
+        require_contiguous("all_reduce", tensor=tensor)
         if op == "avg":
             work = dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group, async_op=True)
             handle = _DivideOnWait(work, tensor, dist.get_world_size(group))
@@ -90,16 +94,20 @@ class DefaultCollectives:
     def ds_comm_all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
     ) -> Work:
+        require_contiguous("all_gather", output=output, input=input)
         _check_numel(
             "all_gather output", output.numel(), input.numel() * dist.get_world_size(group)
         )
-        work = _all_gather_single(output, input, group=group, async_op=async_op)
+        # Flat views: the contract sizes output by element count, and some libraries (gloo)
+        # refuse an output whose shape is not input's concatenated along dim 0.
+        work = _all_gather_single(output.view(-1), input.view(-1), group=group, async_op=async_op)
         return _finish(work, async_op)
 
     @hookimpl(trylast=True)
     def ds_comm_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: str, group: Any, async_op: bool
     ) -> Work:
+        require_contiguous("reduce_scatter", output=output, input=input)
         world = dist.get_world_size(group)
         _check_numel("reduce_scatter input", input.numel(), output.numel() * world)
         if op == "avg":
@@ -118,6 +126,7 @@ class DefaultCollectives:
 
     @hookimpl(trylast=True)
     def ds_comm_broadcast(self, tensor: torch.Tensor, src: int, group: Any, async_op: bool) -> Work:
+        require_contiguous("broadcast", tensor=tensor)
         work = dist.broadcast(tensor, src, group=group, async_op=async_op)
         return _finish(work, async_op)
 
@@ -131,6 +140,7 @@ class DefaultCollectives:
         group: Any,
         async_op: bool,
     ) -> Work:
+        require_contiguous("all_to_all", output=output, input=input)
         work = dist.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
         )

@@ -23,6 +23,7 @@ import pluggy
 import torch
 
 from ds_core import capabilities as caps
+from ds_core.comm_staging import Staging
 from ds_core.errors import ConfigError, DSCoreError, NotSupportedError
 from ds_core.hookspecs import all_hook_names
 from ds_core.plugins import BackendEntry, spec_argnames
@@ -397,12 +398,23 @@ class Accelerator:
         """Import whatever registers the comm backend with ``torch.distributed``."""
         return bool(self._h.ds_comm_prepare())
 
+    # Each collective passes contiguous arguments straight to the hook and stages the others
+    # through contiguous temporaries (ds_core.comm_staging; the rule in ds_core.hookspecs.comm).
+
     def all_reduce(
         self, tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False
     ) -> Work:
-        """Reduce ``tensor`` in place across the group."""
-        work: Work = self._h.ds_comm_all_reduce(tensor, op, group, async_op)
-        return work
+        """Reduce ``tensor`` in place across the group (any strided layout).
+
+        :raises ValueError: on an unknown ``op``, or a non-contiguous ``tensor`` whose
+            elements may share memory.
+        """
+        if tensor.is_contiguous():
+            work: Work = self._h.ds_comm_all_reduce(tensor, op, group, async_op)
+            return work
+        stage = Staging()
+        staged = stage.inout(tensor, "all_reduce tensor")
+        return stage.finish(self._h.ds_comm_all_reduce(staged, op, group, async_op), async_op)
 
     def all_gather(
         self,
@@ -411,9 +423,18 @@ class Accelerator:
         group: Any = None,
         async_op: bool = False,
     ) -> Work:
-        """Gather each rank's ``input`` into ``output`` (concatenated along dim 0)."""
-        work: Work = self._h.ds_comm_all_gather(output, input, group, async_op)
-        return work
+        """Gather each rank's ``input`` into ``output`` (concatenated along dim 0).
+
+        :raises ValueError: when ``output`` has the wrong number of elements, or is
+            non-contiguous with elements that may share memory.
+        """
+        if output.is_contiguous() and input.is_contiguous():
+            work: Work = self._h.ds_comm_all_gather(output, input, group, async_op)
+            return work
+        stage = Staging()
+        out = stage.output(output, "all_gather output")
+        inp = stage.input(input)
+        return stage.finish(self._h.ds_comm_all_gather(out, inp, group, async_op), async_op)
 
     def reduce_scatter(
         self,
@@ -423,16 +444,33 @@ class Accelerator:
         group: Any = None,
         async_op: bool = False,
     ) -> Work:
-        """Reduce ``input`` across ranks; rank r keeps chunk r in ``output``."""
-        work: Work = self._h.ds_comm_reduce_scatter(output, input, op, group, async_op)
-        return work
+        """Reduce ``input`` across ranks; rank r keeps chunk r in ``output``.
+
+        :raises ValueError: when the sizes do not divide, or ``output`` is non-contiguous
+            with elements that may share memory.
+        """
+        if output.is_contiguous() and input.is_contiguous():
+            work: Work = self._h.ds_comm_reduce_scatter(output, input, op, group, async_op)
+            return work
+        stage = Staging()
+        out = stage.output(output, "reduce_scatter output")
+        inp = stage.input(input)
+        return stage.finish(self._h.ds_comm_reduce_scatter(out, inp, op, group, async_op), async_op)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False
     ) -> Work:
-        """Copy ``tensor`` from global rank ``src`` to every rank, in place."""
-        work: Work = self._h.ds_comm_broadcast(tensor, src, group, async_op)
-        return work
+        """Copy ``tensor`` from global rank ``src`` to every rank, in place.
+
+        :raises ValueError: when ``tensor`` is non-contiguous with elements that may share
+            memory.
+        """
+        if tensor.is_contiguous():
+            work: Work = self._h.ds_comm_broadcast(tensor, src, group, async_op)
+            return work
+        stage = Staging()
+        staged = stage.inout(tensor, "broadcast tensor")
+        return stage.finish(self._h.ds_comm_broadcast(staged, src, group, async_op), async_op)
 
     def all_to_all(
         self,
@@ -443,11 +481,25 @@ class Accelerator:
         group: Any = None,
         async_op: bool = False,
     ) -> Work:
-        """Exchange dim-0 slices of ``input`` between all ranks."""
-        work: Work = self._h.ds_comm_all_to_all(
-            output, input, output_split_sizes, input_split_sizes, group, async_op
+        """Exchange dim-0 slices of ``input`` between all ranks.
+
+        :raises ValueError: when ``output`` is non-contiguous with elements that may share
+            memory.
+        """
+        if output.is_contiguous() and input.is_contiguous():
+            work: Work = self._h.ds_comm_all_to_all(
+                output, input, output_split_sizes, input_split_sizes, group, async_op
+            )
+            return work
+        stage = Staging()
+        out = stage.output(output, "all_to_all output")
+        inp = stage.input(input)
+        return stage.finish(
+            self._h.ds_comm_all_to_all(
+                out, inp, output_split_sizes, input_split_sizes, group, async_op
+            ),
+            async_op,
         )
-        return work
 
     def barrier(self, group: Any = None) -> bool:
         """Block until every rank of the group arrives."""

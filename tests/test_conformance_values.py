@@ -8,10 +8,21 @@ plausible narrower type changes a value or a reduction.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from ds_backend_cpu.shm_groups import DEFAULT_SLOT_BYTES
-from ds_conformance.comm_cases import LARGE_NUMEL, cases
+from ds_conformance.comm_cases import (
+    COLLECTIVES,
+    GUARD,
+    LARGE_NUMEL,
+    LAYOUTS,
+    Case,
+    Context,
+    Placement,
+    cases,
+)
 from ds_conformance.values import (
     REDUCE_OPS,
     op_applies,
@@ -121,6 +132,21 @@ def test_every_reduce_op_and_collective_is_covered_on_every_dtype() -> None:
     for collective in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
         assert (collective, "group") in variants and (collective, "late-async") in variants
     assert ("barrier", "late-sync") in variants and ("all_to_all", "equal-splits") in variants
+    # the non-contiguous axis: every op of every collective, sync and async, on both worlds
+    for layout in LAYOUTS:
+        for world in WORLDS:
+            got = {
+                (c.collective, c.op, c.async_op)
+                for c in all_cases
+                if c.variant == layout and c.world == world
+            }
+            want = {
+                (collective, op, async_op)
+                for collective in COLLECTIVES[:-1]  # all but the barrier
+                for op in (REDUCE_OPS if collective in ("all_reduce", "reduce_scatter") else ("",))
+                for async_op in (False, True)
+            }
+            assert got == want, (layout, world, want - got)
 
 
 @pytest.mark.parametrize("numel", [0, 1, 34, 35, 36, 71, 1000])
@@ -150,3 +176,25 @@ def test_large_cases_span_several_cpu_slots_and_their_oracle_is_exact() -> None:
             if op == "avg":
                 in_float32 = in_float32 / world
             assert torch.equal(in_float32, reduce(data, op)), (world, op)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [(13,), (6, 3)])
+def test_layout_placement_is_non_contiguous_and_its_guards_catch_a_stray_write(
+    layout: str, shape: tuple[int, ...], tmp_path: Path
+) -> None:
+    case = Case("all_reduce", 2, "float32", "sum", variant=layout)
+    ctx = Context(acc=None, rank=0, scratch=tmp_path, groups={})
+    place = Placement(case, "cpu")
+    data = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    view = place.put(data)
+    assert not view.is_contiguous() and torch.equal(view, data)
+    out = place.empty(shape, torch.float32)
+    assert not out.is_contiguous() and out.shape == shape
+    out.copy_(data)  # writes through views stay inside them
+    place.check_guards(ctx, case)
+    base = view._base
+    assert base is not None and int((base == GUARD).sum()) == base.numel() - view.numel()
+    base.view(-1)[-1 if layout == "transposed" and len(shape) == 2 else 0] = 0.0
+    with pytest.raises(AssertionError, match=f"buffer 0 outside its {layout} view"):
+        place.check_guards(ctx, case)

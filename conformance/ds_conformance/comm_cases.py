@@ -19,6 +19,15 @@ vendor library's chunk a few MiB), so a backend that splits a message into piece
 past its first piece. The count is not a power of two, so the last piece is partial, and the
 data's period (35 elements) does not divide a power-of-two piece, so a piece written at
 another piece's offset differs.
+
+Layout cases (variants in :data:`LAYOUTS`, float32, every op of every collective, sync and
+async, 2 and 4 ranks) hand the collective non-contiguous views, the rule stated under
+"Layout" in ``ds_core.hookspecs.comm``: ``strided`` puts every tensor (inputs and outputs) in
+one column of a two-column buffer (a stride of 2 elements, the column ``x[:, 1]`` of a
+matrix), ``transposed`` makes 2-D tensors the transpose of a padded buffer (all-to-all rows;
+1-D tensors are strided instead). Every element of a buffer outside its view holds
+:data:`GUARD`, checked after the collective, so a backend that reads or writes memory past
+the view's elements fails even where the view itself ends up right.
 """
 
 from __future__ import annotations
@@ -53,6 +62,10 @@ MARKER_TIMEOUT_S = 30.0
 LARGE_NUMEL = 2**22 + 13
 #: Results longer than this are reported by their first differing positions, not in full.
 REPORT_NUMEL = 64
+#: Variants whose tensors are non-contiguous views (see :class:`Placement`).
+LAYOUTS: tuple[str, ...] = ("strided", "transposed")
+#: What a layout case's buffers hold outside their views (no rank's data comes near it).
+GUARD = -1000.0
 
 
 @dataclass(frozen=True)
@@ -62,7 +75,8 @@ class Case:
     dtype: str  # torch dtype name without "torch."
     op: str = ""
     async_op: bool = False
-    variant: str = ""  # "", "group", "equal-splits", "large", "late-sync", "late-async", "stream-*"
+    # "", "group", "equal-splits", "large", "late-sync", "late-async", "stream-*", or a LAYOUT
+    variant: str = ""
 
     @property
     def id(self) -> str:
@@ -115,6 +129,12 @@ def cases(dtypes: Iterable[torch.dtype]) -> list[Case]:
             op = "sum" if collective in ("all_reduce", "reduce_scatter") else ""
             out.append(Case(collective, world, "float32", op, async_op=True))
         out.append(Case("barrier", world, ""))
+        for layout in LAYOUTS:
+            for collective in COLLECTIVES[:-1]:
+                ops = REDUCE_OPS if collective in ("all_reduce", "reduce_scatter") else ("",)
+                for op in ops:
+                    for async_op in (False, True):
+                        out.append(Case(collective, world, "float32", op, async_op, layout))
     for collective in COLLECTIVES[:-1]:
         op = "avg" if collective in ("all_reduce", "reduce_scatter") else ""
         out.append(Case(collective, 4, "float32", op, variant="group"))
@@ -166,6 +186,65 @@ def _fail(ctx: Context, case: Case, what: str, got: Any, expected: Any) -> None:
 def _numel(case: Case, small: int) -> int:
     """Elements per rank: ``small`` (a case's usual odd count) or :data:`LARGE_NUMEL`."""
     return LARGE_NUMEL if case.variant == "large" else small
+
+
+class Placement:
+    """Puts a case's tensors on the device: plain tensors, or for a layout case (a variant in
+    :data:`LAYOUTS`) non-contiguous views into buffers that hold :data:`GUARD` elsewhere."""
+
+    def __init__(self, case: Case, device: Any) -> None:
+        self.device = device
+        self.layout = case.variant if case.variant in LAYOUTS else ""
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, view of it)
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` on the device, in the case's layout (an input, or a buffer reduced
+        or broadcast in place)."""
+        if not self.layout:
+            return t.to(self.device, copy=True)
+        view = self._view(tuple(t.shape), t.dtype)
+        view.copy_(t.to(self.device))
+        return view
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An output of ``shape`` on the device, in the case's layout, contents unspecified."""
+        if not self.layout:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return self._view(shape, dtype)
+
+    def _view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.layout == "transposed" and len(shape) == 2:
+            rows, cols = shape
+            buffer = torch.full((cols, rows + 1), GUARD, dtype=dtype, device=self.device)
+            view = buffer[:, :rows].t()  # strides (1, rows + 1): a padded transpose
+        else:
+            buffer = torch.full((*shape, 2), GUARD, dtype=dtype, device=self.device)
+            view = buffer[..., 1]  # every element 2 apart, with a guard between
+        if view.numel() > 1 and view.is_contiguous():
+            raise AssertionError(f"a {self.layout} view of shape {shape} came out contiguous")
+        self._views.append((buffer, view))
+        return view
+
+    def check_guards(self, ctx: Context, case: Case) -> None:
+        """Fail when anything outside the views was written.
+
+        :raises AssertionError: naming the first view whose buffer changed outside it.
+        """
+        for number, (buffer, view) in enumerate(self._views):
+            outside = torch.ones(buffer.shape, dtype=torch.bool, device=buffer.device)
+            outside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(False)
+            spilled = buffer[outside].cpu()
+            wrong = (spilled != GUARD).nonzero().flatten()
+            if wrong.numel():
+                _fail(
+                    ctx,
+                    case,
+                    f"buffer {number} outside its {self.layout} view (shape "
+                    f"{tuple(view.shape)}, strides {view.stride()}) at {wrong.numel()} "
+                    "elements, first values",
+                    spilled[wrong[:8]].tolist(),
+                    f"untouched ({GUARD})",
+                )
 
 
 def _check(ctx: Context, case: Case, got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -231,59 +310,61 @@ def _run_plain(ctx: Context, case: Case, late: Callable[[], None] | None = None)
     if late is not None:
         late()
     run = _COLLECTIVES[case.collective]
-    got, expected, work = run(acc, case, device, dtype, members, me, world, group)
+    place = Placement(case, device)
+    got, expected, work = run(acc, case, place, dtype, members, me, world, group)
     if case.async_op:
         work.wait()
     acc.synchronize()
     _check(ctx, case, got, expected)
+    place.check_guards(ctx, case)
 
 
 Run = Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]
 
 
 def _all_reduce(
-    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
-    world: int, group: Any,
+    acc: Any, case: Case, place: Placement, dtype: torch.dtype, members: tuple[int, ...],
+    me: int, world: int, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
     data = [_inputs(case, r, _numel(case, 13), dtype, world) for r in members]
     expected = reduce(data, case.op)
-    tensor = data[me].to(device, copy=True)  # reduced in place
+    tensor = place.put(data[me])  # reduced in place
     work = acc.all_reduce(tensor, case.op, group, case.async_op)
     return tensor, expected, work
 
 
 def _all_gather(
-    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
-    world: int, group: Any,
+    acc: Any, case: Case, place: Placement, dtype: torch.dtype, members: tuple[int, ...],
+    me: int, world: int, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
     n = _numel(case, 7)
     data = [rank_values(r, n, dtype, world) for r in members]
-    got = torch.empty(n * world, dtype=dtype, device=device)
-    work = acc.all_gather(got, data[me].to(device), group, case.async_op)
+    got = place.empty((n * world,), dtype)
+    work = acc.all_gather(got, place.put(data[me]), group, case.async_op)
     return got, torch.cat(data), work
 
 
 def _reduce_scatter(
-    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
-    world: int, group: Any,
+    acc: Any, case: Case, place: Placement, dtype: torch.dtype, members: tuple[int, ...],
+    me: int, world: int, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
     n = _numel(case, 5)
     full = [_inputs(case, r, n * world, dtype, world) for r in members]
     expected = reduce(full, case.op)[me * n : (me + 1) * n]
-    got = torch.empty(n, dtype=dtype, device=device)
-    work = acc.reduce_scatter(got, full[me].to(device, copy=True), case.op, group, case.async_op)
+    got = place.empty((n,), dtype)
+    work = acc.reduce_scatter(got, place.put(full[me]), case.op, group, case.async_op)
     return got, expected, work
 
 
 def _broadcast(
-    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
-    world: int, group: Any,
+    acc: Any, case: Case, place: Placement, dtype: torch.dtype, members: tuple[int, ...],
+    me: int, world: int, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
     src = members[-1]  # a global rank that is not the group's rank 0
     n = _numel(case, 11)
     expected = rank_values(src, n, dtype, world)
     own = rank_values(members[me], n, dtype, world, salt=0 if me == world - 1 else 5)
-    got = own.to(device, copy=True)
+    got = place.put(own)
     work = acc.broadcast(got, src, group, case.async_op)
     return got, expected, work
 
@@ -294,8 +375,8 @@ def _split(rank: int, peer: int) -> int:
 
 
 def _all_to_all(
-    acc: Any, case: Case, device: Any, dtype: torch.dtype, members: tuple[int, ...], me: int,
-    world: int, group: Any,
+    acc: Any, case: Case, place: Placement, dtype: torch.dtype, members: tuple[int, ...],
+    me: int, world: int, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
     equal = case.variant == "equal-splits"
 
@@ -312,8 +393,8 @@ def _all_to_all(
         pieces.append(rows(peer)[start : start + split(peer, me)])
     sends = None if equal else [split(me, peer) for peer in range(world)]
     recvs = None if equal else [split(peer, me) for peer in range(world)]
-    got = torch.empty(sum(split(p, me) for p in range(world)), 3, dtype=dtype, device=device)
-    work = acc.all_to_all(got, rows(me).to(device), recvs, sends, group, case.async_op)
+    got = place.empty((sum(split(p, me) for p in range(world)), 3), dtype)
+    work = acc.all_to_all(got, place.put(rows(me)), recvs, sends, group, case.async_op)
     return got, torch.cat(pieces), work
 
 
@@ -340,7 +421,8 @@ def _run_late(ctx: Context, case: Case) -> None:
             acc, device, dtype = ctx.acc, ctx.acc.device(), getattr(torch, case.dtype)
             members = tuple(range(case.world))
             run = _COLLECTIVES[case.collective]
-            got, expected, work = run(acc, case, device, dtype, members, 0, case.world, None)
+            place = Placement(case, device)
+            got, expected, work = run(acc, case, place, dtype, members, 0, case.world, None)
             returned.touch()
             work.wait()
             work.wait()  # a second wait is allowed and changes nothing

@@ -4,7 +4,8 @@ One group of rank processes per world size runs every case (see :mod:`comm_cases
 with the ZeRO smoke test through :mod:`ds_conformance.ranks`); the tests below report each
 case. Ranks are processes on the ``cpu`` device type; elsewhere a world size needs that many
 devices, else its cases skip. Cases whose id contains ``late-`` check blocking semantics with
-a late peer; ``stream-`` cases check stream ordering (``async_streams`` backends only).
+a late peer; ``stream-`` cases check stream ordering (``async_streams`` backends only);
+``strided`` and ``transposed`` cases pass non-contiguous views (``comm_cases.LAYOUTS``).
 """
 
 from __future__ import annotations

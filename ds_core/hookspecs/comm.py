@@ -31,6 +31,27 @@ Ordering and ownership (the stream contract of every collective hook below):
   the handle's ``wait()`` has returned; for a synchronous call, until the hook returns. A
   backend may keep references to them, use them as scratch where a hook says so, and write
   the outputs at any time before ``wait()`` returns.
+
+Layout (the non-contiguous rule of every collective hook below):
+
+- **Hooks receive contiguous tensors only**, and an implementation may rely on it: a
+  process-group library addresses a buffer by pointer and element count, so a strided view
+  would be read and written as if its elements were adjacent. The facade (and so
+  ``ds_core.comm``) gives callers any strided tensor: it passes a contiguous one through
+  untouched and stages a non-contiguous one through a contiguous temporary
+  (:mod:`ds_core.comm_staging`).
+- **A staged call is exact.** A non-contiguous input is copied into the temporary at call
+  time (on the current stream, before the collective reads it). A non-contiguous in-place
+  buffer or output is written only through its own elements: the result is copied back into
+  the caller's view before a synchronous call returns, and in the first ``wait()`` of an
+  asynchronous one; nothing outside the view's elements is touched, and the view holds
+  nothing defined before that ``wait()`` returns. The handle keeps the temporaries alive
+  until then.
+- **An in-place buffer or output whose elements may share memory** (non-contiguous with a
+  stride of 0, as from ``expand()``) raises ``ValueError`` naming the argument before any
+  communication, on every rank that passes one. An input may share memory.
+- The core's own hook implementations (the default plugin's, the ``cpu`` backend's) raise
+  ``ValueError`` naming the argument when called directly with a non-contiguous tensor.
 """
 
 from __future__ import annotations
@@ -72,11 +93,13 @@ def ds_comm_prepare() -> bool:
 def ds_comm_all_reduce(tensor: torch.Tensor, op: str, group: Any, async_op: bool) -> Work:
     """Reduce ``tensor`` across the group in place, so every rank holds the result.
 
-    :param tensor: the buffer, reduced in place.
+    :param tensor: the buffer, reduced in place; contiguous (the facade stages a view, see
+        Layout above).
     :param op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"``.
     :param group: a process group from ``ds_core.comm.new_group``, or ``None`` for the world.
     :param async_op: return before completion; the caller waits on the handle.
-    :raises ValueError: on an unknown ``op``.
+    :raises ValueError: on an unknown ``op``; through the facade, on a non-contiguous
+        ``tensor`` whose elements may share memory.
 
     Device context: uses the existing one (the process group already made it).
 
@@ -90,9 +113,11 @@ def ds_comm_all_gather(
 ) -> Work:
     """Gather every rank's ``input`` into ``output``, concatenated along dim 0 in rank order.
 
-    :param output: a contiguous tensor of ``world_size × input.numel()`` elements.
-    :param input: this rank's contribution; the same size on every rank.
-    :raises ValueError: when ``output`` has the wrong number of elements.
+    :param output: a contiguous tensor of ``world_size × input.numel()`` elements, filled in
+        its row-major element order (the facade stages a view, see Layout above).
+    :param input: this rank's contribution, contiguous; the same size on every rank.
+    :raises ValueError: when ``output`` has the wrong number of elements; through the
+        facade, when ``output`` is non-contiguous with elements that may share memory.
 
     Device context: uses the existing one (the process group already made it).
 
@@ -106,12 +131,14 @@ def ds_comm_reduce_scatter(
 ) -> Work:
     """Reduce ``input`` across ranks and leave rank ``r``'s ``r``-th equal chunk in ``output``.
 
-    :param output: a contiguous tensor of ``input.numel() / world_size`` elements.
-    :param input: the full buffer; its numel is divisible by the group size. Implementations
-        may use it as scratch (e.g. an in-place all-reduce), so callers must not rely on its
-        contents afterwards.
+    :param output: a contiguous tensor of ``input.numel() / world_size`` elements (the
+        facade stages a view, see Layout above).
+    :param input: the full buffer, contiguous; its numel is divisible by the group size.
+        Implementations may use it as scratch (e.g. an in-place all-reduce), so callers must
+        not rely on its contents afterwards (a staged input's scratch is the temporary).
     :param op: as for ``ds_comm_all_reduce``.
-    :raises ValueError: when the sizes do not divide.
+    :raises ValueError: when the sizes do not divide; through the facade, when ``output``
+        is non-contiguous with elements that may share memory.
 
     Device context: uses the existing one (the process group already made it).
 
@@ -123,7 +150,11 @@ def ds_comm_reduce_scatter(
 def ds_comm_broadcast(tensor: torch.Tensor, src: int, group: Any, async_op: bool) -> Work:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place.
 
+    :param tensor: the buffer, read on ``src`` and overwritten elsewhere; contiguous (the
+        facade stages a view, see Layout above).
     :param src: the source's global rank.
+    :raises ValueError: through the facade, when ``tensor`` is non-contiguous with elements
+        that may share memory.
 
     Device context: uses the existing one (the process group already made it).
 
@@ -142,8 +173,13 @@ def ds_comm_all_to_all(
 ) -> Work:
     """Scatter slices of ``input`` (along dim 0) to every rank and gather theirs into ``output``.
 
+    :param output: the received rows, contiguous (the facade stages a view, see Layout
+        above).
+    :param input: the rows to send, contiguous.
     :param output_split_sizes: rows received from each rank, or ``None`` for equal splits.
     :param input_split_sizes: rows sent to each rank, or ``None`` for equal splits.
+    :raises ValueError: through the facade, when ``output`` is non-contiguous with elements
+        that may share memory.
 
     Device context: uses the existing one (the process group already made it).
 

@@ -2,7 +2,9 @@
 
 Each call picks its transport (:func:`route`): the shared-memory transport of
 :mod:`ds_backend_cpu.shm` when the group's ranks all share this host and the tensors are
-contiguous host tensors of a dtype it handles, else gloo. The choice is counted per collective
+host tensors of a dtype it handles, else gloo. Tensors are contiguous on either path: the
+facade stages non-contiguous views (:mod:`ds_core.comm_staging`), and a hook called directly
+with one raises ``ValueError``, because gloo would reduce the wrong elements of some. The choice is counted per collective
 and reason (:func:`transport_counts`), and a gloo call on a group with queued shared-memory
 calls first waits for them, so calls on a group keep their order whatever carries them.
 
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from ds_backend_cpu import shm, shm_groups
 from ds_core import hookimpl
 from ds_core.comm import DefaultCollectives, torch_reduce_op
+from ds_core.comm_staging import require_contiguous
 from ds_core.types import COMPLETED, REDUCE_OPS, Work
 
 _counts: Counter[tuple[str, str, str]] = Counter()
@@ -51,8 +54,6 @@ def _tensor_reason(tensors: Sequence[torch.Tensor]) -> str:
             return f"tensor on {t.device}"
         if t.layout != torch.strided:
             return f"{t.layout} tensor"
-        if not t.is_contiguous():
-            return "non-contiguous tensor"
         if t.dtype not in shm.DTYPES:
             return f"dtype {t.dtype}"
     return ""
@@ -124,6 +125,7 @@ def _check_op(op: str) -> None:
 @hookimpl
 def ds_comm_all_reduce(tensor: torch.Tensor, op: str, group: Any, async_op: bool) -> Work:
     _check_op(op)
+    require_contiguous("all_reduce", tensor=tensor)
     transport = route("all_reduce", group, [tensor])
     if transport is None:
         return _gloo_all_reduce(tensor, op, group, async_op)
@@ -142,6 +144,7 @@ def ds_comm_reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: str, group: Any, async_op: bool
 ) -> Work:
     _check_op(op)
+    require_contiguous("reduce_scatter", output=output, input=input)
     transport = route("reduce_scatter", group, [output, input])
     if transport is None:
         return _gloo_reduce_scatter(output, input, op, group, async_op)
@@ -165,6 +168,7 @@ def ds_comm_reduce_scatter(
 def ds_comm_all_gather(
     output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
 ) -> Work:
+    require_contiguous("all_gather", output=output, input=input)
     transport = route("all_gather", group, [output, input])
     if transport is None:
         return _gloo_all_gather(output, input, group, async_op)
@@ -186,6 +190,7 @@ def ds_comm_all_gather(
 
 @hookimpl
 def ds_comm_broadcast(tensor: torch.Tensor, src: int, group: Any, async_op: bool) -> Work:
+    require_contiguous("broadcast", tensor=tensor)
     transport = route("broadcast", group, [tensor])
     if transport is None:
         return _gloo_broadcast(tensor, src, group, async_op)
@@ -225,6 +230,7 @@ def ds_comm_all_to_all(
     group: Any,
     async_op: bool,
 ) -> Work:
+    require_contiguous("all_to_all", output=output, input=input)
     transport = (
         route("all_to_all", group, [output, input]) if input.dim() and output.dim() else None
     )
