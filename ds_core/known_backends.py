@@ -30,6 +30,7 @@ KNOWN_BACKENDS: Final[dict[str, KnownBackend]] = {
             "kunlunxin", "ds-core-kunlunxin", "kunlunxin", "cuda", "nccl (BKCL)", "Baidu Kunlunxin"
         ),
         KnownBackend("cpu", "ds-core-cpu", "cpu", "cpu", "gloo", "host CPU"),
+        KnownBackend("sim", "ds-core-sim", "sim", "sim", "simccl", "simulated accelerator"),
     )
 }
 

@@ -20,6 +20,7 @@ EXTRAS = {
     "hpu": "ds-core-hpu",
     "npu": "ds-core-npu",
     "kunlunxin": "ds-core-kunlunxin",
+    "sim": "ds-core-sim",
     "conformance": "ds-core-conformance",
 }
 

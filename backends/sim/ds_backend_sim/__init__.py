@@ -1,0 +1,40 @@
+"""ds_core's simulated accelerator: the ``sim`` torch device (see backends/sim/README.md).
+
+Importing this package creates nothing; :func:`init` (or selecting the ``sim`` backend in
+ds_core) makes the device exist. :func:`counters` reads the per-process counters of invisible
+costs; :func:`reset_counters` zeroes them.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from ds_backend_sim import device
+
+__all__ = ["counters", "init", "reset_counters"]
+
+
+def init() -> ModuleType:
+    """Create the sim device in this process (idempotent); return ``torch.sim``."""
+    return device.init()
+
+
+def counters() -> dict[str, int]:
+    """This process's counters since the last reset (creates the device if needed).
+
+    - ``host_syncs``: times the host blocked on device work (a blocking copy either way,
+      ``.item()``/``.tolist()``, a device, stream or event synchronize);
+    - ``h2d_bytes``, ``d2h_bytes``: bytes copied between host and device, blocking or not;
+    - ``kernels``: compute operators run on the device (copies excluded);
+    - ``collectives``, ``collective_bytes``: simccl calls on sim tensors and their buffer bytes.
+
+    Host kernels' own staging copies are not counted. Each counter is one atomic add.
+    """
+    device.init()
+    return dict(device.extension().counters())
+
+
+def reset_counters() -> None:
+    """Zero every counter of :func:`counters`."""
+    device.init()
+    device.extension().reset_counters()

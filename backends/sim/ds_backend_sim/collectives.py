@@ -1,0 +1,378 @@
+"""``simccl``: the sim device's collective library, a c10d backend registered for ``sim``.
+
+It is registered the way vendor collective libraries register theirs
+(``torch.distributed.Backend.register_backend(..., devices=["sim"])``), so
+``init_process_group("cpu:gloo,sim:simccl")``, ``ds_core.init_distributed()`` and plain
+``torch.distributed`` calls work on sim tensors across processes.
+
+Each collective is queued on the stream current when it is called and runs when that stream
+reaches it: the sim buffers are staged to host memory, reduced or exchanged over a host gloo
+group private to this backend, and written back. The returned work's ``wait()`` orders the
+*current* stream after the collective (it records an event after it and makes the current
+stream wait for that event), as ``ds_core/hookspecs/comm.py`` states; it does not block the
+host. The queued work holds the buffers until it ran, and the work object holds them until
+``wait()``.
+
+Link model (off by default): with ``DS_SIM_LINK_GBPS`` > 0 a collective also occupies its
+stream for ``DS_SIM_LATENCY_US`` + wire bytes / bandwidth, where the wire bytes are what a
+ring algorithm sends per rank (:func:`wire_bytes`). That makes overlap measurable without a
+network: a collective that is hidden behind compute costs nothing; one that is waited for
+costs its modelled time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_backend_sim import device
+
+NAME = "simccl"
+#: The backend string for ``init_process_group``; it serves host and sim tensors.
+PROCESS_GROUP_BACKEND = NAME
+
+_registered = False
+_register_lock = threading.Lock()
+
+
+def wire_bytes(collective: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends for ``collective`` over a ring of ``world`` ranks.
+
+    ``nbytes`` is the size of the full buffer: the all-reduced tensor, the gathered output,
+    the reduce-scattered input, the broadcast tensor, or the all-to-all input.
+
+    :raises ValueError: an unknown collective or a world below 1.
+    """
+    if world < 1:
+        raise ValueError(f"world must be at least 1, got {world}")
+    if world == 1:
+        return 0
+    share = nbytes * (world - 1) // world
+    if collective == "all_reduce":
+        return 2 * share
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return share
+    if collective in ("broadcast", "reduce"):
+        return nbytes
+    if collective == "barrier":
+        return 0
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def modelled_seconds(collective: str, nbytes: int, world: int) -> float:
+    """Seconds the link model makes ``collective`` occupy its stream (0 when it is off)."""
+    s = device.current_settings()
+    if s.link_gbps <= 0:
+        return 0.0
+    return s.latency_us * 1e-6 + wire_bytes(collective, nbytes, world) / (s.link_gbps * 1e9)
+
+
+_OPS = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.PRODUCT: "product",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.AVG: "avg",
+}
+
+
+class SimWork(dist.Work):
+    """A queued collective. ``wait()`` orders the current stream after it (host not blocked);
+    ``is_completed()`` asks the event recorded after it; the buffers stay referenced here
+    until ``wait()``."""
+
+    def __init__(self, index: int, event: torch.Event, buffers: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.index = index
+        self.event = event
+        self.buffers: list[torch.Tensor] | None = list(buffers)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        current = device.current_stream(self.index)
+        current.wait_event(self.event)
+        self.buffers = None
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self) -> Any:
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return list(self.buffers or [])
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class SimProcessGroup(dist.ProcessGroup):
+    """The simccl process group (see the module docstring).
+
+    torch uses a Python process group for every device of the group, so host tensors are
+    served too: synchronously over one private gloo group, on the caller's thread. Sim
+    tensors go over a second one, on the stream workers, so the two kinds of traffic never
+    interleave differently on different ranks. Collectives on sim tensors of one group must
+    be issued on one stream at a time, as a NCCL communicator requires.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._direct = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, timeout)
+        self._queued = dist.ProcessGroupGloo(dist.PrefixStore("sim", store), rank, size, timeout)
+        # The event after the last collective queued on this group: the next one, whatever
+        # stream it is issued on, runs after it, so every rank runs them in issue order.
+        self._last: torch.Event | None = None
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return NAME
+
+    #: ``init_process_group(device_id=...)`` asks the device's backend whether it can split.
+    supports_splitting = False
+
+    def _get_backend(self, device: Any) -> SimProcessGroup:
+        # torch's own lookup knows only C++ backends; this group serves every device itself.
+        return self
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu"), torch.device(device.DEVICE_TYPE)]
+
+    # -- queueing --------------------------------------------------------------------------
+
+    def _run(
+        self,
+        collective: str,
+        tensors: Sequence[torch.Tensor],
+        nbytes: int,
+        body: Callable[[Any], None],
+    ) -> Any:
+        """Run ``body(gloo)`` now for host tensors, else queue it on the current stream."""
+        if tensors and all(t.device.type == "cpu" for t in tensors):
+            body(self._direct)
+            return _done()
+        index = tensors[0].device.index if tensors else device.current_device()
+        for t in tensors:
+            if t.device.type != device.DEVICE_TYPE or t.device.index != index:
+                raise ValueError(
+                    f"simccl {collective} takes tensors on one device; got one on "
+                    f"'{t.device}' beside '{tensors[0].device}'"
+                )
+        seconds = modelled_seconds(collective, nbytes, self._size)
+        ext = device.extension()
+        stream = device.current_stream(index)
+        queued = self._queued
+
+        def run() -> None:
+            started = time.perf_counter()
+            body(queued)
+            if seconds > 0:
+                left = seconds - (time.perf_counter() - started)
+                if left > 0:
+                    time.sleep(left)
+
+        ext.count_collective(nbytes)
+        if self._last is not None:
+            stream.wait_event(self._last)
+        ext.enqueue(index, int(stream.stream_id), run)
+        event = device.Event()
+        event.record(stream)
+        self._last = event
+        return SimWork(index, event, tensors)
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        (tensor,) = tensors
+        op = _reduce_op(opts)
+
+        def body(gloo: Any) -> None:
+            host = _host(tensor)
+            gloo.allreduce([host], _allreduce_opts(_torch_op(op))).wait()
+            if op == "avg":
+                host.div_(self._size)
+            tensor.copy_(host)
+
+        return self._run("all_reduce", [tensor], _nbytes(tensor), body)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        (tensor,) = tensors
+        bopts = dist.BroadcastOptions()
+        bopts.rootRank = int(opts.rootRank) if opts is not None else 0
+
+        def body(gloo: Any) -> None:
+            host = _host(tensor)
+            gloo.broadcast([host], bopts).wait()
+            tensor.copy_(host)
+
+        return self._run("broadcast", [tensor], _nbytes(tensor), body)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        def body(gloo: Any) -> None:
+            host_out = torch.empty(output.shape, dtype=_host(output[:0]).dtype)
+            gloo._allgather_base(host_out, _host(input)).wait()
+            output.copy_(host_out)
+
+        return self._run("all_gather", [output, input], _nbytes(output), body)
+
+    _allgather_base = all_gather_single
+
+    def allgather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        (outputs,), (input,) = output_lists, inputs
+
+        def body(gloo: Any) -> None:
+            host_outs = [torch.empty(o.shape, dtype=_host(o[:0]).dtype) for o in outputs]
+            gloo.allgather([host_outs], [_host(input)]).wait()
+            for o, h in zip(outputs, host_outs, strict=True):
+                o.copy_(h)
+
+        return self._run("all_gather", [*outputs, input], sum(_nbytes(o) for o in outputs), body)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Any:
+        op = _reduce_op(opts)
+
+        def body(gloo: Any) -> None:
+            # An all-reduce, keeping this rank's chunk: gloo's own reduce-scatter is slower.
+            host = _host(input)
+            gloo.allreduce([host], _allreduce_opts(_torch_op(op))).wait()
+            if op == "avg":
+                host.div_(self._size)
+            output.copy_(host.view(self._size, -1)[self._rank].view(output.shape))
+
+        return self._run("reduce_scatter", [output, input], _nbytes(input), body)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        (output,), (inputs,) = outputs, input_lists
+        op = _reduce_op(opts)
+
+        def body(gloo: Any) -> None:
+            host = torch.cat([_host(i).reshape(-1) for i in inputs])
+            gloo.allreduce([host], _allreduce_opts(_torch_op(op))).wait()
+            if op == "avg":
+                host.div_(self._size)
+            output.copy_(host.view(self._size, -1)[self._rank].view(output.shape))
+
+        return self._run("reduce_scatter", [output, *inputs], sum(_nbytes(i) for i in inputs), body)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Any:
+        def body(gloo: Any) -> None:
+            host_out = torch.empty(output.shape, dtype=_host(output[:0]).dtype)
+            gloo.alltoall_base(
+                host_out,
+                _host(input),
+                list(output_split_sizes),
+                list(input_split_sizes),
+                dist.AllToAllOptions(),
+            ).wait()
+            output.copy_(host_out)
+
+        return self._run("all_to_all", [output, input], _nbytes(input), body)
+
+    alltoall_base = all_to_all_single
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        (tensor,) = tensors
+        ropts = dist.ReduceOptions()
+        ropts.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        ropts.rootRank = int(opts.rootRank) if opts is not None else 0
+
+        def body(gloo: Any) -> None:
+            host = _host(tensor)
+            gloo.reduce([host], ropts).wait()
+            if self._rank == ropts.rootRank:
+                tensor.copy_(host)
+
+        return self._run("reduce", [tensor], _nbytes(tensor), body)
+
+    def barrier(self, opts: Any = None) -> Any:
+        # As c10d's device barriers do: the host returns once this device's queued work and
+        # every rank's arrival are done.
+        if device.is_initialized():
+            for i in range(device.device_count()):
+                device.synchronize(i)
+        self._direct.barrier().wait()
+        return _done()
+
+
+class _Done(dist.Work):
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+def _done() -> _Done:
+    return _Done()
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of ``t`` in a dtype gloo reduces (int16 travels as int32; the
+    narrowing on the way back wraps modulo 2**16 exactly as int16 arithmetic does)."""
+    host = t.cpu().contiguous()
+    return host.to(torch.int32) if host.dtype == torch.int16 else host
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _reduce_op(opts: Any) -> str:
+    op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+    for key, name in _OPS.items():
+        if op == key:
+            return name
+    raise ValueError(f"simccl does not implement the reduction {op}")
+
+
+def _torch_op(name: str) -> Any:
+    return dist.ReduceOp.SUM if name == "avg" else {v: k for k, v in _OPS.items()}[name]
+
+
+def _allreduce_opts(op: Any) -> Any:
+    o = dist.AllreduceOptions()
+    o.reduceOp = op
+    return o
+
+
+def _create(store: Any, rank: int, size: int, timeout: timedelta) -> SimProcessGroup:
+    return SimProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Register ``simccl`` with torch.distributed for the sim device (idempotent)."""
+    global _registered
+    with _register_lock:
+        if _registered or NAME in dist.Backend.backend_list:
+            _registered = True
+            return
+        dist.Backend.register_backend(NAME, _create, devices=[device.DEVICE_TYPE])
+        _registered = True

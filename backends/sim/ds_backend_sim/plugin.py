@@ -1,0 +1,140 @@
+"""Hook implementations of the sim backend: the simulated accelerator through ``torch.sim``.
+
+The hooks are the methods of :class:`SimHooks`, registered through the instance ``hooks``.
+Device, RNG, stream, memory and pinned-memory hooks are the torch-style ones the vendor
+backends inherit (:class:`ds_core.backend_kit.TorchStyleHooks`), over ``torch.sim``: the sim
+backend runs the same hook code a GPU backend runs. ``torch.sim`` is created on the first hook
+that needs it (:func:`ds_backend_sim.device.init`), never at import or in the probe.
+
+Selection: priority -10, below the CPU backend's 0, so the sim device is used only when asked
+for (``DS_ACCELERATOR=sim``) or when it is the only backend installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ds_backend_sim import collectives, device
+from ds_core import hookimpl
+from ds_core.backend_kit import (
+    DeterminismPolicy,
+    ProbeCache,
+    TorchStyleHooks,
+    check_options,
+    dtype_set,
+    torch_deterministic_algorithms,
+)
+from ds_core.errors import ConfigError
+from ds_core.ops import compiler_path
+from ds_core.types import BackendInfo, DeviceProperties, ProbeResult
+
+NAME = "sim"
+
+
+def _probe() -> ProbeResult:
+    try:
+        s = device.settings()
+    except ConfigError as exc:
+        return ProbeResult(False, str(exc))
+    taken = device.name_device_type()
+    if taken:
+        return ProbeResult(False, taken)
+    if compiler_path() is None:
+        return ProbeResult(
+            False,
+            "the sim device is a C++ extension built on first use and no C++ compiler was "
+            "found; install g++ (or clang) or set CXX",
+        )
+    mode = "lazy" if s.lazy else "threads"
+    return ProbeResult(
+        True,
+        f"{s.devices} simulated device(s) of {s.memory_bytes >> 20} MiB each, "
+        f"DS_SIM_ASYNC={mode}; collectives over {collectives.NAME} (host gloo underneath)",
+        s.devices,
+    )
+
+
+probe = ProbeCache(_probe)
+
+_determinism = DeterminismPolicy(
+    settings=[torch_deterministic_algorithms()],
+    env={},
+    notes=["sim kernels are the host's kernels; collectives reduce in a fixed ring order"],
+)
+
+
+def _module() -> ModuleType:
+    return device.init()
+
+
+class SimHooks(TorchStyleHooks):
+    """The sim backend's hooks: torch-style over ``torch.sim``, plus what is sim-specific."""
+
+    # -- backend -------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_backend_info(self) -> BackendInfo:
+        return BackendInfo(
+            name=NAME,
+            device_type=device.DEVICE_TYPE,
+            priority=-10,
+            hookspec_version=1,
+            vendor_version=torch.__version__,
+            description="simulated accelerator: own memory, asynchronous streams, simccl",
+        )
+
+    @hookimpl
+    def ds_backend_probe(self) -> ProbeResult:
+        return probe()
+
+    @hookimpl
+    def ds_backend_capabilities(self) -> frozenset[str]:
+        return frozenset({"async_streams", "device_timing", "pinned_memory", "determinism"})
+
+    @hookimpl
+    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
+        return check_options(NAME, options, ())
+
+    # -- device --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_device_properties(self, index: int | None) -> DeviceProperties:
+        props = self.device_properties(index, ())
+        s = device.current_settings()
+        extra = {"async": "lazy" if s.lazy else "threads", "link_gbps": s.link_gbps}
+        return DeviceProperties(props.name, props.index, props.total_memory, extra)
+
+    # -- dtypes --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_dtype_supported(self) -> frozenset[torch.dtype]:
+        # Host kernels: what the CPU computes, the sim device computes.
+        return dtype_set(fp16=True, bf16=True, fp64=True, fp8=False)
+
+    # -- comm ----------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_comm_backend_name(self) -> str:
+        return collectives.PROCESS_GROUP_BACKEND
+
+    @hookimpl
+    def ds_comm_prepare(self) -> bool:
+        device.init()  # registers simccl with torch.distributed
+        return True
+
+    # -- launcher ------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_launcher_visible_devices_env(self) -> list[str]:
+        return []
+
+    @hookimpl
+    def ds_launcher_env_prefixes(self) -> list[str]:
+        return ["DS_SIM_"]
+
+
+hooks = SimHooks(NAME, _module, api_name="torch.sim", determinism=_determinism)
