@@ -139,8 +139,10 @@ def test_non_blocking_copies_from_pinned_memory_are_queued_and_from_pageable_are
         pageable = torch.zeros(4)
         d1 = torch.empty(4, device="sim"); d2 = torch.empty(4, device="sim")
         reset_counters()
-        d1.copy_(pinned, non_blocking=True)
+        # The pageable copy goes first: a blocking copy orders the host after everything
+        # queued on the stream before it, which would run the pinned copy too.
         d2.copy_(pageable, non_blocking=True)
+        d1.copy_(pinned, non_blocking=True)
         syncs_after_copies = counters()["host_syncs"]
         pinned.fill_(7.0); pageable.fill_(7.0)
         out(pinned=d1.tolist(), pageable=d2.tolist(), syncs=syncs_after_copies,
@@ -362,7 +364,9 @@ def test_simccl_collectives_across_processes(world: int, mode: str, tmp_path: An
         if rank % 2 == 0:
             assert got["subgroup"] == [float(len(range(0, world, 2)))] * 2
         assert got["objects"] == list(range(world))
-        assert got["counters"]["collectives"] >= 8
+        # seven collectives on sim tensors, the sub-group's on even ranks; objects and the
+        # barrier travel on the host
+        assert got["counters"]["collectives"] == 7 + (rank % 2 == 0)
 
 
 @pytest.mark.slow

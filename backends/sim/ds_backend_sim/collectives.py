@@ -87,11 +87,18 @@ class SimWork(dist.Work):
     ``is_completed()`` asks the event recorded after it; the buffers stay referenced here
     until ``wait()``."""
 
-    def __init__(self, index: int, event: torch.Event, buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        index: int,
+        event: torch.Event,
+        buffers: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+    ) -> None:
         super().__init__()
         self.index = index
         self.event = event
         self.buffers: list[torch.Tensor] | None = list(buffers)
+        self.outputs = list(outputs)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         current = device.current_stream(self.index)
@@ -109,7 +116,7 @@ class SimWork(dist.Work):
         return None
 
     def result(self) -> list[torch.Tensor]:
-        return list(self.buffers or [])
+        return list(self.outputs)
 
     def synchronize(self) -> None:
         self.wait()
@@ -156,8 +163,13 @@ class SimProcessGroup(dist.ProcessGroup):
         tensors: Sequence[torch.Tensor],
         nbytes: int,
         body: Callable[[Any], None],
+        outputs: Sequence[torch.Tensor] | None = None,
     ) -> Any:
-        """Run ``body(gloo)`` now for host tensors, else queue it on the current stream."""
+        """Run ``body(gloo)`` now for host tensors, else queue it on the current stream.
+
+        ``tensors`` are every buffer the collective reads or writes, held until ``wait()``;
+        ``outputs`` (default: the first) are what the work's ``result()`` returns.
+        """
         if tensors and all(t.device.type == "cpu" for t in tensors):
             body(self._direct)
             return _done()
@@ -185,10 +197,11 @@ class SimProcessGroup(dist.ProcessGroup):
         if self._last is not None:
             stream.wait_event(self._last)
         ext.enqueue(index, int(stream.stream_id), run)
-        event = device.Event()
+        with device.device(index):  # an event belongs to the device it is first recorded on
+            event = device.Event()
         event.record(stream)
         self._last = event
-        return SimWork(index, event, tensors)
+        return SimWork(index, event, tensors, tensors[:1] if outputs is None else outputs)
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -238,7 +251,9 @@ class SimProcessGroup(dist.ProcessGroup):
             for o, h in zip(outputs, host_outs, strict=True):
                 o.copy_(h)
 
-        return self._run("all_gather", [*outputs, input], sum(_nbytes(o) for o in outputs), body)
+        return self._run(
+            "all_gather", [*outputs, input], sum(_nbytes(o) for o in outputs), body, outputs
+        )
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
