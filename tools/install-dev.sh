@@ -10,9 +10,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test]" -e backends/cpu
+python -m pip install --quiet -e ".[test]" -e backends/cpu -e backends/sim
 [ -d conformance ] && python -m pip install --quiet -e conformance
 for b in cuda rocm xpu hpu npu kunlunxin; do
   [ -f "backends/$b/pyproject.toml" ] && python -m pip install --quiet --no-deps -e "backends/$b"
 done
+# The sim device is a C++ extension: build it now (into ds_core.ops' cache) rather than inside
+# the first test that needs it. Cold and warm build times are printed.
+python - <<'PY'
+import time
+start = time.perf_counter()
+from ds_backend_sim import device
+device.extension(quiet=True)
+print(f"sim extension ready in {time.perf_counter() - start:.1f} s")
+PY
 python -m pip list 2>/dev/null | grep -iE '^(torch|ds-core|pluggy|pydantic|pytest) ' || true

@@ -48,7 +48,7 @@ from ds_core.zero.config import DSConfig
 from ds_core.zero.offload.host import OptimizerOffload
 from ds_core.zero.offload.nvme import NvmeOptimizerOffload
 from ds_core.zero.offload.nvme_param import ParamSwapper
-from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam
+from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, set_param_data
 from ds_core.zero.partitioned_init import INIT_ATTR
 from ds_core.zero.placement import Placement
 from ds_core.zero.precision import (
@@ -571,7 +571,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         for zp in self.zparams.values():
             zp.master = None
             zp.unit = None
-            zp.param.data = torch.empty(0, dtype=zp.dtype, device=self.device)
+            set_param_data(zp.param, torch.empty(0, dtype=zp.dtype, device=self.device))
             zp.param.grad = None
             if getattr(zp.param, ZERO_PARAM_ATTR, None) is zp:
                 delattr(zp.param, ZERO_PARAM_ATTR)

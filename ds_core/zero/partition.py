@@ -60,6 +60,30 @@ class InFlight:
         return self.output
 
 
+def set_param_data(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Make ``value`` the data of ``param``, keeping the parameter object (and so every
+    reference the module and the optimizer hold to it).
+
+    ``param.data = value`` is refused by torch when the two tensors' implementations are not
+    shallow-copy compatible, which is the case between the host and an out-of-tree
+    (PrivateUse1) device such as Ascend's or ds_core's ``sim``; CUDA and the host happen to be
+    compatible, so a CPU-only test never sees it. The parameter's storage is then swapped
+    (``torch.utils.swap_tensors``), its attributes and class kept.
+
+    :raises RuntimeError: the parameter is referenced in a way that forbids a swap (a weak
+        reference, or an autograd graph that holds it).
+    """
+    if torch._has_compatible_shallow_copy_type(param, value):
+        param.data = value
+        return
+    fresh = nn.Parameter(value, requires_grad=param.requires_grad)
+    fresh.__dict__.update(param.__dict__)
+    cls = type(param)
+    torch.utils.swap_tensors(param, fresh)
+    if type(param) is not cls:
+        param.__class__ = cls
+
+
 class Mode(enum.Enum):
     """How a parameter is held."""
 
@@ -267,12 +291,12 @@ class FlatUnit:
         if self.mode is Mode.PARTITIONED:
             own = self._range(dirty=True)
             own[zp.shard_offset : zp.shard_offset + zp.shard_numel].copy_(src[zp.lo : zp.hi])
-            zp.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            set_param_data(zp.param, torch.empty(0, dtype=self.dtype, device=self.device))
         else:
             assert self.flat is not None
             view = self.flat[zp.offset : zp.offset + zp.numel]
             view.copy_(src)
-            zp.param.data = view.view(zp.shape)
+            set_param_data(zp.param, view.view(zp.shape))
 
     def owned(self) -> torch.Tensor:
         """This rank's range of the unit in the parameters' dtype (``part`` elements); a host
@@ -359,7 +383,7 @@ class FlatUnit:
         out = self.inflight.wait()
         self.inflight = None
         for zp in self.zparams:
-            zp.param.data = out[zp.offset : zp.offset + zp.numel].view(zp.shape)
+            set_param_data(zp.param, out[zp.offset : zp.offset + zp.numel].view(zp.shape))
 
     def release(self) -> None:
         """PARTITIONED: free the gathered storage (after any gather in flight finishes); the
@@ -370,7 +394,7 @@ class FlatUnit:
         if self.mode is not Mode.PARTITIONED or self.flat is None:
             return
         for zp in self.zparams:
-            zp.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            set_param_data(zp.param, torch.empty(0, dtype=self.dtype, device=self.device))
         self.flat.untyped_storage().resize_(0)
 
     def free(self) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from ds_core import comm
 from ds_core.accelerator import get_accelerator
+from ds_core.zero.partition import set_param_data
 
 #: attribute holding ``(shard, shape, numel)`` of a parameter partitioned at construction.
 INIT_ATTR = "ds_init_partition"
@@ -76,7 +77,7 @@ def restore_full(p: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
     out = torch.empty(shard.numel() * comm.get_world_size(), dtype=shard.dtype, device=device)
     get_accelerator().all_gather(out, shard, None)
     full = out[:numel].view(shape)
-    p.data = full.to(dtype) if dtype is not None else full
+    set_param_data(p, full.to(dtype) if dtype is not None else full)
     delattr(p, INIT_ATTR)
 
 

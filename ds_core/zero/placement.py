@@ -20,7 +20,14 @@ from ds_core.parallel.tensor import is_tp_sharded
 from ds_core.zero.config import DSConfig
 from ds_core.zero.offload.host import OptimizerOffload
 from ds_core.zero.offload.nvme_param import ParamSwapper
-from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, bucketize
+from ds_core.zero.partition import (
+    ZERO_PARAM_ATTR,
+    FlatUnit,
+    Mode,
+    ZeroParam,
+    bucketize,
+    set_param_data,
+)
 from ds_core.zero.partitioned_init import INIT_ATTR, restore_full
 
 log = logging.getLogger("ds_core.zero")
@@ -147,7 +154,7 @@ class Placement:
                 if zp.unit is not None:
                     zp.unit.place(zp, full)
                 else:
-                    p.data = full
+                    set_param_data(p, full)
             for sub in module.modules():
                 for key, b in sub._buffers.items():
                     if b is None:

@@ -84,7 +84,20 @@ struct NoGil {
 struct Item {
   std::function<void()> fn;
   int64_t seq;
+  double queued_ms;  // host clock when queued
 };
+
+double now_ms() {
+  using namespace std::chrono;
+  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+// The device clock at which the running item started. In threads mode it is the host clock.
+// In lazy mode work runs when forced, so each stream keeps the clock a device would have:
+// an item starts when it was queued or when the stream's previous item ended, whichever is
+// later, and lasts as long as it really ran. Events read this clock, so elapsed_time means
+// what it means on a GPU in both modes.
+thread_local double item_start_ms = 0.0;
 
 struct SimStream {
   int device;
@@ -96,6 +109,7 @@ struct SimStream {
   int64_t enqueued = 0;  // sequence number of the last item queued
   int64_t done = 0;      // sequence number of the last item finished
   bool running = false;  // an item is executing (in lazy mode: on some waiting thread)
+  double clock_ms = 0.0;  // lazy mode: the device clock at the end of the last item
   std::exception_ptr error;  // the first failure; raised at the next wait on this stream
   std::string error_text;
 };
@@ -113,6 +127,9 @@ void run_one(SimStream* s, std::unique_lock<std::mutex>& lk) {
   // (they are the stream) nor count as the program's transfers.
   const bool was = in_fallback;
   in_fallback = true;
+  const double was_start = item_start_ms;
+  const double real_start = now_ms();
+  item_start_ms = cfg.lazy ? std::max(s->clock_ms, item.queued_ms) : real_start;
   std::exception_ptr error;
   std::string text;
   try {
@@ -125,6 +142,8 @@ void run_one(SimStream* s, std::unique_lock<std::mutex>& lk) {
     text = "unknown error";
   }
   in_fallback = was;
+  const double end_ms = item_start_ms + (now_ms() - real_start);
+  item_start_ms = was_start;
   // Drop what the work captured (tensors, whose release may need the GIL) before taking the
   // stream's lock: a host thread holding the GIL may be waiting for that lock.
   item.fn = nullptr;
@@ -134,6 +153,7 @@ void run_one(SimStream* s, std::unique_lock<std::mutex>& lk) {
     s->error_text = text;
   }
   s->done = item.seq;
+  s->clock_ms = end_ms;
   s->running = false;
   s->cv.notify_all();
 }
@@ -193,7 +213,7 @@ void wait_until(SimStream* s, int64_t seq) {
 int64_t enqueue(SimStream* s, std::function<void()> fn) {
   std::lock_guard<std::mutex> g(s->mu);
   int64_t seq = ++s->enqueued;
-  s->queue.push_back(Item{std::move(fn), seq});
+  s->queue.push_back(Item{std::move(fn), seq, now_ms()});
   s->cv.notify_all();
   return seq;
 }
@@ -232,17 +252,12 @@ struct SimEvent {
   std::shared_ptr<Mark> mark;
 };
 
-double now_ms() {
-  using namespace std::chrono;
-  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
-}
-
 void record_event(SimEvent* e, SimStream* s) {
   auto mark = std::make_shared<Mark>();
   e->mark = mark;
   e->stream = s;
   e->seq = enqueue(s, [mark] {
-    mark->time_ms = now_ms();
+    mark->time_ms = item_start_ms;
     mark->reached = true;
   });
 }
@@ -679,7 +694,9 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
 }
 
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
-  dst.resize_(self.sizes());
+  // The host fallback writes results back through here; a strided destination keeps its
+  // strides (resizing it to its own sizes would make it contiguous and write outside it).
+  if (dst.sizes() != self.sizes()) dst.resize_(self.sizes());
   return copy_from(self, dst, false);
 }
 
@@ -716,6 +733,10 @@ void Hooks::resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) 
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
                           std::optional<at::MemoryFormat> memory_format) {
   auto* impl = self.unsafeGetTensorImpl();
+  const bool restride =
+      memory_format.has_value() && *memory_format != at::MemoryFormat::Preserve;
+  // As torch's resize_: the same sizes leave the tensor (and its strides) alone.
+  if (self.sizes() == size && !restride) return self;
   int64_t numel = 1;
   for (auto d : size) {
     TORCH_CHECK(d >= 0, "resize_ needs non-negative sizes, got ", size);
@@ -726,9 +747,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
     resize_storage(self.storage(), needed, self.device().index());
   }
   impl->set_sizes_contiguous(size);
-  if (memory_format.has_value() && *memory_format != at::MemoryFormat::Preserve) {
-    impl->empty_tensor_restride(*memory_format);
-  }
+  if (restride) impl->empty_tensor_restride(*memory_format);
   return self;
 }
 
