@@ -79,7 +79,7 @@ def set_param_data(param: torch.Tensor, value: torch.Tensor) -> None:
     fresh = nn.Parameter(value, requires_grad=param.requires_grad)
     fresh.__dict__.update(param.__dict__)
     cls = type(param)
-    torch.utils.swap_tensors(param, fresh)
+    torch.utils.swap_tensors(param, fresh)  # type: ignore[no-untyped-call]
     if type(param) is not cls:
         param.__class__ = cls
 
