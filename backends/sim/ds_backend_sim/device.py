@@ -139,6 +139,10 @@ def name_device_type() -> str:
             "the sim device is not registered beside it (use another environment for sim)"
         )
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
+    # torch looks up ``torch.<name>`` for a named PrivateUse1 device (serialization, autocast,
+    # RNG forking); its functions create the device only when called.
+    if not hasattr(torch, DEVICE_TYPE):
+        torch._register_device_module(DEVICE_TYPE, module)
     return ""
 
 
