@@ -1,7 +1,7 @@
 """ds_core: one accelerator SDK, any hardware, ZeRO on top.
 
 Importing this package imports no backend and no vendor module and touches no device; the
-backend is selected at the first :func:`get_accelerator` (see DESIGN.md §4).
+backend is selected at the first :func:`get_accelerator` (README.md, "How a backend is selected").
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ def _unknown_backend_message(name: str, entries: dict[str, BackendEntry]) -> str
 
 
 def choose(requested: str | None, entries: dict[str, BackendEntry]) -> BackendEntry:
-    """Pick the backend to use (DESIGN.md §3, Selection) and return its entry.
+    """Pick the backend to use (the rules: README.md, "How a backend is selected") and return its entry.
 
     :param requested: an explicit name (``DS_ACCELERATOR`` or ``set_accelerator``), or ``None``.
     :raises BackendSelectionError: when the explicit choice is unknown, broken or unavailable;

@@ -2,7 +2,7 @@
 
 Every compiled piece of ds_core (``cpu_adam``, the CPU backend's shared-memory sync helpers,
 asynchronous file I/O) is built here, so there is one cache, one lock, one hash scheme and one
-toolchain probe (DESIGN.md §3, "Compiled code has one home").
+toolchain probe.
 
 Two ways to build, one mechanism underneath:
 
