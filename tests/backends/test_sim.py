@@ -208,6 +208,27 @@ def test_copies_across_devices_and_rng_per_device() -> None:
     assert r["gen_device"] == "sim:1"
 
 
+def test_torch_manual_seed_seeds_the_device_without_creating_it() -> None:
+    # torch.manual_seed seeds every registered device module, as it does CUDA's: before the
+    # device exists the seed is kept for init() rather than creating the device.
+    r = run(
+        """
+        from ds_backend_sim.device import name_device_type, is_initialized
+        name_device_type()  # what a selection probe does: torch.sim exists, no device yet
+        torch.manual_seed(7)
+        created = is_initialized()
+        device.init()
+        a = torch.randn(4, device="sim:0").tolist()
+        b = torch.randn(4, device="sim:1").tolist()
+        torch.manual_seed(7)
+        c = torch.randn(4, device="sim:0").tolist()
+        out(created=created, a=a, b=b, c=c)
+        """
+    )
+    assert not r["created"]
+    assert r["a"] == r["b"] == r["c"]
+
+
 def test_counters_are_exact_for_a_scripted_sequence() -> None:
     r = run(
         """

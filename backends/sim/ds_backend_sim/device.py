@@ -165,10 +165,16 @@ def init() -> ModuleType:
         ext.configure(s.devices, s.memory_bytes, s.lazy, s.pcie_gbps)
         if not hasattr(torch, DEVICE_TYPE):
             torch._register_device_module(DEVICE_TYPE, module)
+        # Separate from the module registration: name_device_type() may have registered
+        # torch.sim already (a probe), and the generated methods must exist either way.
+        if not hasattr(torch.Tensor, f"is_{DEVICE_TYPE}"):
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=True, for_module=True, for_storage=True
             )
         _settings = s
+        if _pending_seed is not None:
+            for i in range(s.devices):
+                ext.generator(i).manual_seed(_pending_seed)
         from ds_backend_sim import collectives
 
         collectives.register()
@@ -282,11 +288,30 @@ class _Generators:
 default_generators = _Generators()
 
 
+_pending_seed: int | None = None
+
+
+def _is_in_bad_fork() -> bool:
+    """torch's seeding asks this of every device module; a sim device has no fork hazard."""
+    return False
+
+
 def manual_seed(seed: int) -> None:
+    """Seed the current device's generator (deferred to :func:`init` before the device
+    exists, as ``torch.cuda`` defers, so ``torch.manual_seed`` never creates the device)."""
+    global _pending_seed
+    if _settings is None:
+        _pending_seed = int(seed)
+        return
     _generator().manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
+    """Seed every device's generator (deferred to :func:`init` like :func:`manual_seed`)."""
+    global _pending_seed
+    if _settings is None:
+        _pending_seed = int(seed)
+        return
     for i in range(device_count()):
         _generator(i).manual_seed(int(seed))
 
@@ -427,7 +452,8 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 module = ModuleType("torch.sim", "The ds_core simulated accelerator (ds_backend_sim.device).")
 for _name in (
     "is_available is_initialized device_count current_device set_device device synchronize "
-    "get_device_name get_device_properties is_bf16_supported default_generators manual_seed "
+    "get_device_name get_device_properties is_bf16_supported default_generators _is_in_bad_fork "
+    "manual_seed "
     "manual_seed_all seed initial_seed get_rng_state set_rng_state get_rng_state_all "
     "set_rng_state_all Stream Event current_stream default_stream set_stream stream "
     "memory_stats memory_allocated max_memory_allocated memory_reserved max_memory_reserved "
