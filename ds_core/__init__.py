@@ -25,6 +25,8 @@ from ds_core.errors import (
 )
 from ds_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from ds_core.parallel.tensor import tp_model_init
+from ds_core.runtime.config import DeepSpeedConfig
+from ds_core.runtime.engine import DeepSpeedEngine
 from ds_core.zero import add_config_arguments, initialize
 from ds_core.zero.autoep import autoep_model_init
 
@@ -38,6 +40,8 @@ __all__ = [
     "BackendValidationError",
     "ConfigError",
     "DSCoreError",
+    "DeepSpeedConfig",
+    "DeepSpeedEngine",
     "NotSupportedError",
     "__version__",
     "add_config_arguments",

@@ -11,7 +11,7 @@ backends have always imported them from); byte counting in :mod:`ds_core.comm.co
 from __future__ import annotations
 
 from ds_core.comm.collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
-from ds_core.comm.compat import get_local_rank, init_distributed, is_initialized
+from ds_core.comm.compat import ReduceOp, get_local_rank, init_distributed, is_initialized
 from ds_core.comm.groups import (
     ExpertGroups,
     destroy_distributed,
@@ -31,6 +31,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "reduce_scatter",
+    "ReduceOp",
     "DefaultCollectives",
     "ExpertGroups",
     "Mesh",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from enum import Enum
 from typing import Any
 
 import torch.distributed as dist
@@ -98,3 +99,18 @@ def is_initialized() -> bool:
 def get_local_rank() -> int:
     """This process's rank on its node: ``LOCAL_RANK`` from the launcher (0 when unset)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class ReduceOp(str, Enum):
+    """``deepspeed.comm.ReduceOp``'s members that ds_core's collectives take. Each is the op's
+    name as a string (``ReduceOp.SUM == "sum"``), so it passes wherever ds_core takes an op;
+    DeepSpeed's bitwise ops (BAND, BOR, BXOR) are not among them."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PRODUCT = "product"
+
+    def __str__(self) -> str:
+        return self.value

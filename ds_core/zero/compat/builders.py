@@ -258,8 +258,9 @@ class WarmupCosineLR(_DeepSpeedSchedule):
     """DeepSpeed's ``WarmupCosineLR``: a ratio of each group's lr, warmed up from
     ``warmup_min_ratio`` to 1, then cosine-decayed to ``cos_min_ratio`` at ``total_num_steps``.
 
-    Warm-up ``r(i) = m + (1 − m) · γ(i)``; after it, with ``s = i − W + 1`` and ``S = T − W``,
-    ``r(i) = max(0, c + (1 − c) · (1 + cos(π s / S)) / 2)``. As in DeepSpeed the lr before the
+    Warm-up ``r(i) = m + (1 − m) · γ(i)``; after it, with ``s = i − W + 1`` and
+    ``S = max(1, T − W)``, ``r(i) = max(0, c + (1 − c) · (1 + cos(π min(1, s / S))) / 2)``
+    (``c`` from step ``T`` on). As in DeepSpeed the lr before the
     first step (``i = −1``) is 0.
     """
 
@@ -288,8 +289,9 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         if it < self.warmup_num_steps:
             return self.warmup_min_ratio + self._warmup_fraction(it) * (1 - self.warmup_min_ratio)
         s = it - self.warmup_num_steps + 1
-        total = self.total_num_steps - self.warmup_num_steps
-        cosine = (1 + math.cos(math.pi * s / total)) / 2
+        total = max(1, self.total_num_steps - self.warmup_num_steps)
+        # past total_num_steps the ratio stays at cos_min_ratio (DeepSpeed clamps too)
+        cosine = (1 + math.cos(math.pi * min(1.0, s / total))) / 2
         return max(0.0, self.cos_min_ratio + (1 - self.cos_min_ratio) * cosine)
 
     def lr_at(self, it: int) -> list[float]:
