@@ -10,6 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
+# DeepSpeed itself, for tests that compare ds_core against it (skipped when it is absent):
+# --no-deps and no build isolation keep the pinned torch, DS_BUILD_OPS=0 builds no op; its
+# other requirements are installed explicitly.
+python -m pip install --quiet einops hjson msgpack ninja numpy packaging psutil py-cpuinfo pydantic tqdm
+DS_BUILD_OPS=0 python -m pip install --quiet --no-deps --no-build-isolation "deepspeed==0.19.8"
 python -m pip install --quiet -e ".[test]" -e backends/cpu -e backends/sim
 [ -d conformance ] && python -m pip install --quiet -e conformance
 for b in cuda rocm xpu hpu npu kunlunxin; do
