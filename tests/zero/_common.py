@@ -185,3 +185,40 @@ def run_reference(sc: Scenario) -> dict[str, Any]:
         losses.append(loss.item())
         norms.append(float(norm))
     return {"losses": losses, "norms": norms, "params": dict(model.named_parameters())}
+
+
+# --------------------------------------------------------------------------- backends
+
+#: The engine's test matrix: every backend the engine tests run on when it is installed.
+#: ``sim-threads`` and ``sim-lazy`` are the simulated accelerator in its two async modes (lazy:
+#: queued device work runs only when waited for, so a missing wait fails every time).
+MATRIX_BACKENDS = ("cpu", "sim-threads", "sim-lazy")
+
+
+def backend_env(backend: str, world: int = 2) -> dict[str, str]:
+    """The variables that select ``backend`` (a :data:`MATRIX_BACKENDS` entry) for ``world``
+    ranks on this machine: on ``sim``, one device per rank, as on an accelerator node."""
+    name, _, mode = backend.partition("-")
+    env = {"DS_ACCELERATOR": name}
+    if name == "sim":
+        env.update(DS_SIM_ASYNC=mode or "threads", DS_SIM_DEVICES=str(max(world, 2)))
+    return env
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the engine's device (the selected backend's current device), as a training
+    loop puts its batches; data is always drawn on the host, so every backend sees the same."""
+    import ds_core
+
+    return t.to(ds_core.get_accelerator().device())
+
+
+def to_host(obj: Any) -> Any:
+    """``obj`` with every tensor (inside lists, tuples and dicts) copied to the host."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
+    return obj

@@ -1,4 +1,4 @@
-"""Rank worker: ``python -m tests.zero._worker SUITE WORLD OUTDIR``.
+"""Rank worker: ``python -m tests.zero._worker SUITE WORLD OUTDIR [BACKEND]``.
 
 Spawns WORLD gloo ranks (one thread each) that share one process group for every job of the
 suite, and saves each job's results to ``OUTDIR/<job>.rank<r>.pt`` for the tests to compare
@@ -27,11 +27,14 @@ from tests.zero._common import (
     MLP,
     Scenario,
     TinyNet,
+    backend_env,
     batches,
     global_names,
     load_reference,
     make_optimizer,
+    on_device,
     reference_state,
+    to_host,
 )
 
 # --------------------------------------------------------------------------- scenarios
@@ -89,7 +92,8 @@ def train(sc: Scenario) -> dict[str, Any]:
     for step in batches(sc.steps, sc.gas, sc.world):
         for micro, (x, y) in enumerate(step):
             extra = torch.ones(MICRO) if sc.sometimes and micro == 0 else None
-            loss = F.mse_loss(engine(x[sl], extra), y[sl])
+            extra = on_device(extra) if extra is not None else None
+            loss = F.mse_loss(engine(on_device(x[sl]), extra), on_device(y[sl]))
             engine.backward(loss)
             if not sc.explicit_boundary:
                 engine.step()
@@ -100,7 +104,7 @@ def train(sc: Scenario) -> dict[str, Any]:
     engine.eval()
     probe = torch.randn(6, IN, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        eval_out = engine(probe)
+        eval_out = engine(on_device(probe))
     state = global_names(model, engine.gathered_state_dict())
     return {"losses": losses, "norms": norms, "state": state, "eval_out": eval_out}
 
@@ -178,7 +182,7 @@ def memory() -> dict[str, Any]:
                 states.append(engine.model_state_bytes())
         out[f"s{stage}"] = {"psi": psi, "early": states[0], "late": states[1]}
         engine.destroy()
-    for stage in range(4):  # bf16: reported (fp32 gradient accumulation, DESIGN.md §3)
+    for stage in range(4):  # bf16: reported (fp32 gradient accumulation: docs/architecture.md §3.2)
         torch.manual_seed(0)
         model = MLP(128, 4)
         cfg = {
@@ -242,7 +246,7 @@ def fp16_trajectory(stage: int, fused: bool = False) -> Callable[[], dict[str, A
         )
         record = []
         for overflow in FP16_OVERFLOWS:
-            x = torch.randn(MICRO, 16).half()
+            x = on_device(torch.randn(MICRO, 16).half())
             loss = engine(x).float().pow(2).mean()
             if overflow and rank == 0:  # one rank overflows: every rank must skip
                 loss = loss * math.inf
@@ -298,7 +302,7 @@ def bf16_skip(stage: int, fused: bool = False) -> Callable[[], dict[str, Any]]:
         record = [snapshot(engine)]
         for step in range(4):
             for micro in range(2):
-                loss = engine(torch.randn(MICRO, 16).bfloat16()).float().pow(2).mean()
+                loss = engine(on_device(torch.randn(MICRO, 16).bfloat16())).float().pow(2).mean()
                 if step == 2 and micro == 1 and rank == 1:
                     loss = loss * math.nan
                 engine.backward(loss)
@@ -337,7 +341,7 @@ def fp32_skip(stage: int) -> Callable[[], dict[str, Any]]:
         )
         record = [snapshot(engine)]
         for step in range(5):
-            loss = engine(torch.randn(MICRO, 16)).pow(2).mean()
+            loss = engine(on_device(torch.randn(MICRO, 16))).pow(2).mean()
             if step == 2 and rank == 1:
                 loss = loss * math.nan
             engine.backward(loss)
@@ -354,7 +358,7 @@ def fp32_skip(stage: int) -> Callable[[], dict[str, Any]]:
         try:
             while steps < 7:
                 steps += 1
-                loss = engine(torch.randn(MICRO, 16)).pow(2).mean() * math.inf
+                loss = engine(on_device(torch.randn(MICRO, 16))).pow(2).mean() * math.inf
                 engine.backward(loss)
                 engine.step()
             message = f"not stopped, {engine.skipped_steps} skipped"
@@ -619,7 +623,7 @@ def gathered(stage: int) -> Callable[[], dict[str, Any]]:
         # the edit reached the master: one step with zero learning rate keeps it
         for g in engine.optimizer.param_groups:
             g["lr"] = 0.0
-        engine.backward(engine(torch.randn(MICRO, 10)).pow(2).mean())
+        engine.backward(engine(on_device(torch.randn(MICRO, 10))).pow(2).mean())
         engine.step()
         out["after_step"] = engine.gathered_state_dict()["layers.0.weight"]
         out["initial"] = initial
@@ -658,7 +662,7 @@ def built_partitioned(stage: int) -> Callable[[], dict[str, Any]]:
             sl = slice(rank * MICRO, (rank + 1) * MICRO)
             for step in batches(sc.steps, sc.gas, sc.world):
                 for x, y in step:
-                    loss = F.mse_loss(engine(x[sl]), y[sl])
+                    loss = F.mse_loss(engine(on_device(x[sl])), on_device(y[sl]))
                     engine.backward(loss)
                     engine.step()
                     losses.append(loss.item())
@@ -734,7 +738,7 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
 # --------------------------------------------------------------------------- launching
 
 
-def _rank(rank: int, world: int, port: int, suite: str, outdir: str) -> None:
+def _rank(rank: int, world: int, port: int, suite: str, outdir: str, backend: str) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -742,14 +746,15 @@ def _rank(rank: int, world: int, port: int, suite: str, outdir: str) -> None:
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
+        **backend_env(backend, world),
     )
     torch.set_num_threads(1)
     import ds_core
 
     ds_core.init_distributed(timeout=300)
     for name, job in jobs(suite, world).items():
-        torch.save(job(), os.path.join(outdir, f"{name}.rank{rank}.pt"))
+        # Results leave the device before saving: the tests compare them on the host.
+        torch.save(to_host(job()), os.path.join(outdir, f"{name}.rank{rank}.pt"))
     # Tear the groups down before exit: gloo's threads must not outlive the interpreter.
     torch.distributed.barrier()
     ds_core.destroy_distributed()
@@ -757,10 +762,11 @@ def _rank(rank: int, world: int, port: int, suite: str, outdir: str) -> None:
 
 def main() -> None:
     suite, world, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    backend = sys.argv[4] if len(sys.argv) > 4 else "cpu"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    mp.spawn(_rank, args=(world, port, suite, outdir), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, port, suite, outdir, backend), nprocs=world, join=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Stages 0-3 on 2 and 4 gloo ranks equal single-process PyTorch on the global batch.
+"""Stages 0-3 on 2 and 4 ranks equal single-process PyTorch on the global batch, on every
+backend of the matrix (``backend`` fixture: cpu, and the simulated accelerator in both async
+modes, whose memory is not the host's and whose streams run asynchronously).
 
 Each scenario trains the tiny model (tied weight, frozen and unused parameters, one MoE layer)
 for N steps with gradient accumulation and active clipping; the reference takes one backward
@@ -13,7 +15,6 @@ must give the same norm as replicated experts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 
 from tests.zero._common import IN, Scenario, TinyNet, run_reference
 from tests.zero._worker import stage_scenarios
-from tests.zero.conftest import SuiteResults
+from tests.zero.conftest import SuiteGetter
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +50,10 @@ def _merged_state(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(("world", "name"), SCENARIOS, ids=[f"w{w}-{n}" for w, n in SCENARIOS])
 def test_stage_matches_single_process_reference(
-    suite: Callable[[str, int], SuiteResults], world: int, name: str
+    suite: SuiteGetter, backend: str, world: int, name: str
 ) -> None:
-    check_against_reference(stage_scenarios(world)[name], suite("stages", world).ranks(name))
+    results = suite("stages", world, backend)
+    check_against_reference(stage_scenarios(world)[name], results.ranks(name))
 
 
 def check_against_reference(
@@ -105,10 +107,8 @@ def _copy_buffers_and_frozen(model: TinyNet, params: dict[str, torch.Tensor]) ->
             p.copy_(params[n])
 
 
-def test_expert_split_and_replicated_give_the_same_norm(
-    suite: Callable[[str, int], SuiteResults],
-) -> None:
-    results = suite("stages", 2)
+def test_expert_split_and_replicated_give_the_same_norm(suite: SuiteGetter, backend: str) -> None:
+    results = suite("stages", 2, backend)
     for stage in (0, 2, 3):
         split = results.ranks(f"s{stage}_ep2")[0]["norms"]
         replicated = results.ranks(f"s{stage}")[0]["norms"]

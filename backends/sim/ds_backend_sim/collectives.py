@@ -162,16 +162,21 @@ class SimProcessGroup(dist.ProcessGroup):
         collective: str,
         tensors: Sequence[torch.Tensor],
         nbytes: int,
-        body: Callable[[Any], None],
+        body: Callable[[Any, list[torch.Tensor]], None],
         outputs: Sequence[torch.Tensor] | None = None,
     ) -> Any:
-        """Run ``body(gloo)`` now for host tensors, else queue it on the current stream.
+        """Run ``body(gloo, memory)`` now for host tensors, else queue it on the current
+        stream.
 
         ``tensors`` are every buffer the collective reads or writes, held until ``wait()``;
-        ``outputs`` (default: the first) are what the work's ``result()`` returns.
+        ``outputs`` (default: the first) are what the work's ``result()`` returns. ``memory``
+        is ``tensors`` as host views of the device memory they had when the collective was
+        issued: a device kernel takes its pointers at launch, so a storage the caller frees
+        or resizes after issuing (a stream-ordered free, correct on a GPU) does not move what
+        the queued collective reads and writes.
         """
         if tensors and all(t.device.type == "cpu" for t in tensors):
-            body(self._direct)
+            body(self._direct, list(tensors))
             return _done()
         index = tensors[0].device.index if tensors else device.current_device()
         for t in tensors:
@@ -182,12 +187,13 @@ class SimProcessGroup(dist.ProcessGroup):
                 )
         seconds = modelled_seconds(collective, nbytes, self._size)
         ext = device.extension()
+        memory = [ext.host_alias(t) for t in tensors]
         stream = device.current_stream(index)
         queued = self._queued
 
         def run() -> None:
             started = time.perf_counter()
-            body(queued)
+            body(queued, memory)
             if seconds > 0:
                 left = seconds - (time.perf_counter() - started)
                 if left > 0:
@@ -209,12 +215,13 @@ class SimProcessGroup(dist.ProcessGroup):
         (tensor,) = tensors
         op = _reduce_op(opts)
 
-        def body(gloo: Any) -> None:
-            host = _host(tensor)
+        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+            (t,) = mem
+            host = _host(t)
             gloo.allreduce([host], _allreduce_opts(_torch_op(op))).wait()
             if op == "avg":
                 host.div_(self._size)
-            tensor.copy_(host)
+            t.copy_(host)
 
         return self._run("all_reduce", [tensor], _nbytes(tensor), body)
 
@@ -223,18 +230,20 @@ class SimProcessGroup(dist.ProcessGroup):
         bopts = dist.BroadcastOptions()
         bopts.rootRank = int(opts.rootRank) if opts is not None else 0
 
-        def body(gloo: Any) -> None:
-            host = _host(tensor)
+        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+            (t,) = mem
+            host = _host(t)
             gloo.broadcast([host], bopts).wait()
-            tensor.copy_(host)
+            t.copy_(host)
 
         return self._run("broadcast", [tensor], _nbytes(tensor), body)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        def body(gloo: Any) -> None:
-            host_out = torch.empty(output.shape, dtype=_host(output[:0]).dtype)
-            gloo._allgather_base(host_out, _host(input)).wait()
-            output.copy_(host_out)
+        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+            out, inp = mem
+            host_out = torch.empty(out.shape, dtype=_host(out[:0]).dtype)
+            gloo._allgather_base(host_out, _host(inp)).wait()
+            out.copy_(host_out)
 
         return self._run("all_gather", [output, input], _nbytes(output), body)
 
@@ -245,10 +254,11 @@ class SimProcessGroup(dist.ProcessGroup):
     ) -> Any:
         (outputs,), (input,) = output_lists, inputs
 
-        def body(gloo: Any) -> None:
-            host_outs = [torch.empty(o.shape, dtype=_host(o[:0]).dtype) for o in outputs]
-            gloo.allgather([host_outs], [_host(input)]).wait()
-            for o, h in zip(outputs, host_outs, strict=True):
+        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+            *outs, inp = mem
+            host_outs = [torch.empty(o.shape, dtype=_host(o[:0]).dtype) for o in outs]
+            gloo.allgather([host_outs], [_host(inp)]).wait()
+            for o, h in zip(outs, host_outs, strict=True):
                 o.copy_(h)
 
         return self._run(
@@ -260,13 +270,16 @@ class SimProcessGroup(dist.ProcessGroup):
     ) -> Any:
         op = _reduce_op(opts)
 
-        def body(gloo: Any) -> None:
+        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+            out, inp = mem
             # An all-reduce, keeping this rank's chunk: gloo's own reduce-scatter is slower.
-            host = _host(input)
+            host = _host(inp)
+            if host is inp:  # the input is not this collective's to overwrite
+                host = host.clone()
             gloo.allreduce([host], _allreduce_opts(_torch_op(op))).wait()
             if op == "avg":
                 host.div_(self._size)
-            output.copy_(host.view(self._size, -1)[self._rank].view(output.shape))
+            out.copy_(host.view(self._size, -1)[self._rank].view(out.shape))
 
         return self._run("reduce_scatter", [output, input], _nbytes(input), body)
 
@@ -278,12 +291,13 @@ class SimProcessGroup(dist.ProcessGroup):
         (output,), (inputs,) = outputs, input_lists
         op = _reduce_op(opts)
 
-        def body(gloo: Any) -> None:
-            host = torch.cat([_host(i).reshape(-1) for i in inputs])
+        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+            out, *ins = mem
+            host = torch.cat([_host(i).reshape(-1) for i in ins])
             gloo.allreduce([host], _allreduce_opts(_torch_op(op))).wait()
             if op == "avg":
                 host.div_(self._size)
-            output.copy_(host.view(self._size, -1)[self._rank].view(output.shape))
+            out.copy_(host.view(self._size, -1)[self._rank].view(out.shape))
 
         return self._run("reduce_scatter", [output, *inputs], sum(_nbytes(i) for i in inputs), body)
 
@@ -295,16 +309,17 @@ class SimProcessGroup(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> Any:
-        def body(gloo: Any) -> None:
-            host_out = torch.empty(output.shape, dtype=_host(output[:0]).dtype)
+        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+            out, inp = mem
+            host_out = torch.empty(out.shape, dtype=_host(out[:0]).dtype)
             gloo.alltoall_base(
                 host_out,
-                _host(input),
+                _host(inp),
                 list(output_split_sizes),
                 list(input_split_sizes),
                 dist.AllToAllOptions(),
             ).wait()
-            output.copy_(host_out)
+            out.copy_(host_out)
 
         return self._run("all_to_all", [output, input], _nbytes(input), body)
 
@@ -316,11 +331,14 @@ class SimProcessGroup(dist.ProcessGroup):
         ropts.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         ropts.rootRank = int(opts.rootRank) if opts is not None else 0
 
-        def body(gloo: Any) -> None:
-            host = _host(tensor)
+        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+            (t,) = mem
+            host = _host(t)
+            if host is t and self._rank != ropts.rootRank:
+                host = host.clone()  # only the root's tensor changes
             gloo.reduce([host], ropts).wait()
             if self._rank == ropts.rootRank:
-                tensor.copy_(host)
+                t.copy_(host)
 
         return self._run("reduce", [tensor], _nbytes(tensor), body)
 
@@ -350,8 +368,10 @@ def _done() -> _Done:
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy of ``t`` in a dtype gloo reduces (int16 travels as int32; the
-    narrowing on the way back wraps modulo 2**16 exactly as int16 arithmetic does)."""
+    """``t`` as a contiguous host tensor in a dtype gloo reduces: ``t`` itself when it already
+    is one (callers that must not write their input clone it), else a copy (int16 travels as
+    int32; the narrowing on the way back wraps modulo 2**16 exactly as int16 arithmetic
+    does)."""
     host = t.cpu().contiguous()
     return host.to(torch.int32) if host.dtype == torch.int16 else host
 

@@ -64,6 +64,8 @@ std::atomic<int64_t> host_syncs{0}, h2d_bytes{0}, d2h_bytes{0}, kernels{0}, coll
 // Copies the host fallback makes around a host kernel are the kernel's own business, not
 // transfers the program asked for.
 thread_local bool in_fallback = false;
+// Set while this thread runs a queued item (a stream worker, or a waiter in lazy mode).
+thread_local bool in_stream_item = false;
 
 // ------------------------------------------------------------------------ GIL-aware waits
 
@@ -126,7 +128,9 @@ void run_one(SimStream* s, std::unique_lock<std::mutex>& lk) {
   // Work on a stream is device work: its own copies and kernels neither wait for a stream
   // (they are the stream) nor count as the program's transfers.
   const bool was = in_fallback;
+  const bool was_item = in_stream_item;
   in_fallback = true;
+  in_stream_item = true;
   const double was_start = item_start_ms;
   const double real_start = now_ms();
   item_start_ms = cfg.lazy ? std::max(s->clock_ms, item.queued_ms) : real_start;
@@ -142,6 +146,7 @@ void run_one(SimStream* s, std::unique_lock<std::mutex>& lk) {
     text = "unknown error";
   }
   in_fallback = was;
+  in_stream_item = was_item;
   const double end_ms = item_start_ms + (now_ms() - real_start);
   item_start_ms = was_start;
   // Drop what the work captured (tensors, whose release may need the GIL) before taking the
@@ -311,11 +316,30 @@ std::string mib(size_t bytes) {
   return buf;
 }
 
+// Queued work holds raw pointers into blocks freed since it was issued (a stream-ordered
+// free, as on a GPU); before cached blocks go back to the host, that work must have run, as
+// CUDA's allocator synchronizes before it releases its cache.
+void drain_device(int device) {
+  std::vector<SimStream*> list;
+  {
+    std::lock_guard<std::mutex> g(registry_mu);
+    list = streams[device];
+  }
+  for (auto* s : list) drain(s);
+}
+
 Block* alloc_block(int device, size_t nbytes) {
   check_index(device);
   size_t size = (nbytes + kAlign - 1) / kAlign * kAlign;
   if (size == 0) size = kAlign;
   Arena& a = arenas[device];
+  bool full;
+  {
+    std::lock_guard<std::mutex> g(a.mu);
+    full = a.reserved + size > cfg.capacity && !a.cached.empty();
+  }
+  // Stream work never drains (it may be the work being waited for).
+  if (full && !in_stream_item) drain_device(device);
   std::lock_guard<std::mutex> g(a.mu);
   void* ptr = nullptr;
   // Reuse a cached block no more than twice the request, so small tensors do not pin
@@ -630,6 +654,11 @@ void plain_copy(const at::Tensor& dst, const at::Tensor& src) {
   d.copy_(s);
 }
 
+// What a queued copy touches, fixed when it is issued: a device kernel takes its pointers at
+// launch, so a storage freed or resized after issuing (a stream-ordered free) does not move
+// it. Host tensors are kept by value (their memory stays alive with them).
+at::Tensor at_launch(const at::Tensor& t) { return t.is_cpu() ? t : host_alias(t); }
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   // self is the source.
   TORCH_CHECK(self.sizes() == dst.sizes() || self.numel() == dst.numel() ||
@@ -656,16 +685,16 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
       }
       stream_wait(d, s, seq);
     }
-    enqueue(d, [dst, src] { plain_copy(dst, src); });
+    enqueue(d, [to = at_launch(dst), from = at_launch(src)] { plain_copy(to, from); });
     return dst;
   }
   if (dst_sim) {  // host to device
     h2d_bytes += static_cast<int64_t>(bytes);
     SimStream* s = current_stream(dst.device().index());
     if (non_blocking && is_pinned_ptr(src.data_ptr())) {
-      enqueue(s, [dst, src, bytes] {
+      enqueue(s, [to = at_launch(dst), from = src, bytes] {
         model_pcie(bytes);
-        plain_copy(dst, src);
+        plain_copy(to, from);
       });
       return dst;
     }
@@ -680,9 +709,9 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   d2h_bytes += static_cast<int64_t>(bytes);
   SimStream* s = current_stream(src.device().index());
   if (non_blocking && is_pinned_ptr(dst.data_ptr())) {
-    enqueue(s, [dst, src, bytes] {
+    enqueue(s, [to = dst, from = at_launch(src), bytes] {
       model_pcie(bytes);
-      plain_copy(dst, src);
+      plain_copy(to, from);
     });
     return dst;
   }
@@ -958,6 +987,7 @@ void reset_peak(int device) {
 
 void empty_cache() {
   require_configured();
+  for (int i = 0; i < cfg.devices; ++i) drain_device(i);
   for (int i = 0; i < cfg.devices; ++i) {
     std::lock_guard<std::mutex> g(arenas[i].mu);
     release_cached(arenas[i]);
@@ -1028,6 +1058,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("memory_stats", &memory_stats);
   m.def("reset_peak", &reset_peak);
   m.def("empty_cache", &empty_cache);
+  m.def("host_alias", [](const at::Tensor& t) {
+    TORCH_CHECK(t.device().type() == c10::DeviceType::PrivateUse1, "host_alias takes a sim "
+                "tensor, got one on ", t.device());
+    return host_alias(t);
+  });
   m.def("pinned_bytes", [] { return pinned_bytes.load(); });
   m.def("generator", [](int i) { return generator(i); });
   m.def("counters", [] {
