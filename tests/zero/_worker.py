@@ -263,9 +263,10 @@ FP16_OVERFLOWS = [False, True, True, False, False, False, True, True, True, True
 
 
 def snapshot(engine: Any) -> dict[str, Any]:
-    masters = torch.cat([zp.master.detach().reshape(-1).clone() for zp in engine._trainable])
+    # On the host: torch's optimizers keep ``step`` on the host beside device moments.
+    masters = torch.cat([zp.master.detach().reshape(-1).cpu() for zp in engine._trainable])
     opt_state = [
-        v.detach().reshape(-1).clone().float()
+        v.detach().reshape(-1).float().cpu()
         for st in engine.optimizer.state.values()
         for v in st.values()
         if isinstance(v, torch.Tensor)

@@ -6,13 +6,11 @@ bf16), so every rank must learn of them through the engine's global check.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
 from tests.zero._worker import FP16_OVERFLOWS
-from tests.zero.conftest import SuiteResults
+from tests.zero.conftest import SuiteGetter
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +23,10 @@ EXPECTED_SCALES = [16.0, 16.0, 8.0, 8.0, 16.0, 16.0, 16.0, 8.0, 4.0, 2.0]
 @pytest.mark.parametrize("path", ["fp16", "fp16f"], ids=["host-skip", "device-skip"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_loss_scale_trajectory_and_skipped_steps(
-    suite: Callable[[str, int], SuiteResults], stage: int, path: str
+    suite: SuiteGetter, backend: str, stage: int, path: str
 ) -> None:
     # fp16f: fused AdamW skips on the device (found_inf) and the host learns it a step late
-    for rank, res in enumerate(suite("precision", 2).ranks(f"{path}_s{stage}")):
+    for rank, res in enumerate(suite("precision", 2, backend).ranks(f"{path}_s{stage}")):
         record = res["record"]
         assert [r["scale"] for r in record] == EXPECTED_SCALES, f"rank {rank}"
         assert [r["skipped"] for r in record] == list(
@@ -49,9 +47,9 @@ def test_fp16_loss_scale_trajectory_and_skipped_steps(
 @pytest.mark.parametrize("path", ["bf16", "bf16f"], ids=["host-skip", "device-skip"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_non_finite_gradient_skips_the_step(
-    suite: Callable[[str, int], SuiteResults], stage: int, path: str
+    suite: SuiteGetter, backend: str, stage: int, path: str
 ) -> None:
-    for rank, res in enumerate(suite("precision", 2).ranks(f"{path}_s{stage}")):
+    for rank, res in enumerate(suite("precision", 2, backend).ranks(f"{path}_s{stage}")):
         record = res["record"]  # initial state, then after each of 4 steps; step 3 has a NaN
         assert [r["skipped"] for r in record] == [0, 0, 0, 1, 1], f"rank {rank}"
         assert torch.equal(record[2]["masters"], record[3]["masters"]), f"rank {rank}"
@@ -63,9 +61,9 @@ def test_bf16_non_finite_gradient_skips_the_step(
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp32_non_finite_gradient_skips_on_the_device_and_holds_the_schedule(
-    suite: Callable[[str, int], SuiteResults], stage: int
+    suite: SuiteGetter, backend: str, stage: int
 ) -> None:
-    for rank, res in enumerate(suite("precision", 2).ranks(f"fp32_s{stage}")):
+    for rank, res in enumerate(suite("precision", 2, backend).ranks(f"fp32_s{stage}")):
         record = res["record"]  # initial state, then after each of 5 steps; step 3 has a NaN
         assert [r["skipped"] for r in record] == [0, 0, 0, 1, 1, 1], f"rank {rank}"
         assert torch.equal(record[2]["masters"], record[3]["masters"]), f"rank {rank}"
@@ -85,9 +83,9 @@ def test_fp32_non_finite_gradient_skips_on_the_device_and_holds_the_schedule(
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gathered_parameters_give_full_values_and_keep_the_modifier_ranks_edit(
-    suite: Callable[[str, int], SuiteResults], stage: int
+    suite: SuiteGetter, backend: str, stage: int
 ) -> None:
-    for rank, res in enumerate(suite("precision", 2).ranks(f"gathered_s{stage}")):
+    for rank, res in enumerate(suite("precision", 2, backend).ranks(f"gathered_s{stage}")):
         full = 10 * 10
         assert res["outside_numel"] == (0 if stage == 3 else full), f"rank {rank}"
         assert res["after_numel"] == (0 if stage == 3 else full), f"rank {rank}"
@@ -100,9 +98,9 @@ def test_gathered_parameters_give_full_values_and_keep_the_modifier_ranks_edit(
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_model_built_under_init_is_partitioned_and_trains_like_a_whole_one(
-    suite: Callable[[str, int], SuiteResults], stage: int
+    suite: SuiteGetter, backend: str, stage: int
 ) -> None:
-    for rank, res in enumerate(suite("precision", 2).ranks(f"init_s{stage}")):
+    for rank, res in enumerate(suite("precision", 2, backend).ranks(f"init_s{stage}")):
         assert res["placeholder_numels"] == [0], f"rank {rank}: parameters left whole"
         assert res["shard_numels"]["inp.weight"] == 16 * 8 // 2  # numel / world
         assert res["shard_numels"]["inp.bias"] == 16 // 2
