@@ -15,7 +15,7 @@ A second table times the offload step's extras: unscale + clip (one gradient mul
 the bf16 copy-out of the new parameters, fused in the kernel's one pass against the same work
 as three passes (``g *= s``; cpu_adam; ``p16.copy_(p)``).
 
-Never asserts (DESIGN.md §9). On a shared machine compare within one run only.
+Never asserts (docs/architecture.md §3.11). On a shared machine compare within one run only.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ broadcast over the CPU backend's gloo path (what it used before shared memory: r
 and all-gather as all-reduces, see ``ds_backend_cpu.comm``) and over its shared-memory path.
 A rep's time is the slowest rank's; the tables print medians.
 
-Bound: the bytes a collective must move per rank (DESIGN.md's logical bytes: all-reduce 2 x
-buffer, reduce-scatter 1 x its full input, all-gather 1 x its full output, broadcast 1 x buffer)
-divided by the copy bandwidth measured at that size in this run. ``size`` is the full buffer:
+Bound: the bytes a collective must move per rank (logical bytes, docs/architecture.md §3.4:
+all-reduce 2 x buffer, reduce-scatter 1 x its full input, all-gather 1 x its full output,
+broadcast 1 x buffer) divided by the copy bandwidth measured at that size in this run. ``size`` is the full buffer:
 the all-reduce and broadcast buffer, the reduce-scatter input and the all-gather output.
 Targets (issue 10): shared-memory all-reduce >= 3x gloo's at 32 MiB; reduce-scatter <= 0.6x the
 shared-memory all-reduce; every shared-memory collective within 2x its bound at >= 4 MiB.

@@ -9,8 +9,8 @@ experts, top-2), fp32, AdamW, ZeRO stage ``--stage``, the same data on every con
 Per configuration: median step time of the slowest rank, the peak resident set during the
 measured steps (``VmHWM`` reset before them, the largest rank; above the set before the
 model was built), the engine's model-state bytes per rank, and the logical bytes per step per
-rank under DESIGN.md §3's rules (all-to-all = 1 × input), split into the ZeRO gradient path
-and the model-parallel collectives, each next to its formula:
+rank under docs/architecture.md §3.4's rules (all-to-all = 1 × input), split into the ZeRO
+gradient path and the model-parallel collectives, each next to its formula:
 
 - ZeRO (stages 0-2): 2 × the fp32 gradient bytes this rank reduces (its TP shard of split
   layers, its local experts, every dense parameter);

@@ -31,8 +31,8 @@ baseline taken before the model is built (the kernel's high-water mark, reset be
 measured steps, so it is the peak *during* them: inside backward, inside the step) and its
 ratio over the ZeRO formula for the stage, model-state bytes per rank (parameters + gradients
 + optimizer state, counted from the tensors; for ds_core from the engine) against the ZeRO
-formula, logical bytes communicated per step per rank (DESIGN.md §3: all-reduce 2×buffer,
-reduce-scatter 1×input, all-gather 1×output, broadcast 1×buffer; ds_core counted at its
+formula, logical bytes communicated per step per rank (docs/architecture.md §3.4: all-reduce
+2×buffer, reduce-scatter 1×input, all-gather 1×output, broadcast 1×buffer; ds_core counted at its
 collective hooks, torch's engines by wrapping ``torch.distributed`` collectives, DDP at a
 comm hook that sees its buckets), the bytes this process actually wrote to its sockets
 (``wchar`` of /proc/self/io), and the loss after the last step with its difference from

@@ -1,6 +1,6 @@
 """Which accelerator this process uses: the selection state and the process's one facade.
 
-:func:`get_accelerator` selects a backend on first use (DESIGN.md §4) and returns the
+:func:`get_accelerator` selects a backend on first use (docs/architecture.md §4.2) and returns the
 process's :class:`~ds_core.facade.Accelerator` (re-exported here); :func:`set_accelerator`,
 :func:`register_plugin` and :func:`reset_accelerator` change what it selects or binds. The
 facade itself, with every method a caller uses, is in :mod:`ds_core.facade`.
@@ -46,8 +46,9 @@ def get_accelerator() -> Accelerator:
     """Return the process's accelerator, selecting a backend on the first call.
 
     Selection: ``set_accelerator(name)``, else ``DS_ACCELERATOR``, else the available backend
-    of highest priority (see DESIGN.md §3). The selected backend is validated against the hook
-    specs and registered with the core's default plugin and any add-on plugins.
+    of highest priority (docs/architecture.md §3.1, §4.2). The selected backend is validated
+    against the hook specs and registered with the core's default plugin and any add-on
+    plugins.
 
     :raises BackendSelectionError: when no backend can be selected (the message says why).
     :raises BackendValidationError: when the selected backend breaks the hook contract.

@@ -1,4 +1,4 @@
-"""Shared test setup: the CPU backend is chosen explicitly (DESIGN.md §3, Selection)."""
+"""Shared test setup: the CPU backend is chosen explicitly (docs/architecture.md §3.1)."""
 
 from __future__ import annotations
 

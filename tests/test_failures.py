@@ -1,4 +1,7 @@
-"""A rank that dies makes the others fail with a message instead of hanging (DESIGN.md §10)."""
+"""A rank that dies makes the others fail with a message instead of hanging.
+
+The rule: docs/architecture.md §3.10.
+"""
 
 from __future__ import annotations
 

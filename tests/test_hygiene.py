@@ -1,4 +1,4 @@
-"""Import hygiene and the hooks-only rule (DESIGN.md §4, §6)."""
+"""Import hygiene and the hooks-only rule (docs/architecture.md §1.1)."""
 
 from __future__ import annotations
 

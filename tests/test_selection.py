@@ -1,4 +1,7 @@
-"""Backend discovery and selection over real distributions on sys.path (DESIGN.md §3, §4)."""
+"""Backend discovery and selection over real distributions on sys.path.
+
+The rules: docs/architecture.md §3.1, §4.
+"""
 
 from __future__ import annotations
 

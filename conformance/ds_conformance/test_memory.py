@@ -16,7 +16,8 @@ from ds_conformance.marks import capability, hooks, tier
 pytestmark = tier("basic")
 
 # Large enough to stand out of an allocator's or a resident set's noise, written so the
-# pages are really touched (DESIGN.md §3: CPU memory tests use ≥ 64 MiB written tensors).
+# pages are really touched (docs/architecture.md §3.5: CPU memory tests use ≥ 64 MiB written
+# tensors).
 SIZE = 64 * MiB
 
 

@@ -7,9 +7,9 @@ the whole batch, computed in the same rank from the same seeds. The model has od
 (7 → 12 → 3: 135 parameters, split unevenly across ranks and padded), a bias and a
 ``Tanh``; training is fp32 AdamW with gradient clipping that engages.
 
-Tolerance: 1e-5 relative with an absolute floor of 1e-6 for parameters and losses (DESIGN.md:
-"matches" means 1e-5 relative in fp32; the floor covers elements near zero, where AdamW's
-division by ``sqrt(v)`` amplifies reduction-order rounding).
+Tolerance: 1e-5 relative with an absolute floor of 1e-6 for parameters and losses
+(docs/architecture.md §3.12: "matches" means 1e-5 relative in fp32; the floor covers elements
+near zero, where AdamW's division by ``sqrt(v)`` amplifies reduction-order rounding).
 """
 
 from __future__ import annotations

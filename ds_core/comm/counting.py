@@ -1,4 +1,4 @@
-"""A wrapper plugin that counts the logical bytes of every collective (DESIGN.md §3).
+"""A wrapper plugin that counts the logical bytes of every collective (docs/architecture.md §3.4).
 
 Register it with :func:`ds_core.register_plugin`; it wraps the ``ds_comm_*`` collective hooks,
 so it sees every call the engine makes into the comm layer, whichever plugin implements it.

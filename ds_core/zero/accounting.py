@@ -1,5 +1,5 @@
 """What the engine's model states cost, counted from its own buffers (never from the
-process's resident set, which keeps freed small tensors; DESIGN §3)."""
+process's resident set, which keeps freed small tensors; docs/architecture.md §3.5)."""
 
 from __future__ import annotations
 

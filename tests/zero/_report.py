@@ -28,7 +28,9 @@ def main() -> None:
         counts = acc.ranks("bytes")[0]
         memory = acc.ranks("memory")[0]
         resident = res.ranks("resident")
-    print(f"bytes communicated per optimizer step, rank 0 of {N} (logical, DESIGN.md §3)")
+    print(
+        f"bytes communicated per optimizer step, rank 0 of {N} (logical: docs/architecture.md §3.4)"
+    )
     print(f"{'stage':>5} {'GAS':>3} {'Ψ (bytes)':>10} {'measured':>34} {'total/Ψ':>8}  formula")
     for stage in range(4):
         for gas in (1, 2):
@@ -53,7 +55,9 @@ def main() -> None:
             f"{got['late'] == got['early']}"
         )
     print("\nbf16 model states per rank: params 2 + fp32 master 4 + fp32 grads 4 + moments 8")
-    print("(the paper's 16-bit formula has 2-byte gradients; DESIGN.md §3 accumulates in fp32)")
+    print(
+        "(the paper's 16-bit formula has 2-byte gradients; ds_core accumulates in fp32: docs/architecture.md §3.2)"
+    )
     print(f"{'stage':>5} {'measured':>10} {'engine formula':>14} {'paper formula':>13}")
     paper16 = {0: 16, 1: 4 + 12 / N, 2: 2 + 14 / N, 3: 16 / N}
     ours16 = {0: 18, 1: 2 + 4 + 12 / N, 2: 2 + 16 / N, 3: 18 / N}

@@ -99,7 +99,8 @@ SPEC = {"tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": ["
 OPT = {"optimizer": {"type": "Adam"}}
 FP32_REDUCE = (
     "same value, other meaning: ds_core reduces gradients in fp32 whatever the model's dtype "
-    "(DESIGN.md: 16-bit gradients accumulate and reduce in fp32 unless configured otherwise); "
+    "(docs/architecture.md §3.2: 16-bit gradients accumulate and reduce in fp32 unless "
+    "configured otherwise); "
     "DeepSpeed reduces in the model's dtype"
 )
 OWN = "ds_core's own key"

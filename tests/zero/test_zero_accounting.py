@@ -1,6 +1,6 @@
 """Communication volume and model-state memory per stage, against the ZeRO paper's formulas.
 
-Bytes are logical (DESIGN.md §3 "Counting bytes"), counted by the CommCounter wrapper plugin on
+Bytes are logical (docs/architecture.md §3.4), counted by the CommCounter wrapper plugin on
 the collective hooks, on an all-trainable MLP whose sizes divide by the world size (no padding),
 stage3_param_persistence_threshold 0, clipping off and fp32 (no scalar collectives at all).
 Ψ = bytes of one full fp32 gradient. Memory is fp32 AdamW: params 4, grads 4, moments 8 bytes
@@ -33,8 +33,9 @@ EXPECTED_BYTES = {
 # gradient accumulation, where stage 1 reduce-scatters during backward like stage 2 and keeps
 # only its partition of the gradient (a full accumulator would hold nothing between steps).
 FORMULA = {0: 4 + 4 + 8, 1: 4 + (4 + 8) / N, 2: 4 + (4 + 8) / N, 3: (4 + 4 + 8) / N}
-# bf16: params 2, and partitioned as above an fp32 master 4, fp32 gradients 4 (DESIGN.md §3
-# accumulates 16-bit gradients in fp32; the paper's 2 + 2 + 12 assumes 16-bit ones), moments 8
+# bf16: params 2, and partitioned as above an fp32 master 4, fp32 gradients 4
+# (docs/architecture.md §3.2 accumulates 16-bit gradients in fp32; the paper's 2 + 2 + 12
+# assumes 16-bit ones), moments 8
 FORMULA_BF16 = {0: 2 + 4 + 4 + 8, 1: 2 + 16 / N, 2: 2 + 16 / N, 3: 18 / N}
 
 

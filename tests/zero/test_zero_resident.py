@@ -3,7 +3,7 @@
 Two gloo ranks run with MALLOC_MMAP_THRESHOLD_=65536 so glibc maps large tensors with mmap and
 returns them on free: the resident set then tracks live tensors. The model has 8.4 M
 parameters (134 MiB of fp32 AdamW states), trained with micro-batch 1 so activations are small.
-"Flat" is DESIGN.md §3's: growth under 5% + 16 MiB after warm-up.
+"Flat" is docs/architecture.md §3.5's: growth under 5% + 16 MiB after warm-up.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hook implementations of the CPU backend.
 
-Semantics (DESIGN.md §3, CPU): ``device_count`` is ``LOCAL_WORLD_SIZE`` (else 1), so each rank
-of a ``torchrun`` job owns one "device"; the current device is the last ``set_device``, else
+Semantics (docs/architecture.md §3.6): ``device_count`` is ``LOCAL_WORLD_SIZE`` (else 1), so
+each rank of a ``torchrun`` job owns one "device"; the current device is the last ``set_device``, else
 ``LOCAL_RANK``, else 0; the torch device is always ``cpu``. Streams are synchronous and events
 use a host clock. Memory is the process's resident set, capped by its limits. Pinned memory is
 declared absent: a CPU-only torch cannot page-lock (``pin_memory()`` raises there).

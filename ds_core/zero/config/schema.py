@@ -298,8 +298,8 @@ class DSConfig(BaseModel):
     scheduler: SchedulerConfig | None = None
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """dtype gradients are reduced in; they always accumulate in fp32. ``None`` reduces in
-    fp32 whatever the model's precision (DESIGN §3; DeepSpeed reduces in the model's dtype).
-    (Default: None)"""
+    fp32 whatever the model's precision (docs/architecture.md §3.2; DeepSpeed reduces in the
+    model's dtype). (Default: None)"""
     prescale_gradients: Bool = False
     """Divide gradients by the data-parallel size before reducing them instead of after.
     (Default: false)"""
