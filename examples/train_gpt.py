@@ -398,8 +398,12 @@ def progress_bar(total: int) -> tqdm:  # type: ignore[type-arg]
     )
 
 
-def write_plot(path: Path, rows: list[dict[str, float]], mem_by_rank: list[list[float]]) -> None:
-    """Loss (left) and resident memory per rank (right) against the step, as a PNG."""
+def write_plot(
+    path: Path, rows: list[dict[str, float]], mem_by_rank: list[list[float]], device: str
+) -> None:
+    """Loss (left) and memory per rank (right) against the step, as a PNG. Memory is what the
+    backend's memory hooks report: the device allocator's bytes on an accelerator, resident
+    host memory on the CPU backend."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -411,7 +415,8 @@ def write_plot(path: Path, rows: list[dict[str, float]], mem_by_rank: list[list[
     ax_loss.set(xlabel="step", ylabel="loss (cross-entropy, nats)", title="training loss")
     for rank, mem in enumerate(mem_by_rank):
         ax_mem.plot(steps, mem, label=f"rank {rank}")
-    ax_mem.set(xlabel="step", ylabel="MiB", title="resident memory (memory hooks)")
+    what = "resident memory" if device == "cpu" else f"{device} allocated memory"
+    ax_mem.set(xlabel="step", ylabel="MiB", title=f"{what} (memory hooks)")
     ax_mem.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -624,7 +629,7 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
         print(f"log: {out / 'train_log.csv'}")
         return True
     try:
-        write_plot(out / "train_gpt.png", rows, mem_by_rank)
+        write_plot(out / "train_gpt.png", rows, mem_by_rank, device.type)
     except ImportError:
         print(f"log: {out / 'train_log.csv'} (pip install matplotlib for the plot)")
         return True

@@ -17,13 +17,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def run_example(
+    tmp_path: Path, *extra: str, backend: str = "cpu"
+) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "examples" / "train_gpt.py"), "--model", "tiny", "--seq", "32",
         "--out", str(tmp_path), *extra,
     ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DS_ACCELERATOR": backend, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -51,6 +53,26 @@ def test_train_gpt_with_flags_stage_2(tmp_path: Path) -> None:
     # stage 2 communicates 2Ψ per step (Ψ = fp32 gradient bytes)
     assert "(2.00 Ψ" in proc.stdout, proc.stdout
     check_log(tmp_path, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("ds_backend_sim") is None, reason="the sim backend is not installed"
+)
+def test_train_gpt_on_the_simulated_accelerator_stage_3(tmp_path: Path) -> None:
+    # The device is not the host: batches, parameters and the logged memory live on sim:N.
+    steps = 8
+    proc = run_example(
+        tmp_path, "--stage", "3", "--steps", str(steps), "--micro-batch", "4", "--lr", "1e-2",
+        backend="sim",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ZeRO stage 3 | fp32 | 2 ranks on sim (simccl)" in proc.stderr
+    check_log(tmp_path, steps)
+    with open(tmp_path / "train_log.csv") as f:
+        memory = [float(r["memory_mib_rank1"]) for r in csv.DictReader(f)]
+    # the sim allocator's bytes: the tiny model's states, megabytes, not a process's RSS
+    assert all(0 < m < 64 for m in memory), memory
 
 
 @pytest.mark.slow

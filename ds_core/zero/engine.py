@@ -176,6 +176,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.overlap_comm,
             tp_rank=self.mesh.tp_rank,
             tp_size=self.mesh.tp_size,
+            norm_dtype=self.norm_dtype,
         )
         if self.offload is not None:
             # Stages 2/3 (and 1 without accumulation) sum each micro-batch on the host.
@@ -421,9 +422,16 @@ class ZeroEngine(DeepSpeedEngineAPI):
         elif self._skips_on_device:
             self._update(mult, found_inf.to(torch.float32))
             self._skips.record(found_inf, step)
+        elif self.offload is not None:
+            # Offload steps on the host: the verdict lands with the gradients, in one wait.
+            verdict = found_inf
+            host_mult = self._offload_land(mult, lambda: self._skips.record(verdict, step))
+            if not self._skips.settle():
+                self._offload_step(host_mult)
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
         else:
-            # The host decides: offload steps on the host (it reads the gradients there
-            # anyway); an optimizer without ``found_inf`` support needs the flag now.
+            # An optimizer without ``found_inf`` support: the host needs the flag now.
             self._skips.record(found_inf, step)
             if not self._skips.settle():
                 self._update(mult)
@@ -445,16 +453,16 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """Scale the reduced gradients by ``mult``, step the optimizer (a no-op on the device
         where ``found_inf`` is 1) and publish the masters into the parameters."""
         if self.offload is not None:
-            self._offloaded_update(mult)
+            self._offload_step(self._offload_land(mult))
+            return
+        self.reducer.scale_(mult)
+        for zp in self._trainable:
+            if zp.master is not None:
+                zp.master.grad = self.reducer.grad(zp)
+        if found_inf is None:
+            self.optimizer.step()
         else:
-            self.reducer.scale_(mult)
-            for zp in self._trainable:
-                if zp.master is not None:
-                    zp.master.grad = self.reducer.grad(zp)
-            if found_inf is None:
-                self.optimizer.step()
-            else:
-                step_with_found_inf(self.optimizer, found_inf)
+            step_with_found_inf(self.optimizer, found_inf)
         self._publish_params()
 
     def _settle(self) -> None:
@@ -474,16 +482,25 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._settle()
         self._skips.skipped = int(value)
 
-    def _offloaded_update(self, mult: float | torch.Tensor) -> None:
-        """The optimizer step with masters on the host (see [Note: offload data path])."""
+    def _offload_land(
+        self, mult: float | torch.Tensor, verdict: Callable[[], None] | None = None
+    ) -> float | None:
+        """Bring the window's gradients, the multiplier and ``verdict`` to the host in one
+        wait (see [Note: offload data path]); return the multiplier the host step applies
+        (``None``: already applied on the device)."""
         assert self.offload is not None
         fused = self.offload.uses_fused_scale(self.optimizer)
         on_host = self.reducer.host is not None  # the window was summed on the host already
         if not fused and not on_host:
             self.reducer.scale_(mult)  # on the device, before the copy
-        self.offload.gradients_to_host(self.reducer.reduced_ranges())
-        # The host reads the multiplier once: it needs the gradients on the host anyway.
-        self.offload.step(self.optimizer, float(mult) if fused or on_host else None)
+        host_mult = self.offload.gradients_to_host(self.reducer.reduced_ranges(), mult, verdict)
+        return host_mult if fused or on_host else None
+
+    def _offload_step(self, host_mult: float | None) -> None:
+        """The optimizer step with masters on the host, after :meth:`_offload_land`."""
+        assert self.offload is not None
+        self.offload.step(self.optimizer, host_mult)
+        self._publish_params()
 
     def _publish_params(self) -> None:
         """Move updated masters into the parameters the module computes with: each rank

@@ -133,6 +133,7 @@ class GradReducer:
     :param tp_rank: this rank's tensor-parallel rank: units of TP-replicated parameters count
         in the global norm on TP rank 0 only (their gradients are equal across the TP group).
     :param tp_size: ranks of the TP group (the norm sums over ``world × tp_size`` ranks).
+    :param norm_dtype: dtype the global norm is accumulated in.
     """
 
     def __init__(
@@ -148,8 +149,10 @@ class GradReducer:
         overlap: bool,
         tp_rank: int = 0,
         tp_size: int = 1,
+        norm_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.policy = policy_for(stage, gas)
+        self.norm_dtype = norm_dtype
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.world = world
@@ -186,6 +189,11 @@ class GradReducer:
         self._stream = acc.Stream() if overlap else None
         #: optimizer offload's host accumulators (see :meth:`attach_host`), or ``None``.
         self.host: Any = None
+        #: under offload, each unit's squared norm from its window's first contribution on
+        #: the device; valid for the norm while no unit had a second one (``_host_single``),
+        #: so a one-micro-batch window's norm needs no host read (see :meth:`global_norm`).
+        self._host_partials: list[torch.Tensor] = []
+        self._host_single = True
         #: reduce this backward (else accumulate locally).
         self.reducing = True
         #: the next unit index to issue in this backward.
@@ -328,8 +336,16 @@ class GradReducer:
                 ug.local.add_(ug.reduced)
                 ug.reduced = ug.local
             return
-        if self.host is not None:
-            self.host.accumulate(ug.unit, out)  # optimizer offload: the window sums on the host
+        if self.host is not None:  # optimizer offload: the window sums on the host
+            if first:
+                counts = ug.unit.tp_sharded or self.tp_rank == 0
+                part = _sum_of_squares(
+                    out if out.dtype == torch.float32 else out.float(), self.norm_dtype
+                )
+                self._host_partials.append(part if counts else part * 0)
+            else:
+                self._host_single = False
+            self.host.accumulate(ug.unit, out)
             return
         if ug.reduced is None:  # stage 1 with accumulation: the range lives during the step
             ug.reduced = out if out.dtype == torch.float32 else out.float()
@@ -390,16 +406,45 @@ class GradReducer:
         all-reduce over the world; never read on the host here). Non-finite when any rank
         holds a non-finite gradient, TP replicas included."""
         total = torch.zeros((), dtype=dtype, device=self.device)
+        if self.host is not None and self._host_single and dtype == self.norm_dtype:
+            # Offload, one contribution per unit this window: the device saw every gradient.
+            for part in self._host_partials:
+                total += part
+            if self.world * self.tp_size > 1:
+                self.acc.all_reduce(total, "sum", None)
+            return total.sqrt()
+        if self.host is not None:
+            return self._host_norm(dtype)
         for buf in self.reduced_buffers():
-            total += _sum_of_squares(buf, dtype).to(self.device)  # host buffers under offload
+            total += _sum_of_squares(buf, dtype)
         for buf in self._tp_replica_buffers():
             # Counted on TP rank 0, but an inf/NaN here (0 × inf is NaN) must still reach the
             # norm, so every rank of the mesh skips the step and clips alike.
-            total += _sum_of_squares(buf, dtype).to(self.device) * 0
+            total += _sum_of_squares(buf, dtype) * 0
         if self.world * self.tp_size > 1:
             # Every range and expert is held by exactly one rank (replicas are counted on the
             # group's first rank only, TP replicas on TP rank 0), so the sum over the world
             # counts each once.
+            self.acc.all_reduce(total, "sum", None)
+        return total.sqrt()
+
+    def _host_norm(self, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`global_norm` from the host accumulators (offload, a window of several
+        contributions): the host waits for them once, sums, and sends one number to the
+        device for the all-reduce (non-blocking from pinned memory where the backend has it).
+        """
+        self.host.land()
+        local = torch.zeros((), dtype=dtype)
+        for buf in self.reduced_buffers():
+            local += _sum_of_squares(buf, dtype)
+        for buf in self._tp_replica_buffers():
+            local += _sum_of_squares(buf, dtype) * 0  # NaN/inf still reaches the norm
+        pinned = "pinned_memory" in self.acc.capabilities
+        if pinned:
+            local = self.acc.pin_memory(local)
+        total = torch.empty((), dtype=dtype, device=self.device)
+        total.copy_(local, non_blocking=pinned)
+        if self.world * self.tp_size > 1:
             self.acc.all_reduce(total, "sum", None)
         return total.sqrt()
 
@@ -440,6 +485,8 @@ class GradReducer:
         self.finish()
         if self.host is not None:
             self.host.zero()  # the next window starts from zeros on the host
+            self._host_partials.clear()
+            self._host_single = True
         for ug in self.units:
             ug.opened = False
             ug.touched.clear()

@@ -25,6 +25,7 @@ from tests.zero._common import (
     global_names,
     load_reference,
     make_optimizer,
+    on_device,
     reference_state,
 )
 
@@ -150,9 +151,11 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
     for step in batches(sc.steps, sc.gas, sc.world):
         for micro, (x, y) in enumerate(step):
             extra = torch.ones(MICRO) if sc.sometimes and micro == 0 else None
-            loss = F.mse_loss(engine(x[sl], extra), y[sl])
+            extra = on_device(extra) if extra is not None else None
+            loss = F.mse_loss(engine(on_device(x[sl]), extra), on_device(y[sl]))
             engine.backward(loss)
-            if engine.offload is not None:  # what the host accumulator holds now
+            if engine.offload is not None:  # what the host accumulator holds, once landed
+                engine.offload.land()
                 host_grad_changes.append(
                     sum(float(r.grad.abs().sum()) for r in engine.offload.ranges)
                 )
@@ -165,7 +168,7 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
     engine.eval()
     probe = torch.randn(6, IN, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        eval_out = engine(probe)
+        eval_out = engine(on_device(probe))
     masters = _masters(engine)
     out = {
         "losses": losses,
@@ -235,7 +238,7 @@ def bf16_pair(stage: int) -> Callable[[], dict[str, Any]]:
             for _ in range(3):
                 for _ in range(2):
                     x = torch.randn(MICRO, 32, generator=torch.Generator().manual_seed(3))
-                    engine.backward(engine(x.bfloat16()).float().pow(2).mean())
+                    engine.backward(engine(on_device(x.bfloat16())).float().pow(2).mean())
                     engine.step()
             out["offload" if offload else "plain"] = {
                 "start": start,
@@ -265,7 +268,8 @@ def teardown() -> dict[str, Any]:
         cfg = OffloadScenario(stage=2, world=2, gas=1, bf16=True).config()
         engine, opt, _, _ = ds_core.initialize(model=model, config=cfg)
         for _ in range(2):
-            engine.backward(engine(torch.randn(MICRO, 32).bfloat16()).float().pow(2).mean())
+            x = on_device(torch.randn(MICRO, 32).bfloat16())
+            engine.backward(engine(x).float().pow(2).mean())
             engine.step()
         assert engine.offload is not None
         buffers = [t for r in engine.offload.ranges for t in (r.master, r.grad)]

@@ -709,6 +709,10 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         for name in _gradpath.LAZY_COMM:
             out[f"lazy_{name}"] = _gradpath.lazy(train, _gradpath.COMM_DTYPE[name])
         return out
+    if suite == "syncs":
+        from tests.zero import _syncs
+
+        return _syncs.jobs()
     if suite == "api":
         return {"api": api_checks}
     if suite == "accounting":

@@ -23,7 +23,7 @@ from ds_core.zero.config import load_config
 from ds_core.zero.offload.host import OptimizerOffload
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
 from tests.zero._offload import scenarios
-from tests.zero.conftest import SuiteResults
+from tests.zero.conftest import SuiteGetter, SuiteResults
 from tests.zero.test_zero_stages import check_against_reference
 
 OFFLOADED = [n for n, sc in scenarios().items() if sc.offload]
@@ -33,18 +33,18 @@ EQUAL = 5e-5
 @pytest.mark.slow
 @pytest.mark.parametrize("name", OFFLOADED)
 def test_offload_matches_single_process_reference(
-    suite: Callable[[str, int], SuiteResults], name: str
+    suite: SuiteGetter, backend: str, name: str
 ) -> None:
-    check_against_reference(scenarios()[name], suite("offload", 2).ranks(name))
+    check_against_reference(scenarios()[name], suite("offload", 2, backend).ranks(name))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("gas", [1, 4])
 def test_offload_equals_the_engine_without_it(
-    suite: Callable[[str, int], SuiteResults], stage: int, gas: int
+    suite: SuiteGetter, backend: str, stage: int, gas: int
 ) -> None:
-    results = suite("offload", 2)
+    results = suite("offload", 2, backend)
     for on, off in zip(
         results.ranks(f"s{stage}_gas{gas}"), results.ranks(f"s{stage}_gas{gas}_plain"), strict=True
     ):
@@ -223,9 +223,9 @@ PARAM_OFFLOAD = ["s3_param", "s3_param_only", "s3_param_overlap"]
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PARAM_OFFLOAD)
 def test_param_offload_matches_single_process_reference(
-    suite: Callable[[str, int], SuiteResults], name: str
+    suite: SuiteGetter, backend: str, name: str
 ) -> None:
-    check_against_reference(scenarios()[name], suite("offload", 2).ranks(name))
+    check_against_reference(scenarios()[name], suite("offload", 2, backend).ranks(name))
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ def counters() -> dict[str, int]:
     """This process's counters since the last reset (creates the device if needed).
 
     - ``host_syncs``: times the host blocked on device work (a blocking copy either way,
-      ``.item()``/``.tolist()``, a device, stream or event synchronize);
+      ``.item()``/``.tolist()``, a device, stream or event synchronize; in lazy mode also an
+      event or stream query that had to run queued work to answer);
     - ``h2d_bytes``, ``d2h_bytes``: bytes copied between host and device, blocking or not;
     - ``kernels``: compute operators run on the device (copies excluded);
     - ``collectives``, ``collective_bytes``: simccl calls on sim tensors and their buffer bytes.

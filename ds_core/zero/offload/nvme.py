@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -190,17 +190,16 @@ class NvmeOptimizerOffload(OptimizerOffload):
 
     # -- the step ----------------------------------------------------------------------------
 
-    def gradients_to_host(self, reduced: Iterable[tuple[FlatUnit, torch.Tensor]]) -> None:
+    def gradients_to_host(
+        self,
+        reduced: Iterable[tuple[FlatUnit, torch.Tensor]],
+        mult: float | torch.Tensor,
+        verdict: Callable[[], None] | None = None,
+    ) -> float:
         """As host offload, without pointing ``.grad`` at the ranges (the masters are
         placeholders; the step reads the ranges itself)."""
-        for unit, device_range in reduced:
-            hr = self._of.get(id(unit))
-            if hr is not None:
-                hr.grad.copy_(device_range, non_blocking=self.pinned)
-        if self.pinned:
-            done = self.acc.Event()
-            done.record()
-            done.synchronize()
+        self._land(reduced, mult, verdict)
+        return self._mult_value
 
     def uses_fused_scale(self, optimizer: Any) -> bool:
         return True

@@ -232,6 +232,11 @@ void drain(SimStream* s) {
   wait_until(s, seq);
 }
 
+bool stream_reached(SimStream* s, int64_t seq) {
+  std::lock_guard<std::mutex> g(s->mu);
+  return s->done >= seq;
+}
+
 bool stream_idle(SimStream* s) {
   std::lock_guard<std::mutex> g(s->mu);
   return s->done >= s->enqueued;
@@ -400,16 +405,57 @@ std::mutex& pinned_mu = *new std::mutex;
 std::map<uintptr_t, size_t>& pinned_blocks = *new std::map<uintptr_t, size_t>;
 std::atomic<int64_t> pinned_bytes{0};
 
-void free_pinned(void* ptr) {
-  {
-    std::lock_guard<std::mutex> g(pinned_mu);
-    auto it = pinned_blocks.find(reinterpret_cast<uintptr_t>(ptr));
-    if (it != pinned_blocks.end()) {
-      pinned_bytes -= static_cast<int64_t>(it->second);
-      pinned_blocks.erase(it);
+// A pinned block freed while queued copies may still read or write it goes back to the host
+// only once every stream has passed the point it had reached at the free, as torch's CUDA
+// host allocator holds a block until the events of its copies complete.
+struct DeferredFree {
+  void* ptr;
+  std::vector<std::pair<SimStream*, int64_t>> marks;
+};
+std::vector<DeferredFree>& deferred_frees = *new std::vector<DeferredFree>;
+
+std::vector<std::pair<SimStream*, int64_t>> busy_streams() {
+  std::vector<std::pair<SimStream*, int64_t>> marks;
+  std::lock_guard<std::mutex> g(registry_mu);
+  for (auto& list : streams) {
+    for (auto* s : list) {
+      std::lock_guard<std::mutex> sg(s->mu);
+      if (s->done < s->enqueued) marks.emplace_back(s, s->enqueued);
     }
   }
-  c10::free_cpu(ptr);
+  return marks;
+}
+
+// Frees the deferred blocks whose copies have all run; call with pinned_mu held.
+void sweep_deferred_frees() {
+  auto keep = deferred_frees.begin();
+  for (auto it = deferred_frees.begin(); it != deferred_frees.end(); ++it) {
+    bool done = true;
+    for (auto& [st, seq] : it->marks) done = done && stream_reached(st, seq);
+    if (done) {
+      c10::free_cpu(it->ptr);
+    } else {
+      if (keep != it) *keep = std::move(*it);  // a self-move would empty the marks
+      ++keep;
+    }
+  }
+  deferred_frees.erase(keep, deferred_frees.end());
+}
+
+void free_pinned(void* ptr) {
+  auto marks = busy_streams();
+  std::lock_guard<std::mutex> g(pinned_mu);
+  auto it = pinned_blocks.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it != pinned_blocks.end()) {
+    pinned_bytes -= static_cast<int64_t>(it->second);
+    pinned_blocks.erase(it);
+  }
+  if (marks.empty()) {
+    c10::free_cpu(ptr);
+  } else {
+    deferred_frees.push_back(DeferredFree{ptr, std::move(marks)});
+  }
+  sweep_deferred_frees();
 }
 
 bool is_pinned_ptr(const void* p) {
@@ -426,6 +472,7 @@ struct PinnedAllocator final : c10::Allocator {
     void* ptr = c10::alloc_cpu(std::max<size_t>(nbytes, 1));
     {
       std::lock_guard<std::mutex> g(pinned_mu);
+      sweep_deferred_frees();
       pinned_blocks[reinterpret_cast<uintptr_t>(ptr)] = nbytes;
     }
     pinned_bytes += static_cast<int64_t>(nbytes);
@@ -545,7 +592,12 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   bool queryEvent(void* event) const override {
     auto* e = static_cast<SimEvent*>(event);
     if (!e || !e->stream) return true;
-    if (cfg.lazy) wait_until(e->stream, e->seq);  // a host observation forces the work
+    // In lazy mode a host observation forces the work: the host waited for the device, which
+    // counts as a sync when there was work to run (a real device would have said "not yet").
+    if (cfg.lazy && !stream_reached(e->stream, e->seq)) {
+      host_syncs += 1;
+      wait_until(e->stream, e->seq);
+    }
     return e->mark->reached.load();
   }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
@@ -570,7 +622,10 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   }
   bool queryStream(const c10::Stream& stream) const override {
     SimStream* s = get_stream(stream.device_index(), stream.id());
-    if (cfg.lazy) drain(s);
+    if (cfg.lazy && !stream_idle(s)) {  // forced, as queryEvent
+      host_syncs += 1;
+      drain(s);
+    }
     return stream_idle(s);
   }
   void synchronizeStream(const c10::Stream& stream) const override {
@@ -655,9 +710,10 @@ void plain_copy(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 // What a queued copy touches, fixed when it is issued: a device kernel takes its pointers at
-// launch, so a storage freed or resized after issuing (a stream-ordered free) does not move
-// it. Host tensors are kept by value (their memory stays alive with them).
-at::Tensor at_launch(const at::Tensor& t) { return t.is_cpu() ? t : host_alias(t); }
+// launch, so a storage freed or resized after issuing does not move it. Device blocks freed
+// meanwhile are reused only in stream order, pinned host blocks only after the copies queued
+// before their free have run (free_pinned), as on a GPU.
+at::Tensor at_launch(const at::Tensor& t) { return host_alias(t); }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   // self is the source.
@@ -692,7 +748,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     h2d_bytes += static_cast<int64_t>(bytes);
     SimStream* s = current_stream(dst.device().index());
     if (non_blocking && is_pinned_ptr(src.data_ptr())) {
-      enqueue(s, [to = at_launch(dst), from = src, bytes] {
+      enqueue(s, [to = at_launch(dst), from = at_launch(src), bytes] {
         model_pcie(bytes);
         plain_copy(to, from);
       });
@@ -709,7 +765,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   d2h_bytes += static_cast<int64_t>(bytes);
   SimStream* s = current_stream(src.device().index());
   if (non_blocking && is_pinned_ptr(dst.data_ptr())) {
-    enqueue(s, [to = dst, from = at_launch(src), bytes] {
+    enqueue(s, [to = at_launch(dst), from = at_launch(src), bytes] {
       model_pcie(bytes);
       plain_copy(to, from);
     });
