@@ -1,0 +1,305 @@
+"""Lightning's accelerator interface, answered by the selected ds_core backend (docs/interop.md).
+
+Importing this module registers ``ds_core`` in Lightning 2.6's two accelerator registries
+(Fabric's ``lightning.fabric.accelerators.ACCELERATOR_REGISTRY`` and the Trainer's
+``lightning.pytorch.accelerators.AcceleratorRegistry``) when Lightning is installed, so
+
+    import ds_core.interop.lightning
+    Fabric(accelerator="ds_core", devices=2, strategy="ddp")
+    Trainer(accelerator="ds_core", devices=2)
+
+run on whatever backend ``ds_core.get_accelerator()`` selects (``DS_ACCELERATOR``). Lightning is
+imported only here, and only when it is installed: without it this module still imports, and
+:func:`register` raises ``ImportError`` naming the extra to install.
+
+The accelerator classes are assembled on first use from :class:`LightningMethods` and
+Lightning's abstract bases (:func:`fabric_accelerator_class`, :func:`trainer_accelerator_class`),
+as :mod:`ds_core.interop.deepspeed` does with DeepSpeed's. What a backend lacks is refused,
+never faked: an unavailable backend is a :class:`ds_core.errors.BackendSelectionError` naming
+it, and a Trainer precision the backend's dtypes do not cover is a
+:class:`ds_core.NotSupportedError` naming the capability and the backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from typing import Any
+
+import torch
+
+from ds_core.accelerator import get_accelerator
+from ds_core.errors import BackendSelectionError, DSCoreError, NotSupportedError
+from ds_core.facade import Accelerator
+
+__all__ = [
+    "NAME",
+    "PRECISION_CAPABILITIES",
+    "LightningMethods",
+    "fabric_accelerator_class",
+    "process_group_backend",
+    "register",
+    "trainer_accelerator_class",
+]
+
+#: The name ``accelerator=`` takes in ``Fabric`` and ``Trainer``.
+NAME = "ds_core"
+
+#: Trainer precision -> the ds_core capability it needs (checked in ``setup(trainer)``).
+PRECISION_CAPABILITIES: dict[str, str] = {
+    "16-mixed": "fp16",
+    "16-true": "fp16",
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "64-true": "fp64",
+}
+
+_EXTRA = 'pip install "ds-core[lightning]"'
+
+
+def _selected() -> Accelerator:
+    """The selected ds_core backend, refused with one error when it cannot run here."""
+    accelerator = get_accelerator()  # BackendSelectionError names the backend asked for
+    if not accelerator.is_available():
+        raise BackendSelectionError(
+            f"ds_core backend '{accelerator.name}' (device type '{accelerator.device_type}') "
+            f"is not available on this machine, so Lightning's accelerator '{NAME}' cannot run; "
+            f"select another backend with DS_ACCELERATOR"
+        )
+    return accelerator
+
+
+def _indexed(accelerator: Accelerator) -> bool:
+    """Whether the device type has one torch device per index (``cpu`` has a single one that
+    any number of processes share)."""
+    return accelerator.device(0).index is not None
+
+
+def _device_ids(accelerator: Accelerator, devices: Any) -> list[int]:
+    """Lightning's ``devices`` (``n``, ``-1``, ``"n"``, ``"0,1"``, ``[0, 1]``) as indices."""
+    count = accelerator.device_count()
+    if isinstance(devices, str):
+        text = devices.strip()
+        if "," in text:
+            devices = [int(part) for part in text.split(",") if part.strip()]
+        elif text.lstrip("-").isdigit():
+            devices = int(text)
+    if isinstance(devices, bool) or not isinstance(devices, int | list | tuple):
+        raise ValueError(
+            f"`devices={devices!r}` is not a device count, -1, or a list of indices "
+            f"(accelerator '{NAME}' on ds_core backend '{accelerator.name}')"
+        )
+    if isinstance(devices, int):
+        if devices == -1:
+            devices = count
+        if devices <= 0:
+            raise ValueError(f"`devices` must be a positive count or -1, got {devices}")
+        ids = list(range(devices))
+    else:
+        ids = [int(i) for i in devices]
+    bad = [i for i in ids if not 0 <= i < count]
+    if bad or not ids or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"`devices={devices!r}` asks for device indices {ids}, but ds_core backend "
+            f"'{accelerator.name}' has {count} {accelerator.device_type} device(s) "
+            f"(indices 0-{count - 1})"
+        )
+    return ids
+
+
+def _host_processes(accelerator: Accelerator, devices: Any) -> int:
+    """Lightning's ``devices`` on a device type without indices: a positive process count."""
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices <= 0:
+        raise ValueError(
+            f"`devices` on ds_core backend '{accelerator.name}' (device type "
+            f"'{accelerator.device_type}', shared by all processes) must be a positive "
+            f"number of processes, got {devices!r}"
+        )
+    return devices
+
+
+def process_group_backend() -> str:
+    """The selected backend's ``torch.distributed`` backend, registered with torch.
+
+    Lightning's DDP strategies choose ``torch.distributed.Backend.default_device_backend_map``'s
+    entry for the device type (``_get_default_process_group_backend_for_device``) unless given
+    ``process_group_backend=``. ``setup_device`` registers the backend's comm backend, which
+    puts it in that map for device types torch does not know (``sim`` -> ``simccl``); pass
+    this function's answer as ``DDPStrategy(process_group_backend=...)`` where the map's entry
+    differs (a warning says so).
+    """
+    accelerator = get_accelerator()
+    accelerator.prepare_communication()
+    return accelerator.communication_backend_name()
+
+
+class LightningMethods:
+    """Every method of Lightning 2.6's accelerator interfaces, on a ds_core backend.
+
+    Mixed into ``lightning.fabric.accelerators.Accelerator`` by
+    :func:`fabric_accelerator_class` and into ``lightning.pytorch.accelerators.Accelerator``
+    by :func:`trainer_accelerator_class`. Lightning calls ``parse_devices``,
+    ``get_parallel_devices``, ``auto_device_count``, ``is_available`` and ``name`` on the
+    class, so they read the selected backend (``ds_core.get_accelerator()``) when called.
+    """
+
+    def __init__(self, accelerator: Accelerator | None = None) -> None:
+        self.ds_core = accelerator if accelerator is not None else _selected()
+
+    def __repr__(self) -> str:
+        return f"<Lightning accelerator on ds_core backend '{self.ds_core.name}'>"
+
+    # -- per process -----------------------------------------------------------------------
+
+    def setup_device(self, device: torch.device) -> None:
+        """Make ``device`` this process's device and register the comm backend with torch."""
+        device = torch.device(device)
+        if device.type != self.ds_core.device_type:
+            raise ValueError(
+                f"Lightning asked accelerator '{NAME}' to set up {device}, but ds_core backend "
+                f"'{self.ds_core.name}' runs on '{self.ds_core.device_type}'. For one device "
+                f"Lightning picks SingleDeviceStrategy(device='cpu') for accelerators it does "
+                f"not know; pass strategy=SingleDeviceStrategy(device="
+                f"'{self.ds_core.device_name(0)}') instead"
+            )
+        if device.index is not None:
+            self.ds_core.set_device(device.index)
+        self.ds_core.prepare_communication()
+        chosen = torch.distributed.Backend.default_device_backend_map.get(device.type, "gloo")
+        wanted = self.ds_core.communication_backend_name()
+        if chosen != wanted:
+            warnings.warn(
+                f"Lightning's DDP strategies default to process-group backend '{chosen}' for "
+                f"device type '{device.type}', but ds_core backend '{self.ds_core.name}' "
+                f"communicates with '{wanted}': pass DDPStrategy(process_group_backend="
+                f"'{wanted}') (ds_core.interop.lightning.process_group_backend())",
+                stacklevel=2,
+            )
+
+    def teardown(self) -> None:
+        """Release the allocator's cached, unused memory (as Lightning's CUDA accelerator)."""
+        self.ds_core.empty_cache()
+
+    def setup(self, trainer: Any) -> None:
+        """Trainer only: refuse a precision whose dtype the backend does not support."""
+        precision = str(getattr(trainer, "precision", "32-true"))
+        capability = PRECISION_CAPABILITIES.get(precision)
+        if capability is not None and not self.ds_core.has(capability):
+            raise NotSupportedError(
+                capability, self.ds_core.name, f"Trainer(precision={precision!r})"
+            )
+
+    def get_device_stats(self, device: Any) -> dict[str, Any]:
+        """The memory hooks' statistics for ``device`` (bytes), plus its total and available
+        memory (``total_memory``, ``available_memory``)."""
+        index = torch.device(device).index if not isinstance(device, int) else device
+        stats: dict[str, Any] = dict(self.ds_core.memory_stats(index))
+        info = self.ds_core.memory_info(index)
+        stats["total_memory"] = info.total
+        stats["available_memory"] = info.available
+        return stats
+
+    # -- on the class ----------------------------------------------------------------------
+
+    @staticmethod
+    def parse_devices(devices: Any) -> Any:
+        """A process count on a device type without indices (``cpu``), else device indices."""
+        accelerator = _selected()
+        if _indexed(accelerator):
+            return _device_ids(accelerator, devices)
+        return _host_processes(accelerator, devices)
+
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        """One ``torch.device`` per process."""
+        accelerator = _selected()
+        if _indexed(accelerator):
+            return [accelerator.device(i) for i in _device_ids(accelerator, devices)]
+        return [accelerator.device()] * _host_processes(accelerator, devices)
+
+    @staticmethod
+    def auto_device_count() -> int:
+        """The backend's device count (``devices="auto"``)."""
+        return _selected().device_count()
+
+    @staticmethod
+    def is_available() -> bool:
+        """Whether a ds_core backend is selected and available (never raises)."""
+        try:
+            return get_accelerator().is_available()
+        except DSCoreError:
+            return False
+
+    @staticmethod
+    def name() -> str:
+        return NAME
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: Any) -> None:
+        """Register under :data:`NAME` (idempotent; another accelerator's entry is refused)."""
+        existing = (
+            accelerator_registry[NAME]["accelerator"] if NAME in accelerator_registry else None
+        )
+        if existing is cls:
+            return
+        if existing is not None and not (
+            isinstance(existing, type) and issubclass(existing, LightningMethods)
+        ):
+            raise DSCoreError(
+                f"Lightning's accelerator registry already holds '{NAME}' for {existing!r}"
+            )
+        accelerator_registry.register(
+            NAME, cls, description=f"ds_core's selected backend ({cls.__name__})", override=True
+        )
+
+
+# --------------------------------------------------------------------------- assembly
+
+_CLASSES: dict[str, type[LightningMethods]] = {}
+
+
+def _assemble(key: str, base_module: str, class_name: str) -> type[LightningMethods]:
+    if key not in _CLASSES:
+        if importlib.util.find_spec("lightning") is None:
+            raise ImportError(f"Lightning is not installed: {_EXTRA}")
+        base = importlib.import_module(base_module).Accelerator
+        cls = type(
+            class_name,
+            (LightningMethods, base),
+            {"__module__": __name__, "__doc__": LightningMethods.__doc__},
+        )
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:  # a Lightning release with methods this adapter does not know
+            raise DSCoreError(
+                f"this Lightning's {base_module}.Accelerator has methods ds_core's adapter "
+                f"lacks: {', '.join(missing)}"
+            )
+        _CLASSES[key] = cls
+    return _CLASSES[key]
+
+
+def fabric_accelerator_class() -> type[LightningMethods]:
+    """``DSCoreFabricAccelerator``: :class:`LightningMethods` + Fabric's ``Accelerator``."""
+    return _assemble("fabric", "lightning.fabric.accelerators", "DSCoreFabricAccelerator")
+
+
+def trainer_accelerator_class() -> type[LightningMethods]:
+    """``DSCoreAccelerator``: :class:`LightningMethods` + the Trainer's ``Accelerator``."""
+    return _assemble("trainer", "lightning.pytorch.accelerators", "DSCoreAccelerator")
+
+
+def register() -> None:
+    """Register ``ds_core`` with Fabric's and the Trainer's accelerator registries (idempotent).
+
+    :raises ImportError: when Lightning is not installed.
+    """
+    fabric = importlib.import_module("lightning.fabric.accelerators")
+    trainer = importlib.import_module("lightning.pytorch.accelerators")
+    fabric_accelerator_class().register_accelerators(fabric.ACCELERATOR_REGISTRY)
+    trainer_accelerator_class().register_accelerators(trainer.AcceleratorRegistry)
+
+
+if importlib.util.find_spec("lightning") is not None:
+    register()
