@@ -15,6 +15,13 @@ python -m pip install --quiet "torch==2.13.0"
 # other requirements are installed explicitly.
 python -m pip install --quiet einops hjson msgpack ninja numpy packaging psutil py-cpuinfo pydantic tqdm
 DS_BUILD_OPS=0 python -m pip install --quiet --no-deps --no-build-isolation "deepspeed==0.19.8"
+# Lightning, Transformers and Accelerate, for the interop adapters' tests (skipped when absent):
+# --no-deps keeps the pinned torch (lightning 2.6 also names pytorch-lightning, which it does
+# not import); their other requirements are installed explicitly.
+python -m pip install --quiet PyYAML "lightning-utilities>=0.10,<2" "huggingface-hub>=2.4,<3" \
+  regex "tokenizers>=0.23.1,<0.24" typer "kernels>=0.19.1,<0.20"
+python -m pip install --quiet --no-deps "lightning>=2.6,<2.7" "torchmetrics<3" transformers accelerate
+python -c "import lightning, transformers, accelerate"
 python -m pip install --quiet -e ".[test]" -e backends/cpu -e backends/sim
 [ -d conformance ] && python -m pip install --quiet -e conformance
 for b in cuda rocm xpu hpu npu kunlunxin; do
@@ -29,4 +36,4 @@ from ds_backend_sim import device
 device.extension(quiet=True)
 print(f"sim extension ready in {time.perf_counter() - start:.1f} s")
 PY
-python -m pip list 2>/dev/null | grep -iE '^(torch|ds-core|pluggy|pydantic|pytest) ' || true
+python -m pip list 2>/dev/null | grep -iE '^(torch|ds-core|pluggy|pydantic|pytest|lightning|transformers|accelerate) ' || true
