@@ -144,14 +144,18 @@ def _train(tmp_path: Path, kind: str) -> list[dict[str, Any]]:
     env.update(DS_ACCELERATOR=kind, OMP_NUM_THREADS="1")
     if kind == "sim":
         env["DS_SIM_DEVICES"] = "2"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.interop._lightning_worker", kind, str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.interop._lightning_worker", kind, str(tmp_path)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except subprocess.TimeoutExpired as timeout:
+        err = timeout.stderr.decode() if isinstance(timeout.stderr, bytes) else timeout.stderr
+        raise AssertionError(f"{kind} worker timed out:\n{(err or '')[-6000:]}") from None
     assert proc.returncode == 0, proc.stderr[-6000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
