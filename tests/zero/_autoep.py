@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from tests.zero._common import EPS
+from tests.zero._common import EPS, on_device
 
 VOCAB, HIDDEN, FFN, EXPERTS, TOP_K, LAYERS, SEQ = 32, 16, 24, 4, 2, 2, 6
 MICRO = 2  # sequences per DP rank per micro-batch
@@ -323,7 +323,7 @@ def train(sc: EPScenario) -> dict[str, Any]:
     sl = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
     for step in batches(sc):
         for idx, tgt in step:
-            loss = engine(idx[sl], tgt[sl])
+            loss = engine(on_device(idx[sl]), on_device(tgt[sl]))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())

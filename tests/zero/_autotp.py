@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from tests.zero._common import EPS
+from tests.zero._common import EPS, on_device
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, SEQ = 32, 16, 4, 2, 32, 2, 6
 MICRO = 2  # sequences per DP rank per micro-batch
@@ -371,7 +371,7 @@ def train(sc: TPScenario) -> dict[str, Any]:
     sl = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
     for step in batches(sc):
         for idx, tgt in step:
-            loss = engine(idx[sl], tgt[sl])
+            loss = engine(on_device(idx[sl]), on_device(tgt[sl]))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -465,7 +465,7 @@ def replica_overflow() -> dict[str, Any]:
     for i, step in enumerate(batches(sc)):
         current["step"] = i
         idx, tgt = step[0]
-        engine.backward(engine(idx[sl], tgt[sl]))
+        engine.backward(engine(on_device(idx[sl]), on_device(tgt[sl])))
         engine.step()
         masters = torch.cat([zp.master.detach().reshape(-1).clone() for zp in engine._trainable])
         record.append(

@@ -22,20 +22,25 @@ from ds_core.zero.autoep import ExpertParallelMoE, apply_autoep, find_moe_blocks
 from ds_core.zero.config import load_config
 from ds_core.zero.config.sections import ExpertParallelConfig
 from tests.zero import _autoep as A  # noqa: N812
-from tests.zero.conftest import SuiteResults
+from tests.zero.conftest import SuiteGetter, SuiteResults
 from tests.zero.test_autotp import _expected_shard
 
 RTOL, ATOL = 1e-5, 1e-6
+# Parameters on another device than the host: its kernels round differently (the fallback runs
+# host kernels over copied, contiguous arguments), and AdamW amplifies that rounding where a
+# gradient is near zero. Measured on sim at 4 ranks: at most 5.0e-6 absolute, on elements of
+# magnitude 7e-4 (losses and norms stay within the host tolerances).
+DEVICE_ATOL = 1e-5
 SCENARIOS = [(4, n) for n in A.scenarios(4)] + [(2, n) for n in A.scenarios(2)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "name"), SCENARIOS, ids=[f"w{w}-{n}" for w, n in SCENARIOS])
 def test_autoep_matches_single_process_reference(
-    suite: Callable[[str, int], SuiteResults], world: int, name: str
+    suite: SuiteGetter, backend: str, world: int, name: str
 ) -> None:
     sc = A.scenarios(world)[name]
-    ranks = suite("autoep", world).ranks(name)
+    ranks = suite("autoep", world, backend).ranks(name)
     ref = A.run_reference(sc)
 
     per_rank = torch.tensor([r["losses"] for r in ranks]).view(world, sc.steps, sc.gas)
@@ -60,7 +65,7 @@ def test_autoep_matches_single_process_reference(
             kind = res["kinds"][pname]
             assert kind is None or ".experts." not in pname  # AutoTP leaves experts whole
             want = _expected_shard(ref["params"][pname], kind, 1, sc.tp, rank % sc.tp)
-            floor = max(ATOL, RTOL * float(want.abs().max()))
+            floor = max(ATOL if backend == "cpu" else DEVICE_ATOL, RTOL * float(want.abs().max()))
             torch.testing.assert_close(
                 value,
                 want,

@@ -32,7 +32,7 @@ from ds_core.parallel.tensor import (
     slice_rows,
 )
 from tests.zero import _autotp as A  # noqa: N812
-from tests.zero.conftest import SuiteResults
+from tests.zero.conftest import SuiteGetter, SuiteResults
 
 RTOL, ATOL = 1e-5, 1e-6
 #: precision -> (loss rtol, norm rtol, parameter rtol, parameter atol)
@@ -59,10 +59,10 @@ def _expected_shard(
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "name"), SCENARIOS, ids=[f"w{w}-{n}" for w, n in SCENARIOS])
 def test_autotp_matches_single_process_reference(
-    suite: Callable[[str, int], SuiteResults], world: int, name: str
+    suite: SuiteGetter, backend: str, world: int, name: str
 ) -> None:
     sc = A.scenarios(world)[name]
-    ranks = suite("autotp", world).ranks(name)
+    ranks = suite("autotp", world, backend).ranks(name)
     ref = A.run_reference(sc)
     loss_tol, norm_tol, p_rtol, p_atol = TOLS[sc.precision]
     p_atol = max(p_atol, sc.param_atol)

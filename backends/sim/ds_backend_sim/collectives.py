@@ -209,6 +209,31 @@ class SimProcessGroup(dist.ProcessGroup):
         self._last = event
         return SimWork(index, event, tensors, tensors[:1] if outputs is None else outputs)
 
+    def _reduced(self, gloo: Any, host: torch.Tensor, op: str) -> torch.Tensor:
+        """Every rank's ``host`` reduced with ``op``, summed in rank order (a new tensor).
+
+        Rank order, not gloo's ring order: every rank gets the same bits, and the same bits as
+        the CPU backend's shared-memory reductions give for the same inputs, so the engine's
+        tests hold sim to the CPU backend's tolerances.
+        """
+        flat = host.reshape(-1)
+        parts = torch.empty(self._size * flat.numel(), dtype=flat.dtype)
+        gloo._allgather_base(parts, flat.contiguous()).wait()
+        parts = parts.view(self._size, -1)
+        out = parts[0].clone()
+        for r in range(1, self._size):
+            if op in ("sum", "avg"):
+                out.add_(parts[r])
+            elif op == "product":
+                out.mul_(parts[r])
+            elif op == "min":
+                torch.minimum(out, parts[r], out=out)
+            else:
+                torch.maximum(out, parts[r], out=out)
+        if op == "avg":
+            out.div_(self._size)
+        return out
+
     # -- collectives -----------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -217,11 +242,8 @@ class SimProcessGroup(dist.ProcessGroup):
 
         def body(gloo: Any, mem: list[torch.Tensor]) -> None:
             (t,) = mem
-            host = _host(t)
-            gloo.allreduce([host], _allreduce_opts(_torch_op(op))).wait()
-            if op == "avg":
-                host.div_(self._size)
-            t.copy_(host)
+            host = self._reduced(gloo, _host(t), op)
+            t.copy_(host.view(t.shape))
 
         return self._run("all_reduce", [tensor], _nbytes(tensor), body)
 
@@ -272,13 +294,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
         def body(gloo: Any, mem: list[torch.Tensor]) -> None:
             out, inp = mem
-            # An all-reduce, keeping this rank's chunk: gloo's own reduce-scatter is slower.
-            host = _host(inp)
-            if host is inp:  # the input is not this collective's to overwrite
-                host = host.clone()
-            gloo.allreduce([host], _allreduce_opts(_torch_op(op))).wait()
-            if op == "avg":
-                host.div_(self._size)
+            host = self._reduced(gloo, _host(inp), op)
             out.copy_(host.view(self._size, -1)[self._rank].view(out.shape))
 
         return self._run("reduce_scatter", [output, input], _nbytes(input), body)
@@ -293,10 +309,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
         def body(gloo: Any, mem: list[torch.Tensor]) -> None:
             out, *ins = mem
-            host = torch.cat([_host(i).reshape(-1) for i in ins])
-            gloo.allreduce([host], _allreduce_opts(_torch_op(op))).wait()
-            if op == "avg":
-                host.div_(self._size)
+            host = self._reduced(gloo, torch.cat([_host(i).reshape(-1) for i in ins]), op)
             out.copy_(host.view(self._size, -1)[self._rank].view(out.shape))
 
         return self._run("reduce_scatter", [output, *inputs], sum(_nbytes(i) for i in inputs), body)
@@ -333,12 +346,9 @@ class SimProcessGroup(dist.ProcessGroup):
 
         def body(gloo: Any, mem: list[torch.Tensor]) -> None:
             (t,) = mem
-            host = _host(t)
-            if host is t and self._rank != ropts.rootRank:
-                host = host.clone()  # only the root's tensor changes
-            gloo.reduce([host], ropts).wait()
+            host = self._reduced(gloo, _host(t), _reduce_op(opts))
             if self._rank == ropts.rootRank:
-                t.copy_(host)
+                t.copy_(host.view(t.shape))
 
         return self._run("reduce", [tensor], _nbytes(tensor), body)
 
@@ -386,16 +396,6 @@ def _reduce_op(opts: Any) -> str:
         if op == key:
             return name
     raise ValueError(f"simccl does not implement the reduction {op}")
-
-
-def _torch_op(name: str) -> Any:
-    return dist.ReduceOp.SUM if name == "avg" else {v: k for k, v in _OPS.items()}[name]
-
-
-def _allreduce_opts(op: Any) -> Any:
-    o = dist.AllreduceOptions()
-    o.reduceOp = op
-    return o
 
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> SimProcessGroup:
