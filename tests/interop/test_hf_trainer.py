@@ -1,0 +1,68 @@
+"""examples/hf_trainer.py: transformers.Trainer with a DeepSpeed config through ds_core's adapter.
+
+Two torchrun launches of two CPU ranks, ZeRO stage 2: one with ``ds_core.interop.deepspeed``
+installed, one on DeepSpeed's own CPU accelerator; the losses the Trainer logs must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("deepspeed")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _train(out: Path, accelerator: str, stage: int) -> list[dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS_SIM_")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_port()}",
+        str(ROOT / "examples" / "hf_trainer.py"),
+        "--accelerator",
+        accelerator,
+        "--stage",
+        str(stage),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "File " in line]
+    assert proc.returncode == 0, "\n".join(errors[-40:]) or proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_hf_trainer_zero2_through_the_adapter_matches_deepspeeds_cpu_accelerator(
+    tmp_path: Path,
+) -> None:
+    ours = _train(tmp_path / "adapter", "ds_core", 2)
+    theirs = _train(tmp_path / "deepspeed", "deepspeed", 2)
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine["accelerator"] == "DeepSpeedAdapter"
+        assert reference["accelerator"] == "CPU_Accelerator"
+        assert len(mine["losses"]) == len(reference["losses"]) == 3
+        torch.testing.assert_close(
+            torch.tensor(mine["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=1e-6
+        )
