@@ -295,10 +295,12 @@ def register() -> None:
 
     :raises ImportError: when Lightning is not installed.
     """
+    fabric_class = fabric_accelerator_class()  # ImportError naming the extra without Lightning
+    trainer_class = trainer_accelerator_class()
     fabric = importlib.import_module("lightning.fabric.accelerators")
     trainer = importlib.import_module("lightning.pytorch.accelerators")
-    fabric_accelerator_class().register_accelerators(fabric.ACCELERATOR_REGISTRY)
-    trainer_accelerator_class().register_accelerators(trainer.AcceleratorRegistry)
+    fabric_class.register_accelerators(fabric.ACCELERATOR_REGISTRY)
+    trainer_class.register_accelerators(trainer.AcceleratorRegistry)
 
 
 if importlib.util.find_spec("lightning") is not None:
