@@ -15,14 +15,16 @@ python -m pip install --quiet "torch==2.13.0"
 # other requirements are installed explicitly.
 python -m pip install --quiet einops hjson msgpack ninja numpy packaging psutil py-cpuinfo pydantic tqdm
 DS_BUILD_OPS=0 python -m pip install --quiet --no-deps --no-build-isolation "deepspeed==0.19.8"
-# Lightning, Transformers and Accelerate, for the interop adapters' tests (skipped when absent):
-# --no-deps keeps the pinned torch (lightning 2.6 also names pytorch-lightning, which it does
-# not import); their other requirements are installed explicitly.
-python -m pip install --quiet PyYAML "lightning-utilities>=0.10,<2" "huggingface-hub>=2.4,<3" \
-  regex "tokenizers>=0.23.1,<0.24" typer "kernels>=0.19.1,<0.20"
-python -m pip install --quiet --no-deps "lightning>=2.6,<2.7" "torchmetrics<3" transformers accelerate
-python -c "import lightning, transformers, accelerate"
 python -m pip install --quiet -e ".[test]" -e backends/cpu -e backends/sim
+# Lightning, Transformers and Accelerate, for the interop adapters' tests (skipped when absent),
+# at the versions the tests were written against: --no-deps keeps the pinned torch (lightning
+# 2.6 also names pytorch-lightning, which it does not import); their other requirements are
+# installed explicitly (transformers needs safetensors >= 0.8).
+python -m pip install --quiet PyYAML "lightning-utilities>=0.10,<2" "huggingface-hub>=2.4,<3" \
+  regex "tokenizers>=0.23.1,<0.24" typer "kernels>=0.19.1,<0.20" "safetensors>=0.8"
+python -m pip install --quiet --no-deps "lightning==2.6.6" "torchmetrics==1.9.0" \
+  "transformers==5.25.0" "accelerate==1.16.0"
+python -c "import lightning, transformers, accelerate"
 [ -d conformance ] && python -m pip install --quiet -e conformance
 for b in cuda rocm xpu hpu npu kunlunxin; do
   [ -f "backends/$b/pyproject.toml" ] && python -m pip install --quiet --no-deps -e "backends/$b"
