@@ -301,8 +301,13 @@ def test_lr_range_test_schedule() -> None:
 
 
 def test_scheduler_names_import_from_deepspeeds_module_path() -> None:
-    from ds_core.runtime.lr_schedules import LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR
+    from ds_core.runtime.lr_schedules import (
+        LRRangeTest,
+        OneCycle,
+        WarmupCosineLR,
+        WarmupDecayLR,
+        WarmupLR,
+    )
 
-    assert all(isinstance(c, type) for c in (LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR))
-    with pytest.raises(ImportError, match="OneCycle is not supported"):
-        from ds_core.runtime.lr_schedules import OneCycle  # noqa: F401
+    schedules = (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR)
+    assert all(isinstance(c, type) for c in schedules)
