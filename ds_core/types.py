@@ -185,8 +185,9 @@ class Stream(Protocol):
 class Graph(Protocol):
     """A captured sequence of device work that can be replayed.
 
-    ``capture`` is a context manager: work run inside it is recorded (not only executed);
-    ``replay`` re-runs the recording reading the same input storage and writing the same
+    ``capture`` is a context manager: work run inside it is recorded, and may or may not also
+    run (outputs are defined only after a ``replay``; CUDA runs nothing during capture);
+    ``replay`` runs the recording reading the same input storage and writing the same
     output storage; ``reset`` drops the recording; ``pool`` returns a memory-pool handle to
     share between graphs, or ``None`` where the vendor has none.
     """

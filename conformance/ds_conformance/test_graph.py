@@ -111,12 +111,15 @@ def test_ops_with_keyword_only_arguments_capture_and_replay_as_eager(graph_acc: 
     x, _w, _b = _static(graph_acc)
     eager = _keywords(x).cpu()
     graph, out = _capture(graph_acc, lambda: _keywords(x))
+    # Outputs are defined only after a replay: a CUDA graph runs nothing while capturing.
+    graph_acc.replay_graph(graph)
+    graph_acc.synchronize()
     check(
         torch.equal(out.cpu(), eager),
-        "output of torch.add(alpha=3).cumsum(dtype=float64) during capture",
+        "replayed output of torch.add(alpha=3).cumsum(dtype=float64)",
         "different",
-        "equal to eager execution (keyword arguments kept)",
-        "capture()",
+        "equal to eager execution on the captured input (keyword arguments kept)",
+        "capture(); replay()",
     )
     x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x.device))
     graph_acc.replay_graph(graph)

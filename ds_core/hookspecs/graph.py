@@ -12,7 +12,10 @@ def ds_graph_create() -> Graph:
 
     Inside ``graph.capture()`` the work is recorded; ``replay()`` re-runs it reading the same
     input storage and writing the same output storage, so mutating a static input between
-    replays changes the outputs. Work that cannot be replayed faithfully (an op the vendor
+    replays changes the outputs. Outputs are defined only after a replay: whether the work also
+    runs during capture is the vendor's choice (a CUDA graph runs nothing until replayed).
+    Whether capture succeeds or raises, leaving ``capture()`` restores the current stream and
+    the generators' state as they were before it. Work that cannot be replayed faithfully (an op the vendor
     cannot capture, a host synchronisation, data-dependent shapes) makes capture raise, never
     fall back to eager execution. The facade refuses to call this hook until graph capture is
     enabled for this backend by name (``Accelerator.configure``).

@@ -202,7 +202,7 @@ class KunlunxinHooks(TorchStyleHooks):
     def ds_graph_create(self) -> Graph:
         cuda = _cuda()
         # vLLM-Kunlun captures only piecewise graphs; UNCONFIRMED which ops capture whole.
-        return TorchStyleGraph(cuda.CUDAGraph(), cuda.graph)
+        return TorchStyleGraph(cuda.CUDAGraph(), cuda.graph, vendor=cuda)
 
     # -- comm ----------------------------------------------------------------------------------
 

@@ -187,7 +187,7 @@ class RocmHooks(TorchStyleHooks):
     @hookimpl
     def ds_graph_create(self) -> Graph:
         # UNCONFIRMED: hipGraph's limits beyond CUDA graphs' own; capture raises where it cannot.
-        return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph)
+        return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph, vendor=torch.cuda)
 
     # -- comm ----------------------------------------------------------------------------------
 
