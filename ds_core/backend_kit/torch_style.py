@@ -87,6 +87,44 @@ class VendorModule:
         return f"VendorModule({self.name!r}{f', {self.attr!r}' if self.attr else ''})"
 
 
+#: Vendor event classes and their subclasses raising the spec's error (see _spec_event_class).
+_SPEC_EVENT_CLASSES: dict[type, type] = {}
+
+
+def _spec_event_class(factory: Any) -> Any:
+    """The vendor's event class, subclassed so ``elapsed_time`` raises what the spec names.
+
+    ``ds_stream_event_create`` promises ``RuntimeError`` for ``elapsed_time`` on events without
+    timing or not recorded; torch 2.11's ``torch.cuda.Event`` raises ``ValueError`` for the
+    former (seen on an H200 with torch 2.11+cu130), earlier releases ``RuntimeError``. The
+    subclass re-raises a ``ValueError`` as ``RuntimeError`` and is otherwise the vendor's
+    class, so vendor APIs taking an event (``Stream.wait_event``) accept it. A factory that is
+    not a class (a fake's method), or a class that cannot be subclassed, is returned as is.
+    """
+    if not isinstance(factory, type):
+        return factory
+    spec_class = _SPEC_EVENT_CLASSES.get(factory)
+    if spec_class is None:
+        vendor_class: Any = factory
+
+        def elapsed_time(self: Any, end_event: Any) -> float:
+            try:
+                return float(vendor_class.elapsed_time(self, end_event))
+            except ValueError as exc:
+                raise RuntimeError(str(exc)) from exc
+
+        try:
+            spec_class = type(
+                factory.__name__,
+                (factory,),
+                {"elapsed_time": elapsed_time, "__module__": __name__, "__doc__": factory.__doc__},
+            )
+        except TypeError:  # a final extension type
+            spec_class = factory
+        _SPEC_EVENT_CLASSES[factory] = spec_class
+    return spec_class
+
+
 class TorchStyleHooks:
     """The device, RNG, stream, memory, pinned-memory and determinism hooks over a torch-style
     vendor device module, as methods of a plugin object.
@@ -262,7 +300,8 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_stream_event_create(self, enable_timing: bool) -> Event:
-        event: Event = self.vendor().Event(enable_timing=enable_timing)
+        factory = self.vendor().Event
+        event: Event = _spec_event_class(factory)(enable_timing=enable_timing)
         if self.host_timers:
             return HostTimedEvent(event, enable_timing, self.ds_stream_current)
         return event
