@@ -15,6 +15,7 @@ import sys
 import zipfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -60,7 +61,10 @@ def fresh_probe() -> Iterator[None]:
 def gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeCuda:
     """An NVIDIA host: a CUDA build of torch with two GPUs, no Kunlunxin device nodes."""
     monkeypatch.setattr(plugin, "KUNLUNXIN_DEVICE_NODES", str(tmp_path / "none" / "xpu[0-9]*"))
-    return install(monkeypatch, FakeCuda(2))
+    fake = install(monkeypatch, FakeCuda(2))
+    # NVML answers with the fake's count (read at each probe, so tests may change it).
+    monkeypatch.setattr(plugin, "_nvml_device_count", lambda: (fake.count, ""))
+    return fake
 
 
 @pytest.fixture
@@ -86,19 +90,70 @@ def test_probe_on_this_cpu_only_torch_is_unavailable_and_imports_nothing_vendor(
     assert result["initialized"] is False
 
 
-def test_probe_counts_through_device_count_only(gpu: FakeCuda) -> None:
+def test_probe_counts_through_nvml_and_never_initialises_cuda(
+    gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an H200 (torch 2.11+cu130) torch.cuda.device_count() left NVML's thread running, and
+    its fallback when NVML fails is cudaGetDeviceCount, which initialises the driver: the
+    probe asks torch.cuda nothing, and cudaGetDeviceCount is never reached."""
+
+    def initialises(*args: object) -> int:
+        raise AssertionError("the probe called cudaGetDeviceCount, which runs cuInit")
+
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", initialises, raising=False)
     result = plugin.hooks.ds_backend_probe()
-    assert result.available and result.device_count == 2
-    assert "CUDA 12.8" in result.reason
-    # device_count() is NVML-first; anything else (current_device, properties) would init CUDA.
-    assert gpu.names() == ["device_count"]
-    assert not gpu.initialized
+    assert result.available and result.device_count == 2 and "NVML" in result.reason
+    assert gpu.names() == []
 
 
-def test_probe_result_is_cached(gpu: FakeCuda) -> None:
+@pytest.mark.parametrize(
+    ("mask", "visible"),
+    [(None, 4), ("", 0), ("-1", 0), ("1,3", 2), ("0,7,1", 1), ("GPU-0a1b,MIG-2c3d", 2), ("x", 0)],
+)
+def test_probe_applies_cuda_visible_devices_as_the_runtime_does(
+    gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch, mask: str | None, visible: int
+) -> None:
+    gpu.count = 4
+    if mask is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
+    assert plugin.hooks.ds_backend_probe().device_count == visible
+
+
+def test_probe_without_nvml_counts_device_nodes_and_says_why(
+    gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(plugin, "_nvml_device_count", lambda: (None, "nvmlInit_v2 failed"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nodes = tmp_path / "dev"
+    nodes.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl"):
+        (nodes / name).touch()
+    monkeypatch.setattr(plugin, "NVIDIA_DEVICE_NODES", str(nodes / "nvidia[0-9]*"))
+    result = plugin.hooks.ds_backend_probe()
+    assert result.available and result.device_count == 3
+    assert "nvmlInit_v2 failed" in result.reason and gpu.names() == []
+
+    plugin.probe.clear()
+    for name in ("nvidia0", "nvidia1", "nvidia2"):
+        (nodes / name).unlink()
+    result = plugin.hooks.ds_backend_probe()
+    assert not result.available and "nvmlInit_v2 failed" in result.reason
+
+
+def test_nvml_count_without_the_library_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugin, "NVML_LIBRARY", "libno-such-nvml.so.1")
+    found, why = plugin._nvml_device_count()
+    assert found is None and "libno-such-nvml.so.1" in why
+
+
+def test_probe_result_is_cached(gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(plugin, "_nvml_device_count", lambda: calls.append(1) or (2, ""))
     plugin.hooks.ds_backend_probe()
     plugin.hooks.ds_backend_probe()
-    assert gpu.names() == ["device_count"]
+    assert calls == [1] and gpu.names() == []
 
 
 def test_probe_steps_aside_for_a_rocm_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -605,3 +660,67 @@ def test_profiler_ranges_go_to_nvtx_and_an_unmatched_pop_raises(gpu: FakeCuda) -
     assert gpu.names().count("nvtx.range_pop") == 1
     with pytest.raises(DSCoreError, match="range_pop"):
         acc.range_pop()
+
+
+class _LeakyCapture:
+    """torch.cuda.graph as torch 2.11 behaves when ``capture_end`` raises: its ``__exit__``
+    never leaves the side stream, and the generators' capture epilogue never runs."""
+
+    def __init__(self, vendor: Any, graph: Any, **kwargs: Any) -> None:
+        self.vendor = vendor
+
+    def __enter__(self) -> None:
+        self.vendor.current = "side"
+        for gen in self.vendor.default_generators:
+            gen.state = "capturing"
+
+    def __exit__(self, *exc: object) -> None:
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+
+class _Generator:
+    def __init__(self) -> None:
+        self.state = "idle"
+
+    def clone_state(self) -> str:
+        return self.state
+
+    def graphsafe_set_state(self, state: str) -> None:
+        self.state = state
+
+
+def test_a_failed_capture_restores_the_stream_and_the_generators(gpu: FakeCuda) -> None:
+    """On an H200 (torch 2.11+cu130) a capture failed by .item() left the side stream current
+    and the generator capturing, so every later torch.rand raised."""
+    vendor = SimpleNamespace(current="default", default_generators=(_Generator(), _Generator()))
+    vendor.current_stream = lambda: vendor.current
+    vendor.set_stream = lambda stream: setattr(vendor, "current", stream)
+    vendor_graph = gpu.CUDAGraph()
+    graph = TorchStyleGraph(
+        vendor_graph, lambda g, **kw: _LeakyCapture(vendor, g, **kw), vendor=vendor
+    )
+    with pytest.raises(RuntimeError, match="during capture"):
+        with graph.capture():
+            raise RuntimeError("operation not permitted when stream is capturing")
+    assert vendor.current == "default"
+    assert [g.state for g in vendor.default_generators] == ["idle", "idle"]
+    assert gpu.called("Graph.reset")  # the half-recorded graph cannot be replayed
+
+
+def test_elapsed_time_without_timing_raises_runtime_error_as_specified() -> None:
+    """torch 2.11's torch.cuda.Event raises ValueError here (seen on an H200); the spec names
+    RuntimeError, so the kit's event class translates it and stays a vendor event."""
+    from ds_core.backend_kit.torch_style import _spec_event_class
+
+    class VendorEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.enable_timing = enable_timing
+
+        def elapsed_time(self, end_event: Any) -> float:
+            raise ValueError("Both events must be created with argument 'enable_timing=True'.")
+
+    cls = _spec_event_class(VendorEvent)
+    assert issubclass(cls, VendorEvent) and _spec_event_class(VendorEvent) is cls
+    event = cls(enable_timing=False)
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        event.elapsed_time(cls())

@@ -7,9 +7,13 @@ Device, RNG, stream, memory and pinned-memory hooks are inherited from
 capability, CUDA graphs, NCCL, the cuBLAS/cuDNN/NCCL determinism knobs, and the launcher's
 variables.
 
-The probe never creates a CUDA context: ``torch.cuda.device_count()`` asks NVML first (it
-honours ``CUDA_VISIBLE_DEVICES``) and never calls ``torch.cuda.is_available()``, whose default
-path initialises the driver and poisons ``fork()``.
+The probe never creates a CUDA context and leaves no thread behind: it counts GPUs through
+NVML with its own balanced ``nvmlInit_v2`` / ``nvmlShutdown`` (on an H200 with driver 580 and
+torch 2.11+cu130, ``nvmlInit`` starts an OS thread, and ``torch.cuda.device_count()``, which
+initialises NVML and never shuts it down, left that thread running), applies
+``CUDA_VISIBLE_DEVICES`` itself, and falls back to counting ``/dev/nvidia<N>`` nodes when NVML
+cannot answer. It never calls ``torch.cuda.device_count()`` (whose fallback when NVML fails is
+``cudaGetDeviceCount``, which initialises the driver) nor ``torch.cuda.is_available()``.
 """
 
 from __future__ import annotations
@@ -53,8 +57,11 @@ VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 #: Kunlunxin's driver creates one node per device (vLLM-Kunlun's docker instructions pass
 #: ``/dev/xpu0`` ... ``/dev/xpuN`` and ``/dev/xpuctrl``); tests point this at a temp folder.
 KUNLUNXIN_DEVICE_NODES = "/dev/xpu[0-9]*"
-#: The NVIDIA driver's per-GPU nodes; consulted only when Kunlunxin's stack is installed.
+#: The NVIDIA driver's per-GPU nodes: counted when NVML cannot answer, and when Kunlunxin's
+#: stack is installed.
 NVIDIA_DEVICE_NODES = "/dev/nvidia[0-9]*"
+#: NVIDIA's management library, which counts GPUs without a CUDA context.
+NVML_LIBRARY = "nvml.dll" if sys.platform == "win32" else "libnvidia-ml.so.1"
 
 #: Modules that, once imported, redirect ``torch.cuda`` to another vendor's device.
 _CUDA_REDIRECTS = {
@@ -63,6 +70,56 @@ _CUDA_REDIRECTS = {
 }
 
 # --------------------------------------------------------------------------- backend
+
+
+def _nvml_device_count() -> tuple[int | None, str]:
+    """GPUs NVML reports (before ``CUDA_VISIBLE_DEVICES``), or ``None`` and why it could not.
+
+    Every successful ``nvmlInit_v2`` is paired with ``nvmlShutdown`` (NVML counts its
+    initialisations, so another user's stays intact): the thread NVML starts ends with it.
+    """
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL(NVML_LIBRARY)
+    except OSError as exc:
+        return None, f"{NVML_LIBRARY} could not be loaded ({exc})"
+    rc = nvml.nvmlInit_v2()
+    if rc != 0:
+        return None, f"nvmlInit_v2 failed (NVML error {rc})"
+    try:
+        found = ctypes.c_uint(0)
+        rc = nvml.nvmlDeviceGetCount_v2(ctypes.byref(found))
+        if rc != 0:
+            return None, f"nvmlDeviceGetCount_v2 failed (NVML error {rc})"
+        return int(found.value), ""
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _visible(found: int) -> int:
+    """GPUs left by ``CUDA_VISIBLE_DEVICES`` out of ``found``, parsed as the CUDA runtime does.
+
+    Entries count up to the first invalid one (an ordinal outside ``0..found-1``, as in the
+    common ``-1`` meaning "none", or text that is neither an ordinal nor a ``GPU-``/``MIG-``
+    UUID); an empty value hides every GPU, an unset one none.
+    """
+    value = os.environ.get(VISIBLE_DEVICES_ENV)
+    if value is None:
+        return found
+    count = 0
+    for entry in (e.strip() for e in value.split(",")):
+        if entry.startswith(("GPU-", "MIG-")):
+            count += 1
+            continue
+        try:
+            ordinal = int(entry)
+        except ValueError:
+            break
+        if not 0 <= ordinal < found:
+            break
+        count += 1
+    return count
 
 
 def _probe() -> ProbeResult:
@@ -108,7 +165,19 @@ def _probe() -> ProbeResult:
             f"CUDA build of torch (https://pytorch.org/get-started/locally/), or run on the "
             f"CPU on purpose with DS_ACCELERATOR=cpu.",
         )
-    count = int(torch.cuda.device_count())
+    found, why = _nvml_device_count()
+    source = "NVML"
+    if found is None:
+        nodes = count_device_nodes(NVIDIA_DEVICE_NODES)
+        if nodes == 0:
+            return ProbeResult(
+                False,
+                f"NVML cannot count NVIDIA GPUs ({why}) and no NVIDIA device node "
+                f"({NVIDIA_DEVICE_NODES}) exists: no NVIDIA driver is reachable. Check "
+                f"nvidia-smi and the driver; or run on the CPU on purpose with DS_ACCELERATOR=cpu.",
+            )
+        found, source = nodes, f"{NVIDIA_DEVICE_NODES} nodes, since {why}"
+    count = _visible(found)
     if count == 0:
         mask = os.environ.get(VISIBLE_DEVICES_ENV)
         masked = f" ({VISIBLE_DEVICES_ENV}={mask!r})" if mask is not None else ""
@@ -119,7 +188,10 @@ def _probe() -> ProbeResult:
             f"with DS_ACCELERATOR=cpu.",
         )
     return ProbeResult(
-        True, f"{count} NVIDIA GPU(s); torch {version} with CUDA {torch.version.cuda}", count
+        True,
+        f"{count} NVIDIA GPU(s) (counted by {source}); torch {version} with CUDA "
+        f"{torch.version.cuda}",
+        count,
     )
 
 
@@ -235,7 +307,7 @@ class CudaHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_graph_create(self) -> Graph:
-        return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph)
+        return TorchStyleGraph(torch.cuda.CUDAGraph(), torch.cuda.graph, vendor=torch.cuda)
 
     # -- comm ----------------------------------------------------------------------------------
 
