@@ -7,13 +7,12 @@ Device, RNG, stream, memory and pinned-memory hooks are inherited from
 capability, CUDA graphs, NCCL, the cuBLAS/cuDNN/NCCL determinism knobs, and the launcher's
 variables.
 
-The probe never creates a CUDA context and leaves no thread behind: it counts GPUs through
-NVML with its own balanced ``nvmlInit_v2`` / ``nvmlShutdown`` (on an H200 with driver 580 and
-torch 2.11+cu130, ``nvmlInit`` starts an OS thread, and ``torch.cuda.device_count()``, which
-initialises NVML and never shuts it down, left that thread running), applies
-``CUDA_VISIBLE_DEVICES`` itself, and falls back to counting ``/dev/nvidia<N>`` nodes when NVML
-cannot answer. It never calls ``torch.cuda.device_count()`` (whose fallback when NVML fails is
-``cudaGetDeviceCount``, which initialises the driver) nor ``torch.cuda.is_available()``.
+The probe never creates a CUDA context and starts no thread: it counts the driver's per-GPU
+device nodes (``/dev/nvidia<N>``), asks NVML only where there are none (WSL), and applies
+``CUDA_VISIBLE_DEVICES`` itself. It never calls ``torch.cuda.device_count()`` or
+``is_available()``: on an H200 (driver 580, torch 2.11+cu130) their NVML route started an OS
+thread that outlives even a balanced ``nvmlShutdown``, and their fallback when NVML fails is
+``cudaGetDeviceCount``, which initialises the driver.
 """
 
 from __future__ import annotations
@@ -57,10 +56,10 @@ VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 #: Kunlunxin's driver creates one node per device (vLLM-Kunlun's docker instructions pass
 #: ``/dev/xpu0`` ... ``/dev/xpuN`` and ``/dev/xpuctrl``); tests point this at a temp folder.
 KUNLUNXIN_DEVICE_NODES = "/dev/xpu[0-9]*"
-#: The NVIDIA driver's per-GPU nodes: counted when NVML cannot answer, and when Kunlunxin's
-#: stack is installed.
+#: The NVIDIA driver's per-GPU nodes: what the probe counts (NVML only where there are none),
+#: and what tells an NVIDIA host from a Kunlunxin one when Kunlunxin's stack is installed.
 NVIDIA_DEVICE_NODES = "/dev/nvidia[0-9]*"
-#: NVIDIA's management library, which counts GPUs without a CUDA context.
+#: NVIDIA's management library, which counts GPUs without a CUDA context (but with a thread).
 NVML_LIBRARY = "nvml.dll" if sys.platform == "win32" else "libnvidia-ml.so.1"
 
 #: Modules that, once imported, redirect ``torch.cuda`` to another vendor's device.
@@ -165,18 +164,19 @@ def _probe() -> ProbeResult:
             f"CUDA build of torch (https://pytorch.org/get-started/locally/), or run on the "
             f"CPU on purpose with DS_ACCELERATOR=cpu.",
         )
-    found, why = _nvml_device_count()
-    source = "NVML"
-    if found is None:
-        nodes = count_device_nodes(NVIDIA_DEVICE_NODES)
-        if nodes == 0:
+    nodes = count_device_nodes(NVIDIA_DEVICE_NODES)
+    if nodes:
+        found, source = nodes, f"{NVIDIA_DEVICE_NODES} nodes"
+    else:  # no per-GPU nodes (WSL exposes GPUs through /dev/dxg): ask NVML
+        found, why = _nvml_device_count()
+        if found is None:
             return ProbeResult(
                 False,
-                f"NVML cannot count NVIDIA GPUs ({why}) and no NVIDIA device node "
-                f"({NVIDIA_DEVICE_NODES}) exists: no NVIDIA driver is reachable. Check "
-                f"nvidia-smi and the driver; or run on the CPU on purpose with DS_ACCELERATOR=cpu.",
+                f"no NVIDIA device node ({NVIDIA_DEVICE_NODES}) exists and NVML cannot count "
+                f"NVIDIA GPUs ({why}): no NVIDIA driver is reachable. Check nvidia-smi and the "
+                f"driver; or run on the CPU on purpose with DS_ACCELERATOR=cpu.",
             )
-        found, source = nodes, f"{NVIDIA_DEVICE_NODES} nodes, since {why}"
+        source = f"NVML, since no {NVIDIA_DEVICE_NODES} node exists"
     count = _visible(found)
     if count == 0:
         mask = os.environ.get(VISIBLE_DEVICES_ENV)
