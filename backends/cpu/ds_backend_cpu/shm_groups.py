@@ -7,6 +7,10 @@ memory enabled and a synchronisation path available on each), the first rank cre
 segment and broadcasts its name, the others attach, one more all-gather confirms every attach
 and the name is unlinked (see [Note: segment lifetime] in :mod:`ds_backend_cpu.shm_segment`).
 Any failure leaves the group on gloo, on every rank alike, with the reason recorded.
+Those setup calls go through a :class:`Handshake`: over a registered process group by
+default, or (:class:`BackendHandshake`) over a bare c10d backend object that
+``torch.distributed`` does not know, such as the private gloo group the sim backend's
+``simccl`` queues its traffic on; that is how another backend uses this transport as a library.
 
 Calls on a group run in the order they were made: a synchronous call with nothing queued runs
 on the caller's thread; otherwise calls go to the group's worker thread, whose handle's
@@ -17,10 +21,11 @@ tensors alive until then.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,8 +89,10 @@ class ShmGroup:
     group uses gloo.
     """
 
-    def __init__(self, pg: Any) -> None:
+    def __init__(self, pg: Any, handshake: Handshake | None = None) -> None:
         self._pg = weakref.ref(pg)  # never keep a process group alive
+        # How setup talks to the peers: over ``pg`` as a registered group unless given.
+        self._handshake = handshake
         self.protocol: Protocol | None = None
         self.reason = ""
         self._set_up = False
@@ -104,7 +111,10 @@ class ShmGroup:
             self._set_up = True
             pg = self._pg()
             try:
-                result = _setup(pg) if pg is not None else "the process group was destroyed"
+                if pg is None:
+                    result: Protocol | str = "the process group was destroyed"
+                else:
+                    result = _setup(self._handshake or Handshake(pg))
             except BaseException as exc:
                 self.reason = f"setup failed ({type(exc).__name__}: {exc})"
                 raise
@@ -221,16 +231,76 @@ def _group_timeout(pg: Any) -> float | None:
         return None
 
 
-def _setup(pg: Any) -> Protocol | str:
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    ranks = dist.get_process_group_ranks(pg)
+class Handshake:
+    """The group-wide calls setup makes, over a process group ``torch.distributed`` knows."""
+
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+        self.rank: int = dist.get_rank(pg)
+        #: the group's global ranks in group order (messages and the protocol's group hash)
+        self.ranks: list[int] = list(dist.get_process_group_ranks(pg))
+        self.timeout = _group_timeout(pg)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Group rank 0's ``obj`` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=self.pg)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.pg)
+
+
+class BackendHandshake(Handshake):
+    """The same calls over a bare c10d backend object (e.g. a ``ProcessGroupGloo`` built from
+    a store) that is not registered with ``torch.distributed``; objects travel pickled.
+
+    :param backend: the backend; its ``rank()`` is this rank's index in the group.
+    :param ranks: names of the group's ranks, in group order, for messages.
+    :param timeout: the backend's timeout in seconds, if known.
+    """
+
+    def __init__(self, backend: Any, ranks: Sequence[int], timeout: float | None) -> None:
+        self.pg = backend
+        self.rank = int(backend.rank())
+        self.ranks = list(ranks)
+        self.timeout = timeout
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        world = len(self.ranks)
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        self.pg.allgather([sizes], [torch.tensor([data.numel()])]).wait()
+        longest = max(int(s) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        self.pg.allgather([parts], [padded]).wait()
+        return [
+            pickle.loads(p[: int(s)].numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)
+        ]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return self.all_gather_object(obj if self.rank == 0 else None)[0]
+
+    def barrier(self) -> None:
+        self.pg.barrier().wait()
+
+
+def _setup(h: Handshake) -> Protocol | str:
+    rank, ranks = h.rank, h.ranks
+    world = len(ranks)
     local_reason = ""
     if not enabled():
         local_reason = f"{ENV_ENABLE}=0"
     else:
         local_reason = shm_sync.unavailable_reason()
-    facts: list[Any] = [None] * world
-    dist.all_gather_object(facts, (seg_mod.host_key(), local_reason), group=pg)
+    facts = h.all_gather_object((seg_mod.host_key(), local_reason))
     for r, (key, reason) in enumerate(facts):
         if reason:
             return f"rank {ranks[r]}: {reason}"
@@ -245,7 +315,7 @@ def _setup(pg: Any) -> Protocol | str:
             announce = [segment.path]
         except seg_mod.SegmentError as exc:
             announce = [f"error: {exc}"]
-    dist.broadcast_object_list(announce, src=ranks[0], group=pg)
+    announce = [h.broadcast_object(announce[0])]
     problem = ""
     if announce[0].startswith("error: "):
         problem = announce[0].removeprefix("error: ")
@@ -255,8 +325,7 @@ def _setup(pg: Any) -> Protocol | str:
         except seg_mod.SegmentError as exc:
             problem = str(exc)
     try:
-        outcomes: list[Any] = [None] * world
-        dist.all_gather_object(outcomes, problem, group=pg)
+        outcomes = h.all_gather_object(problem)
     finally:
         if segment is not None:
             segment.unlink()  # every rank is attached (or gave up): the name can go
@@ -270,8 +339,8 @@ def _setup(pg: Any) -> Protocol | str:
     )
     if flags is None:  # pragma: no cover - checked before the all-gather
         return shm_sync.unavailable_reason()
-    protocol = Protocol(segment, flags, rank, ranks, _group_timeout(pg))
+    protocol = Protocol(segment, flags, rank, ranks, h.timeout)
     protocol.publish_pid()
-    dist.barrier(group=pg)  # every pid is published before anyone reads them
+    h.barrier()  # every pid is published before anyone reads them
     protocol.read_pids()
     return protocol
