@@ -27,15 +27,30 @@ def counters() -> dict[str, int]:
       event or stream query that had to run queued work to answer);
     - ``h2d_bytes``, ``d2h_bytes``: bytes copied between host and device, blocking or not;
     - ``kernels``: compute operators run on the device (copies excluded);
-    - ``collectives``, ``collective_bytes``: simccl calls on sim tensors and their buffer bytes.
+    - ``collectives``, ``collective_bytes``: simccl calls on sim tensors and their buffer bytes
+      (counted when issued);
+    - ``collectives_shm``, ``collectives_gloo``: those calls by the transport that carried them,
+      the CPU backend's shared memory or gloo (counted when each runs, so in ``lazy`` mode
+      only once something waited for it; the reasons for gloo are in
+      :func:`ds_backend_sim.collectives.transport_counts`).
 
     Host kernels' own staging copies are not counted. Each counter is one atomic add.
     """
     device.init()
-    return dict(device.extension().counters())
+    from ds_backend_sim import collectives
+
+    found = dict(device.extension().counters())
+    for transport in (collectives.SHM, collectives.GLOO):
+        found[f"collectives_{transport}"] = sum(
+            n for (_, used, _), n in collectives.transport_counts().items() if used == transport
+        )
+    return found
 
 
 def reset_counters() -> None:
     """Zero every counter of :func:`counters`."""
     device.init()
+    from ds_backend_sim import collectives
+
     device.extension().reset_counters()
+    collectives.reset_transport_counts()

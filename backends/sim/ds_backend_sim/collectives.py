@@ -6,12 +6,23 @@ It is registered the way vendor collective libraries register theirs
 ``torch.distributed`` calls work on sim tensors across processes.
 
 Each collective is queued on the stream current when it is called and runs when that stream
-reaches it: the sim buffers are staged to host memory, reduced or exchanged over a host gloo
-group private to this backend, and written back. The returned work's ``wait()`` orders the
-*current* stream after the collective (it records an event after it and makes the current
-stream wait for that event), as ``ds_core/hookspecs/comm.py`` states; it does not block the
-host. The queued work holds the buffers until it ran, and the work object holds them until
-``wait()``.
+reaches it, on host views of the sim memory its buffers had when it was issued. The bytes move
+through the CPU backend's shared-memory transport (:mod:`ds_backend_cpu.shm_groups`, imported
+as a library, not copied): the same code as the CPU backend's collectives, so the same bits for
+the same inputs. It is set up by the group's first queued collective, over a host gloo group
+private to this backend. When it declines (ranks on different hosts, ``DS_CPU_SHM=0``, no
+synchronisation path, a dtype it does not carry, a 0-d all-to-all) the collective goes over
+that gloo group instead, on every rank alike, staged to host memory and reduced in rank order
+(:meth:`SimProcessGroup._reduced`). Which transport ran is counted when the collective runs:
+:func:`transport_counts` by collective, transport and reason for gloo, and
+``ds_backend_sim.counters()`` as ``collectives_shm`` / ``collectives_gloo``. Collectives on
+host tensors run at once on the caller's thread over a second private gloo group (not counted
+there).
+
+The returned work's ``wait()`` orders the *current* stream after the collective (it records an
+event after it and makes the current stream wait for that event), as
+``ds_core/hookspecs/comm.py`` states; it does not block the host. The queued work holds the
+buffers until it ran, and the work object holds them until ``wait()``.
 
 Link model (off by default): with ``DS_SIM_LINK_GBPS`` > 0 a collective also occupies its
 stream for ``DS_SIM_LATENCY_US`` + wire bytes / bandwidth, where the wire bytes are what a
@@ -22,14 +33,18 @@ costs its modelled time.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from ds_backend_cpu import shm, shm_groups
+from ds_backend_cpu.comm import _rows as _all_to_all_rows
 
 from ds_backend_sim import device
 
@@ -39,6 +54,27 @@ PROCESS_GROUP_BACKEND = NAME
 
 _registered = False
 _register_lock = threading.Lock()
+
+SHM, GLOO = "shm", "gloo"
+_counts: Counter[tuple[str, str, str]] = Counter()
+_counts_lock = threading.Lock()
+
+
+def transport_counts() -> dict[tuple[str, str, str], int]:
+    """Collectives on sim tensors run so far in this process, by ``(collective, "shm" |
+    "gloo", reason for gloo)`` (counted when each runs, not when it is issued)."""
+    with _counts_lock:
+        return dict(_counts)
+
+
+def reset_transport_counts() -> None:
+    with _counts_lock:
+        _counts.clear()
+
+
+def _count(collective: str, transport: str, reason: str) -> None:
+    with _counts_lock:
+        _counts[(collective, transport, reason)] += 1
 
 
 def wire_bytes(collective: str, nbytes: int, world: int) -> int:
@@ -127,9 +163,11 @@ class SimProcessGroup(dist.ProcessGroup):
 
     torch uses a Python process group for every device of the group, so host tensors are
     served too: synchronously over one private gloo group, on the caller's thread. Sim
-    tensors go over a second one, on the stream workers, so the two kinds of traffic never
-    interleave differently on different ranks. Collectives on sim tensors of one group must
-    be issued on one stream at a time, as a NCCL communicator requires.
+    tensors go over the CPU backend's shared-memory transport, set up over a second private
+    gloo group (or over that gloo group when the transport declines), on the stream workers,
+    so the two kinds of traffic never interleave differently on different ranks. Collectives
+    on sim tensors of one group must be issued on one stream at a time, as a NCCL
+    communicator requires.
     """
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
@@ -137,6 +175,15 @@ class SimProcessGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._direct = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, timeout)
         self._queued = dist.ProcessGroupGloo(dist.PrefixStore("sim", store), rank, size, timeout)
+        # The shared-memory transport of the queued traffic: set up by the first queued
+        # collective, over ``_queued``, in issue order on every rank. Ranks are named by their
+        # index in this group (a backend is not told the global ranks).
+        self._shm: shm_groups.ShmGroup | None = None
+        if size > 1:
+            handshake = shm_groups.BackendHandshake(
+                self._queued, range(size), timeout.total_seconds()
+            )
+            self._shm = shm_groups.ShmGroup(self._queued, handshake)
         # The event after the last collective queued on this group: the next one, whatever
         # stream it is issued on, runs after it, so every rank runs them in issue order.
         self._last: torch.Event | None = None
@@ -162,11 +209,12 @@ class SimProcessGroup(dist.ProcessGroup):
         collective: str,
         tensors: Sequence[torch.Tensor],
         nbytes: int,
-        body: Callable[[Any, list[torch.Tensor]], None],
+        body: Callable[[Any, list[torch.Tensor], Any], None],
         outputs: Sequence[torch.Tensor] | None = None,
     ) -> Any:
-        """Run ``body(gloo, memory)`` now for host tensors, else queue it on the current
-        stream.
+        """Run ``body(gloo, memory, shm)`` now for host tensors, else queue it on the current
+        stream. ``shm`` is the shared-memory transport (``None`` for host tensors); the body
+        asks :meth:`_protocol` whether to use it.
 
         ``tensors`` are every buffer the collective reads or writes, held until ``wait()``;
         ``outputs`` (default: the first) are what the work's ``result()`` returns. ``memory``
@@ -176,7 +224,7 @@ class SimProcessGroup(dist.ProcessGroup):
         the queued collective reads and writes.
         """
         if tensors and all(t.device.type == "cpu" for t in tensors):
-            body(self._direct, list(tensors))
+            body(self._direct, list(tensors), None)
             return _done()
         index = tensors[0].device.index if tensors else device.current_device()
         for t in tensors:
@@ -189,11 +237,11 @@ class SimProcessGroup(dist.ProcessGroup):
         ext = device.extension()
         memory = [ext.host_alias(t) for t in tensors]
         stream = device.current_stream(index)
-        queued = self._queued
+        queued, transport = self._queued, self._shm
 
         def run() -> None:
             started = time.perf_counter()
-            body(queued, memory)
+            body(queued, memory, transport)
             if seconds > 0:
                 left = seconds - (time.perf_counter() - started)
                 if left > 0:
@@ -209,12 +257,30 @@ class SimProcessGroup(dist.ProcessGroup):
         self._last = event
         return SimWork(index, event, tensors, tensors[:1] if outputs is None else outputs)
 
+    def _protocol(
+        self, collective: str, transport: Any, tensors: Sequence[torch.Tensor]
+    ) -> shm.Protocol | None:
+        """The shared-memory protocol for this call, or ``None`` for gloo (counted either way).
+
+        Runs inside a queued body, so the group's first call sets the transport up, in issue
+        order on every rank. Every rank reaches the same answer: setup's outcome is agreed
+        over gloo, and the ranks of a collective pass the same dtypes.
+        """
+        if transport is None:
+            return None  # host tensors, on the caller's thread
+        protocol = transport.ready()
+        reason = transport.reason or _dtype_reason(tensors)
+        _count(collective, GLOO if reason else SHM, reason)
+        return None if reason else protocol
+
     def _reduced(self, gloo: Any, host: torch.Tensor, op: str) -> torch.Tensor:
         """Every rank's ``host`` reduced with ``op``, summed in rank order (a new tensor).
 
         Rank order, not gloo's ring order: every rank gets the same bits, and the same bits as
-        the CPU backend's shared-memory reductions give for the same inputs, so the engine's
-        tests hold sim to the CPU backend's tolerances.
+        the shared-memory path (checked in ``tests/backends/test_sim.py``) for a reduce-scatter,
+        on two ranks, and for an all-reduce of at most ``ds_backend_cpu.shm.SMALL_BYTES``.
+        A larger all-reduce on three or more ranks differs: there the shared-memory protocol
+        reduces each rank's region starting from that rank's own part.
         """
         flat = host.reshape(-1)
         parts = torch.empty(self._size * flat.numel(), dtype=flat.dtype)
@@ -240,8 +306,14 @@ class SimProcessGroup(dist.ProcessGroup):
         (tensor,) = tensors
         op = _reduce_op(opts)
 
-        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+        def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
             (t,) = mem
+            protocol = self._protocol("all_reduce", transport, mem)
+            if protocol is not None:
+                flat = _flat(t)
+                protocol.all_reduce(flat, op, tuple(t.shape))
+                _back(t, flat)
+                return
             host = self._reduced(gloo, _host(t), op)
             t.copy_(host.view(t.shape))
 
@@ -252,8 +324,14 @@ class SimProcessGroup(dist.ProcessGroup):
         bopts = dist.BroadcastOptions()
         bopts.rootRank = int(opts.rootRank) if opts is not None else 0
 
-        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+        def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
             (t,) = mem
+            protocol = self._protocol("broadcast", transport, mem)
+            if protocol is not None:
+                flat = _flat(t)
+                protocol.broadcast(flat, bopts.rootRank, tuple(t.shape))
+                _back(t, flat)
+                return
             host = _host(t)
             gloo.broadcast([host], bopts).wait()
             t.copy_(host)
@@ -261,8 +339,14 @@ class SimProcessGroup(dist.ProcessGroup):
         return self._run("broadcast", [tensor], _nbytes(tensor), body)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+        def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
             out, inp = mem
+            protocol = self._protocol("all_gather", transport, mem)
+            if protocol is not None:
+                flat = _flat(out)
+                protocol.all_gather(flat, _flat(inp), self._gather_error(out, inp), inp.shape)
+                _back(out, flat)
+                return
             host_out = torch.empty(out.shape, dtype=_host(out[:0]).dtype)
             gloo._allgather_base(host_out, _host(inp)).wait()
             out.copy_(host_out)
@@ -276,8 +360,22 @@ class SimProcessGroup(dist.ProcessGroup):
     ) -> Any:
         (outputs,), (input,) = output_lists, inputs
 
-        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+        def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
             *outs, inp = mem
+            protocol = self._protocol("all_gather", transport, mem)
+            if protocol is not None:
+                error = ""
+                if len(outs) != self._size:
+                    error = f"all_gather takes {self._size} output tensors, got {len(outs)}"
+                elif any(o.numel() != inp.numel() for o in outs):
+                    error = (
+                        f"all_gather output tensors differ in size from the input's {inp.numel()}"
+                    )
+                flat = torch.empty(inp.numel() * self._size, dtype=inp.dtype)
+                protocol.all_gather(flat, _flat(inp), error, inp.shape)
+                for o, part in zip(outs, flat.view(self._size, -1), strict=True):
+                    o.copy_(part.view(o.shape))
+                return
             host_outs = [torch.empty(o.shape, dtype=_host(o[:0]).dtype) for o in outs]
             gloo.allgather([host_outs], [_host(inp)]).wait()
             for o, h in zip(outs, host_outs, strict=True):
@@ -292,8 +390,15 @@ class SimProcessGroup(dist.ProcessGroup):
     ) -> Any:
         op = _reduce_op(opts)
 
-        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+        def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
             out, inp = mem
+            protocol = self._protocol("reduce_scatter", transport, mem)
+            if protocol is not None:
+                flat = _flat(out)
+                error = self._scatter_error(out, inp.numel())
+                protocol.reduce_scatter(flat, _flat(inp), op, error, inp.shape)
+                _back(out, flat)
+                return
             host = self._reduced(gloo, _host(inp), op)
             out.copy_(host.view(self._size, -1)[self._rank].view(out.shape))
 
@@ -307,8 +412,16 @@ class SimProcessGroup(dist.ProcessGroup):
         (output,), (inputs,) = outputs, input_lists
         op = _reduce_op(opts)
 
-        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+        def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
             out, *ins = mem
+            protocol = self._protocol("reduce_scatter", transport, mem)
+            if protocol is not None:
+                flat = _flat(out)
+                joined = torch.cat([i.reshape(-1) for i in ins])
+                error = self._scatter_error(out, joined.numel())
+                protocol.reduce_scatter(flat, joined, op, error, joined.shape)
+                _back(out, flat)
+                return
             host = self._reduced(gloo, torch.cat([_host(i).reshape(-1) for i in ins]), op)
             out.copy_(host.view(self._size, -1)[self._rank].view(out.shape))
 
@@ -322,8 +435,27 @@ class SimProcessGroup(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> Any:
-        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+        def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
             out, inp = mem
+            protocol = (
+                self._protocol("all_to_all", transport, mem) if inp.dim() and out.dim() else None
+            )
+            if transport is not None and (inp.dim() == 0 or out.dim() == 0):
+                _count("all_to_all", GLOO, "0-d tensor")
+            if protocol is not None:
+                w = self._size
+                send, send_error = _all_to_all_rows("input", inp, input_split_sizes or None, w)
+                recv, recv_error = _all_to_all_rows("output", out, output_split_sizes or None, w)
+                row, out_row = math.prod(inp.shape[1:]), math.prod(out.shape[1:])
+                error = send_error or recv_error
+                if not error and out.dtype != inp.dtype:
+                    error = f"all_to_all output dtype {out.dtype} differs from input {inp.dtype}"
+                if not error and out_row != row:
+                    error = f"all_to_all output rows have {out_row} elements, input rows {row}"
+                flat = _flat(out)
+                protocol.all_to_all(flat, _flat(inp), send, recv, row, error)
+                _back(out, flat)
+                return
             host_out = torch.empty(out.shape, dtype=_host(out[:0]).dtype)
             gloo.alltoall_base(
                 host_out,
@@ -344,13 +476,32 @@ class SimProcessGroup(dist.ProcessGroup):
         ropts.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         ropts.rootRank = int(opts.rootRank) if opts is not None else 0
 
-        def body(gloo: Any, mem: list[torch.Tensor]) -> None:
+        def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
             (t,) = mem
+            protocol = self._protocol("reduce", transport, mem)
+            if protocol is not None:  # an all-reduce whose result only the root keeps
+                flat = _flat(t).clone()
+                protocol.all_reduce(flat, _reduce_op(opts), tuple(t.shape))
+                if self._rank == ropts.rootRank:
+                    t.copy_(flat.view(t.shape))
+                return
             host = self._reduced(gloo, _host(t), _reduce_op(opts))
             if self._rank == ropts.rootRank:
                 t.copy_(host.view(t.shape))
 
         return self._run("reduce", [tensor], _nbytes(tensor), body)
+
+    def _gather_error(self, out: torch.Tensor, inp: torch.Tensor) -> str:
+        expected = inp.numel() * self._size
+        if out.numel() != expected:
+            return f"all_gather output has {out.numel()} elements, expected {expected}"
+        return ""
+
+    def _scatter_error(self, out: torch.Tensor, numel: int) -> str:
+        expected = out.numel() * self._size
+        if numel != expected:
+            return f"reduce_scatter input has {numel} elements, expected {expected}"
+        return ""
 
     def barrier(self, opts: Any = None) -> Any:
         # As c10d's device barriers do: the host returns once this device's queued work and
@@ -384,6 +535,28 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     does)."""
     host = t.cpu().contiguous()
     return host.to(torch.int32) if host.dtype == torch.int16 else host
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a host view of sim memory) as a 1-D contiguous host tensor: a view of the same
+    memory when ``t`` is contiguous, else a copy (see :func:`_back`)."""
+    return t.detach().contiguous().view(-1)
+
+
+def _back(t: torch.Tensor, flat: torch.Tensor) -> None:
+    """Write ``flat`` into ``t`` unless it already is ``t``'s memory."""
+    if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+        t.copy_(flat.view(t.shape))
+
+
+def _dtype_reason(tensors: Sequence[torch.Tensor]) -> str:
+    """Why the shared-memory transport cannot carry these tensors ("" if it can)."""
+    for t in tensors:
+        if t.layout != torch.strided:
+            return f"{t.layout} tensor"
+        if t.dtype not in shm.DTYPES:
+            return f"dtype {t.dtype}"
+    return ""
 
 
 def _nbytes(t: torch.Tensor) -> int:
