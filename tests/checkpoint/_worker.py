@@ -1,9 +1,7 @@
-"""Rank worker: ``python -m tests.checkpoint._worker SUITE WORLD OUTDIR CKROOT``.
-
-Spawns WORLD gloo ranks sharing one process group for every job of the suite; each job's
-result is saved to ``OUTDIR/<job>.rank<r>.pt``. Checkpoints go under CKROOT, shared between
-suites: a ``*_save`` suite writes what the matching ``*_load`` suite (a fresh process group)
-reads.
+"""The checkpoint tests' rank jobs: :func:`run_jobs` runs a named suite on every rank of a rank
+pool (tests/rankpool.py); each job's result is saved to ``OUTDIR/<job>.rank<r>.pt``.
+Checkpoints go under CKROOT, shared between suites: a ``*_save`` suite writes what the matching
+``*_load`` suite (at another world size, or in another rank process) reads.
 """
 
 from __future__ import annotations
@@ -11,15 +9,12 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
 from tests.checkpoint._common import OPTIMIZERS, RESUME, Resume, build_model, draw_batch, loss_of
 from tests.zero._common import IN, OUT, Scenario, TinyNet, batches, load_reference, reference_state
@@ -440,33 +435,11 @@ def jobs(suite: str, world: int, root: Path) -> dict[str, Callable[[], dict[str,
     raise SystemExit(f"unknown suite {suite}")
 
 
-def _rank(rank: int, world: int, port: int, suite: str, outdir: str, root: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
-    import ds_core
+def run_jobs(suite: str, outdir: str, root: str) -> None:
+    """Run every job of ``suite`` on this rank (a :class:`tests.rankpool.RankPool` rank) and
+    save each job's results to ``OUTDIR/<job>.rank<r>.pt``."""
+    from ds_core import comm
 
-    ds_core.init_distributed(timeout=300)
+    rank, world = comm.get_rank(), comm.get_world_size()
     for name, job in jobs(suite, world, Path(root)).items():
         torch.save(job(), os.path.join(outdir, f"{name}.rank{rank}.pt"))
-    torch.distributed.barrier()
-    ds_core.destroy_distributed()
-
-
-def main() -> None:
-    suite, world, outdir, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    mp.spawn(_rank, args=(world, port, suite, outdir, root), nprocs=world, join=True)
-
-
-if __name__ == "__main__":
-    main()

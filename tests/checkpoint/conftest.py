@@ -1,16 +1,17 @@
-"""Run rank-worker suites once per test session; ``*_load`` suites first run their ``*_save``."""
+"""Run rank-worker suites once per test session (on the run's rank pools, tests/rankpool.py);
+``*_load`` suites first run their ``*_save``."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.rankpool import RankPools
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +53,9 @@ def ckroot(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def suite(tmp_path_factory: pytest.TempPathFactory, ckroot: Path) -> Callable[[str], SuiteResults]:
+def suite(
+    tmp_path_factory: pytest.TempPathFactory, ckroot: Path, rank_pools: RankPools
+) -> Callable[[str], SuiteResults]:
     cache: dict[str, SuiteResults] = {}
 
     def get(name: str) -> SuiteResults:
@@ -62,23 +65,14 @@ def suite(tmp_path_factory: pytest.TempPathFactory, ckroot: Path) -> Callable[[s
         if before is not None:
             get(before)
         outdir = tmp_path_factory.mktemp(name)
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tests.checkpoint._worker",
-                name,
-                str(world),
-                str(outdir),
-                str(ckroot),
-            ],
-            cwd=ROOT,
-            env=worker_env(),
-            capture_output=True,
-            text=True,
+        env = {"DS_ACCELERATOR": "cpu"}
+        if before is not None:
+            # Readers never run in the ranks that saved: a resume that depends on state the
+            # saving process still holds (RNGs, caches) would pass there and fail for users.
+            env["DS_TEST_POOL"] = "readers"
+        rank_pools.get(world, env).run(
+            "tests.checkpoint._worker:run_jobs", name, str(outdir), str(ckroot)
         )
-        if proc.returncode != 0:
-            raise AssertionError(f"worker suite {name} failed:\n{proc.stderr[-6000:]}")
         cache[name] = SuiteResults(outdir, world, ckroot)
         return cache[name]
 

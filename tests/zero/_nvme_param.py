@@ -169,8 +169,10 @@ def checkpoint() -> dict[str, Any]:
     (``offload_param: cpu``) one; all three then take the same steps."""
     from ds_core import comm
 
-    # One folder for both ranks: they are spawned by the same parent.
-    root = os.path.join(NVME_TEST_ROOT or tempfile.gettempdir(), f"ds_core_nvp_ckpt_{os.getppid()}")
+    # One folder for the ranks of this process group (its port is theirs alone).
+    root = os.path.join(
+        NVME_TEST_ROOT or tempfile.gettempdir(), f"ds_core_nvp_ckpt_{os.environ['MASTER_PORT']}"
+    )
     out: dict[str, Any] = {}
     cfgs = [config("nvme", True, "cpu"), config("nvme", True, "cpu"), config("cpu", True, "cpu")]
     src = build(cfgs[0])

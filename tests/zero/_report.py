@@ -11,6 +11,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from tests.rankpool import RankPools
 from tests.zero.conftest import run_suite
 
 N = 2
@@ -20,14 +21,16 @@ MEM_FORMULA = {0: 4 + 4 + 8, 1: 4 + 4 + 8 / N, 2: 4 + (4 + 8) / N, 3: (4 + 4 + 8
 
 
 def main() -> None:
+    pools = RankPools()
     with tempfile.TemporaryDirectory() as tmp:
         for sub in ("a", "r"):
             (Path(tmp) / sub).mkdir()
-        acc = run_suite(Path(tmp) / "a", "accounting", N)
-        res = run_suite(Path(tmp) / "r", "resident", N)
+        acc = run_suite(pools, Path(tmp) / "a", "accounting", N, "cpu")
+        res = run_suite(pools, Path(tmp) / "r", "resident", N, "cpu")
         counts = acc.ranks("bytes")[0]
         memory = acc.ranks("memory")[0]
         resident = res.ranks("resident")
+    pools.close()
     print(
         f"bytes communicated per optimizer step, rank 0 of {N} (logical: docs/architecture.md §3.4)"
     )

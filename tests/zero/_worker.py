@@ -1,21 +1,16 @@
-"""Rank worker: ``python -m tests.zero._worker SUITE WORLD OUTDIR [BACKEND]``.
-
-Spawns WORLD gloo ranks (one thread each) that share one process group for every job of the
-suite, and saves each job's results to ``OUTDIR/<job>.rank<r>.pt`` for the tests to compare
-against single-process references. One spawn per suite keeps CI time down.
+"""The engine's rank jobs: :func:`run_jobs` runs a named suite on every rank of a rank pool
+(tests/rankpool.py) and saves each job's results to ``OUTDIR/<job>.rank<r>.pt`` for the tests to
+compare against single-process references.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 
 from tests.zero import _gradpath
@@ -27,7 +22,6 @@ from tests.zero._common import (
     MLP,
     Scenario,
     TinyNet,
-    backend_env,
     batches,
     global_names,
     load_reference,
@@ -740,39 +734,14 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
     raise SystemExit(f"unknown suite {suite}")
 
 
-# --------------------------------------------------------------------------- launching
+# --------------------------------------------------------------------------- on a rank
 
 
-def _rank(rank: int, world: int, port: int, suite: str, outdir: str, backend: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        **backend_env(backend, world),
-    )
-    torch.set_num_threads(1)
-    import ds_core
+def run_jobs(suite: str, outdir: str) -> None:
+    """Run every job of ``suite`` on this rank (a :class:`tests.rankpool.RankPool` rank) and
+    save each job's results, on the host, to ``OUTDIR/<job>.rank<r>.pt``."""
+    from ds_core import comm
 
-    ds_core.init_distributed(timeout=300)
+    rank, world = comm.get_rank(), comm.get_world_size()
     for name, job in jobs(suite, world).items():
-        # Results leave the device before saving: the tests compare them on the host.
         torch.save(to_host(job()), os.path.join(outdir, f"{name}.rank{rank}.pt"))
-    # Tear the groups down before exit: gloo's threads must not outlive the interpreter.
-    torch.distributed.barrier()
-    ds_core.destroy_distributed()
-
-
-def main() -> None:
-    suite, world, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    backend = sys.argv[4] if len(sys.argv) > 4 else "cpu"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    mp.spawn(_rank, args=(world, port, suite, outdir, backend), nprocs=world, join=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,5 @@
-"""Run a rank-worker suite once per test session and backend, and hand its results to the tests.
+"""Run a rank-worker suite once per test session and backend (on the run's rank pools,
+tests/rankpool.py), and hand its results to the tests.
 
 The engine's tests are parametrised by backend (``backend`` fixture): each installed entry of
 :data:`tests.zero._common.MATRIX_BACKENDS` runs the same suite, and the tests compare every
@@ -10,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.rankpool import RankPools
 from tests.zero._common import MATRIX_BACKENDS, backend_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,22 +46,11 @@ class SuiteResults:
         ]
 
 
-def run_suite(tmp: Path, suite: str, world: int, backend: str = "cpu") -> SuiteResults:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DS_SIM_")}
-    env.update(OMP_NUM_THREADS="1", **backend_env(backend, world))
+def run_suite(pools: RankPools, tmp: Path, suite: str, world: int, backend: str) -> SuiteResults:
+    env = backend_env(backend, world)
     if suite == "resident":  # large frees go back to the OS, so RSS tracks live tensors
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.zero._worker", suite, str(world), str(tmp), backend],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"worker suite {suite} on {world} ranks ({backend}) failed:\n{proc.stderr[-6000:]}"
-        )
+    pools.get(world, env).run("tests.zero._worker:run_jobs", suite, str(tmp))
     return SuiteResults(tmp, world)
 
 
@@ -69,7 +58,7 @@ SuiteGetter = Callable[..., SuiteResults]
 
 
 @pytest.fixture(scope="session")
-def suite(tmp_path_factory: pytest.TempPathFactory) -> SuiteGetter:
+def suite(tmp_path_factory: pytest.TempPathFactory, rank_pools: RankPools) -> SuiteGetter:
     """``suite(name, world, backend="cpu")``: the suite's results, run once per session."""
     cache: dict[tuple[str, int, str], SuiteResults] = {}
 
@@ -77,7 +66,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> SuiteGetter:
         key = (name, world, backend)
         if key not in cache:
             tmp = tmp_path_factory.mktemp(f"{name}{world}-{backend}")
-            cache[key] = run_suite(tmp, name, world, backend)
+            cache[key] = run_suite(rank_pools, tmp, name, world, backend)
         return cache[key]
 
     return get

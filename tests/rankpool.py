@@ -1,0 +1,238 @@
+"""Rank worker processes shared by the whole test run.
+
+A multi-rank test needs ``world`` processes, each with ``import torch``, ``import ds_core`` and
+an initialised process group: seconds of start-up per process on 2 cores, paid again by every
+suite that spawned its own ranks. A :class:`RankPool` keeps ``world`` ranks alive for the run
+(one pool per world size, backend and environment) and runs jobs on them:
+``pool.run("tests.zero._worker:run_jobs", "stages", outdir)`` imports that function on every
+rank, calls it with the arguments and returns each rank's result, in rank order.
+
+Jobs share their ranks' process state, so a job must leave nothing behind that changes the
+next one (the suites' jobs already run back to back in one process group). A job that raises
+or times out on any rank takes its pool down, since the other ranks may be stuck in a
+collective; the next job on that key starts a fresh pool.
+
+Rank side: ``python -m tests.rankpool ADDRESS_PORT RANK WORLD`` (started by the pool).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import Client, Connection, Listener, wait
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+# A job is the work of one suite; the slowest (stage-3 NVMe parameter swap on sim) take
+# minutes on 2 loaded cores.
+JOB_TIMEOUT_S = 1200.0
+START_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankPool:
+    """``world`` rank processes with a gloo (or the backend's) process group, serving jobs.
+
+    :param world: number of ranks.
+    :param env: the ranks' environment on top of this process's (backend selection,
+        ``DS_SIM_*``, ...); ``RANK``, ``WORLD_SIZE``, ``MASTER_*`` are set by the pool.
+    """
+
+    def __init__(self, world: int, env: dict[str, str]) -> None:
+        self.world = world
+        self._authkey = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        self._logdir = Path(tempfile.mkdtemp(prefix="rankpool-"))
+        port = free_port()
+        self._procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(world):
+            rank_env = dict(
+                env,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                PYTHONUNBUFFERED="1",
+            )
+            with open(self._logdir / f"rank{rank}.log", "wb") as log:
+                self._procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.rankpool", str(self._listener.address[1])],
+                        cwd=ROOT,
+                        env=rank_env,
+                        stdin=subprocess.PIPE,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        for proc in self._procs:  # the key travels on stdin, not in the visible command line
+            assert proc.stdin is not None
+            proc.stdin.write(self._authkey)
+            proc.stdin.close()
+        self._conns: list[Connection] = [None] * world  # type: ignore[list-item]
+        self._accept()
+
+    def _accept(self) -> None:
+        # Listener.accept() has no timeout: wait for the socket to be readable first, so a
+        # rank that dies during start-up is reported instead of hanging the test run.
+        sock = self._listener._listener._socket  # type: ignore[attr-defined]
+        try:
+            for _ in range(self.world):
+                if not wait([sock], START_TIMEOUT_S):
+                    raise OSError(f"a rank did not connect in {START_TIMEOUT_S:.0f} s")
+                conn = self._listener.accept()
+                self._conns[conn.recv()] = conn
+        except (OSError, EOFError) as exc:
+            self.close(graceful=False)
+            message = f"rank pool of {self.world} did not start: {exc}\n{self.logs()}"
+            raise AssertionError(message) from exc
+        self._recv_all("start", START_TIMEOUT_S)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self._procs)
+
+    def run(self, target: str, *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:
+        """Call ``module:function`` with ``args`` on every rank; its results in rank order.
+
+        :raises AssertionError: a rank raised (its traceback), exited, or did not finish in
+            ``timeout`` seconds; the pool is closed then.
+        """
+        for conn in self._conns:
+            conn.send((target, args))
+        return self._recv_all(target, timeout)
+
+    def _recv_all(self, what: str, timeout: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait(list(pending), max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(pending.values())
+                self._fail(f"{what}: ranks {late} did not finish in {timeout:.0f} s")
+            for conn in ready:
+                rank = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    status, value = pickle.loads(conn.recv_bytes())  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    self._fail(f"{what}: rank {rank} exited (code {self._procs[rank].poll()})")
+                if status != "ok":
+                    self._fail(f"{what}: rank {rank} raised:\n{value}")
+                results[rank] = value
+        return [results[r] for r in range(self.world)]
+
+    def _fail(self, message: str) -> None:
+        self.close(graceful=False)
+        raise AssertionError(f"{message}\n{self.logs()}")
+
+    def logs(self, tail: int = 4000) -> str:
+        parts = []
+        for rank in range(self.world):
+            path = self._logdir / f"rank{rank}.log"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            parts.append(f"--- rank {rank} output (last {tail} characters):\n{text[-tail:]}")
+        return "\n".join(parts)
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the ranks: a clean teardown of their process group when ``graceful``, else
+        killed (after a failure, when they may be stuck in a collective)."""
+        if graceful and self.alive:
+            try:
+                for conn in self._conns:
+                    conn.send(None)
+                for proc in self._procs:
+                    proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            if conn is not None:
+                conn.close()
+        self._listener.close()
+
+
+class RankPools:
+    """The run's pools, one per (world, environment); created on first use, closed at the end."""
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple[int, tuple[tuple[str, str], ...]], RankPool] = {}
+
+    def get(self, world: int, env: dict[str, str]) -> RankPool:
+        """A live pool of ``world`` ranks whose environment is this process's (less its
+        ``DS_SIM_*`` settings) with ``env`` applied."""
+        key = (world, tuple(sorted(env.items())))
+        pool = self._pools.get(key)
+        if pool is None or not pool.alive:
+            base = {k: v for k, v in os.environ.items() if not k.startswith("DS_SIM_")}
+            pool = self._pools[key] = RankPool(world, {**base, **env})
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def _call(target: str, args: tuple[Any, ...]) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(*args)
+
+
+def serve(port: int) -> None:
+    authkey = sys.stdin.buffer.read()
+    rank = int(os.environ["RANK"])
+    conn = Client(("127.0.0.1", port), authkey=authkey)
+    conn.send(rank)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import ds_core
+
+        ds_core.init_distributed(timeout=300)
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        raise
+    conn.send_bytes(pickle.dumps(("ok", None)))
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        try:
+            reply = ("ok", _call(*message))
+        except BaseException:
+            reply = ("error", traceback.format_exc())
+        # Plain pickle, not the connection's: torch registers multiprocessing reductions that
+        # would pass tensors as shared-memory file descriptors.
+        conn.send_bytes(pickle.dumps(reply))
+    # gloo's threads must not outlive the interpreter
+    torch.distributed.barrier()
+    ds_core.destroy_distributed()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
