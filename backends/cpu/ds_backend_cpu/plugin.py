@@ -324,6 +324,8 @@ class _ShmSyncProvider:
     name = "shm_sync"
 
     def is_compatible(self) -> tuple[bool, str]:
+        if not shm_groups.enabled():
+            return False, f"{shm_groups.ENV_ENABLE}=0: every collective uses gloo"
         return shm_sync.compatibility()
 
     def load(self) -> Any:
@@ -333,6 +335,8 @@ class _ShmSyncProvider:
         return lib
 
     def status(self) -> str:
+        if not shm_groups.enabled():
+            return f"inactive: {shm_groups.ENV_ENABLE}=0"
         return shm_sync.status()
 
 

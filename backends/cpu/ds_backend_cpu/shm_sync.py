@@ -211,14 +211,12 @@ def describe_path(build: bool) -> str:
 
 
 def compatibility() -> tuple[bool, str]:
-    """The ``shm_sync`` op's answer: whether new groups will synchronise through the C helper.
+    """Whether new shared-memory groups will synchronise through the C helper, and why.
 
-    Runs no compiler and starts no thread (an op compatibility check must not).
+    Runs no compiler and starts no thread (an op compatibility check must not). Whether shared
+    memory is enabled at all is the transport's question (``ds_backend_cpu.shm_groups``), asked
+    by the ``shm_sync`` op before this.
     """
-    from ds_backend_cpu import shm_groups
-
-    if not shm_groups.enabled():
-        return False, f"{shm_groups.ENV_ENABLE}=0: every collective uses gloo"
     path = describe_path(build=False)
     return path.startswith("C helper"), f"shared-memory collectives synchronise through {path}"
 
@@ -226,12 +224,9 @@ def compatibility() -> tuple[bool, str]:
 def status() -> str:
     """Which path is active in this process, or would be, and whether the helper is built.
 
-    Builds nothing (``ds-core report`` calls it).
+    Builds nothing (``ds-core report`` calls it, through the ``shm_sync`` op, which says
+    "inactive" instead when shared memory is disabled).
     """
-    from ds_backend_cpu import shm_groups
-
-    if not shm_groups.enabled():
-        return f"inactive: {shm_groups.ENV_ENABLE}=0"
     if _loaded is not None:
         lib, where = _loaded
         return f"active: {where}" if lib is not None else f"active: {describe_path(False)}"
