@@ -94,7 +94,7 @@ def route(
 def _submit(
     transport: shm_groups.ShmGroup,
     collective: str,
-    shm_call: Callable[[shm.Protocol], None],
+    shm_call: Callable[[shm.ShmProtocol], None],
     gloo_call: Callable[[], object],
     async_op: bool,
 ) -> Work:

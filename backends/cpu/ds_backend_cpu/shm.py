@@ -110,7 +110,7 @@ def _reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str) -> N
         fn(out, part, out=out)
 
 
-class Protocol:
+class ShmProtocol:
     """The step protocol of one group over one segment (runs on one thread at a time).
 
     :param segment: the mapped segment.

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ds_backend_cpu import shm_segment as seg_mod
 from ds_backend_cpu import shm_sync
-from ds_backend_cpu.shm import Protocol
+from ds_backend_cpu.shm import ShmProtocol
 
 ENV_ENABLE = "DS_CPU_SHM"
 ENV_SLOT = "DS_CPU_SHM_SLOT_BYTES"
@@ -93,7 +93,7 @@ class ShmGroup:
         self._pg = weakref.ref(pg)  # never keep a process group alive
         # How setup talks to the peers: over ``pg`` as a registered group unless given.
         self._handshake = handshake
-        self.protocol: Protocol | None = None
+        self.protocol: ShmProtocol | None = None
         self.reason = ""
         self._set_up = False
         self._cond = threading.Condition()
@@ -102,7 +102,7 @@ class ShmGroup:
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def ready(self) -> Protocol | None:
+    def ready(self) -> ShmProtocol | None:
         """Set the group up if this is its first call (run only from a call on this group).
 
         :returns: the protocol, or ``None`` when the group uses gloo (``reason`` says why).
@@ -112,7 +112,7 @@ class ShmGroup:
             pg = self._pg()
             try:
                 if pg is None:
-                    result: Protocol | str = "the process group was destroyed"
+                    result: ShmProtocol | str = "the process group was destroyed"
                 else:
                     result = _setup(self._handshake or Handshake(pg))
             except BaseException as exc:
@@ -217,7 +217,7 @@ def lookup(group: Any) -> ShmGroup | str:
     return found
 
 
-def existing(group: Any) -> Protocol | None:
+def existing(group: Any) -> ShmProtocol | None:
     """The group's shared-memory protocol if it is set up already (never sets one up)."""
     found = _groups.get(resolve(group))
     return found.protocol if isinstance(found, ShmGroup) else None
@@ -292,7 +292,7 @@ class BackendHandshake(Handshake):
         self.pg.barrier().wait()
 
 
-def _setup(h: Handshake) -> Protocol | str:
+def _setup(h: Handshake) -> ShmProtocol | str:
     rank, ranks = h.rank, h.ranks
     world = len(ranks)
     local_reason = ""
@@ -339,7 +339,7 @@ def _setup(h: Handshake) -> Protocol | str:
     )
     if flags is None:  # pragma: no cover - checked before the all-gather
         return shm_sync.unavailable_reason()
-    protocol = Protocol(segment, flags, rank, ranks, h.timeout)
+    protocol = ShmProtocol(segment, flags, rank, ranks, h.timeout)
     protocol.publish_pid()
     h.barrier()  # every pid is published before anyone reads them
     protocol.read_pids()

@@ -259,7 +259,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _protocol(
         self, collective: str, transport: Any, tensors: Sequence[torch.Tensor]
-    ) -> shm.Protocol | None:
+    ) -> shm.ShmProtocol | None:
         """The shared-memory protocol for this call, or ``None`` for gloo (counted either way).
 
         Runs inside a queued body, so the group's first call sets the transport up, in issue
