@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from ds_backend_cpu import comm, memory, shm_groups, shm_sync
+from ds_backend_cpu.graph import CpuGraph
 from ds_core import hookimpl
 from ds_core.backend_kit import HostEvent, HostStream, HostStreams
 from ds_core.errors import ConfigError
+from ds_core.ops.cpu_adam import cpu_adam_provider
 from ds_core.types import (
     BackendInfo,
     DeterminismRecord,
@@ -278,8 +280,6 @@ def ds_dtype_supported() -> frozenset[torch.dtype]:
 
 @hookimpl
 def ds_graph_create() -> Any:
-    from ds_backend_cpu.graph import CpuGraph  # dispatch-mode machinery only when asked for
-
     return CpuGraph()
 
 
@@ -342,8 +342,6 @@ class _ShmSyncProvider:
 
 @hookimpl
 def ds_op_providers() -> list[Any]:
-    from ds_core.ops.cpu_adam import cpu_adam_provider
-
     return [
         SimpleOpProvider(
             "fused_adam", _fused_adamw_check, lambda: partial(torch.optim.AdamW, fused=True)

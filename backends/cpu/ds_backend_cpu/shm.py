@@ -26,6 +26,7 @@ output chunk), so the reduction work is split evenly and nothing is reduced twic
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 import time
@@ -408,6 +409,4 @@ class ShmProtocol:
 
 
 def memoryview_of(values: list[int]) -> memoryview:
-    import array
-
     return memoryview(array.array("Q", values))
