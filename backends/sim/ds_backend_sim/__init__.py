@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ds_backend_sim import device
+from ds_backend_sim import collectives, device
 
 __all__ = ["counters", "init", "reset_counters"]
 
@@ -37,8 +37,6 @@ def counters() -> dict[str, int]:
     Host kernels' own staging copies are not counted. Each counter is one atomic add.
     """
     device.init()
-    from ds_backend_sim import collectives
-
     found = dict(device.extension().counters())
     for transport in (collectives.SHM, collectives.GLOO):
         found[f"collectives_{transport}"] = sum(
@@ -50,7 +48,5 @@ def counters() -> dict[str, int]:
 def reset_counters() -> None:
     """Zero every counter of :func:`counters`."""
     device.init()
-    from ds_backend_sim import collectives
-
     device.extension().reset_counters()
     collectives.reset_transport_counts()

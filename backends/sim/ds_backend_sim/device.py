@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
+from ds_core.backend_kit import module_present
 from ds_core.errors import ConfigError
+from ds_core.ops import build_extension
 
 DEVICE_TYPE = "sim"
 MAX_DEVICES = 16
@@ -110,8 +112,6 @@ def extension(*, quiet: bool = True) -> ModuleType:
     setup). :raises ds_core.ops.OpBuildError: no C++ compiler, or a failed build."""
     global _ext
     if _ext is None:
-        from ds_core.ops import build_extension
-
         _ext = build_extension("ds_sim_device", [SOURCE], quiet=quiet)
     return _ext
 
@@ -131,8 +131,6 @@ def name_device_type() -> str:
             f"torch's PrivateUse1 device is already '{name}' in this process (another "
             f"out-of-tree backend is loaded); the sim device cannot be registered beside it"
         )
-    from ds_core.backend_kit import module_present
-
     if module_present("torch_npu"):
         return (
             "torch_npu is installed and takes torch's one PrivateUse1 device when imported; "
@@ -175,10 +173,24 @@ def init() -> ModuleType:
         if _pending_seed is not None:
             for i in range(s.devices):
                 ext.generator(i).manual_seed(_pending_seed)
-        from ds_backend_sim import collectives
-
-        collectives.register()
+        for fn in _on_init:
+            fn()
         return module
+
+
+#: what :func:`init` runs once the device exists (simccl's registration, added by
+#: :mod:`ds_backend_sim.collectives` when it is imported: it depends on this module, not the
+#: other way round)
+_on_init: list[Callable[[], None]] = []
+
+
+def when_initialised(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at the end of :func:`init`, or now if the device exists already."""
+    with _lock:
+        _on_init.append(fn)
+        ready = _settings is not None
+    if ready:
+        fn()
 
 
 def current_settings() -> Settings:
