@@ -1,7 +1,8 @@
-"""The import graph of ``ds_core``: no cycles, and imports at the top of their module.
+"""The import graph of ``ds_core`` and the backends: no cycles, imports at the top of modules.
 
 The graph is read from the source with :mod:`ast` (nothing is imported). An edge ``a -> b``
-means running module ``a`` imports ``ds_core`` module ``b``, from anywhere in ``a`` (a
+means running module ``a`` imports module ``b`` of ``ds_core`` or of a backend package
+(``backends/<name>/ds_backend_<name>``, one graph with the core), from anywhere in ``a`` (a
 function-local import is still an edge: hiding a cycle inside a function is what this test is
 for), except under ``if TYPE_CHECKING:``. Importing ``ds_core.x.y`` also runs the package
 ``ds_core.x`` first, so that package is an edge too, unless the importer is inside it already
@@ -20,21 +21,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ds_core"
+#: every package in the graph: the core and each backend's
+PACKAGES = [PACKAGE, *sorted(ROOT.glob("backends/*/ds_backend_*"))]
 
 #: Files allowed to import ds_core modules inside functions, and why. Shrink it, never grow it:
 #: an import that would close a cycle at the top of a module means the modules are cut wrong.
 LOCAL_IMPORT_EXCEPTIONS: dict[str, str] = {}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def all_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {module_name(p, pkg): p for pkg in PACKAGES for p in sorted(pkg.rglob("*.py"))}
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -68,7 +71,7 @@ def _imports(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]
 def _targets(
     node: ast.Import | ast.ImportFrom, importer: str, is_package: bool, modules: set[str]
 ) -> set[str]:
-    """The ds_core modules a statement imports by name (before adding parent packages)."""
+    """The graph's modules a statement imports by name (before adding parent packages)."""
     names: set[str] = set()
     if isinstance(node, ast.Import):
         for alias in node.names:
@@ -93,7 +96,7 @@ def _targets(
 
 
 def import_graph() -> tuple[dict[str, set[str]], dict[str, list[str]]]:
-    """``(edges, local)``: the graph, and each module's function-local ds_core imports."""
+    """``(edges, local)``: the graph, and each module's function-local imports of its modules."""
     modules = all_modules()
     names = set(modules)
     edges: dict[str, set[str]] = {m: set() for m in modules}
@@ -174,22 +177,29 @@ def _one_cycle(component: list[str], edges: dict[str, set[str]]) -> list[str]:
     return component  # pragma: no cover - a component always has a cycle through start
 
 
-def test_ds_core_has_no_import_cycle() -> None:
+def test_ds_core_and_the_backends_have_no_import_cycle() -> None:
     edges, _ = import_graph()
     cycles = find_cycles(edges)
-    assert not cycles, "import cycles among ds_core modules:\n" + "\n".join(
+    assert not cycles, "import cycles among ds_core and backend modules:\n" + "\n".join(
         " -> ".join(c) for c in cycles
     )
 
 
-def test_ds_core_imports_its_own_modules_at_the_top() -> None:
+def test_every_backend_package_is_in_the_graph() -> None:
+    modules = all_modules()
+    for backend in sorted(ROOT.glob("backends/*/pyproject.toml")):
+        name = f"ds_backend_{backend.parent.name}"
+        assert f"{name}.plugin" in modules, f"{name}.plugin is missing from the import graph"
+
+
+def test_ds_core_and_the_backends_import_their_own_modules_at_the_top() -> None:
     _, local = import_graph()
     offenders = {
         mod: lines
         for mod, lines in local.items()
         if str(all_modules()[mod].relative_to(ROOT)) not in LOCAL_IMPORT_EXCEPTIONS
     }
-    assert not offenders, "function-local imports of ds_core modules:\n" + "\n".join(
+    assert not offenders, "function-local imports of ds_core or backend modules:\n" + "\n".join(
         f"{mod}: {line}" for mod, lines in sorted(offenders.items()) for line in lines
     )
 
