@@ -51,14 +51,10 @@ from ds_core.zero.offload.nvme_param import ParamSwapper
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, set_param_data
 from ds_core.zero.partitioned_init import INIT_ATTR
 from ds_core.zero.placement import Placement
-from ds_core.zero.precision import (
-    LossScaler,
-    SkipTracker,
-    step_skips_on_device,
-    step_with_found_inf,
-)
+from ds_core.zero.precision import LossScaler, step_skips_on_device, step_with_found_inf
 from ds_core.zero.reducer import GradReducer
 from ds_core.zero.stage3 import ParamCoordinator
+from ds_core.zero.steps import SkipTracker, StepBook, Verdict
 
 _COMM_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp16": torch.float16}
 _COMM_DTYPES["bf16"] = torch.bfloat16
@@ -141,7 +137,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             bool(nonfinite.skip) and (not self.bf16 or bool(config.bf16.check_grad_overflow))
         )
         self.loss_scaler = LossScaler.from_config(config.fp16, self.device) if self.fp16 else None
-        self._skips = SkipTracker(self.acc, nonfinite.max_consecutive_skips, self.loss_scaler)
+        skips = SkipTracker(self.acc, nonfinite.max_consecutive_skips, self.loss_scaler)
+        #: counters, skip verdicts and the schedule's advance (see :mod:`ds_core.zero.steps`).
+        self.book = StepBook(skips, lambda: self.lr_scheduler, config.train_batch_size)
         #: host side of optimizer offload (see [Note: offload data path]), or ``None``.
         self.offload: OptimizerOffload | None = None
         if zcfg.offload_optimizer.device == "cpu":
@@ -211,10 +209,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 else "its step() does not accept found_inf; torch's fused=True optimizers do",
             )
 
-        # - counters
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
         self._last_norm: torch.Tensor | None = None
         self._boundary_override: bool | None = None
         self._loss_sum: torch.Tensor | None = None
@@ -374,7 +368,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 "step(): no engine.backward(loss) since the last update, so there are no "
                 "gradients to apply; call backward before each step"
             )
-        self.micro_steps += 1
+        self.book.micro_steps += 1
         if boundary:
             self._boundary_step()
         self.tput_timer.stop(global_step=boundary, report_speed=False)
@@ -400,7 +394,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     # -- the update --------------------------------------------------------------------------
 
     def _boundary_step(self) -> None:
-        self._settle()  # the previous step's verdict, long computed by now
+        self.book.settle()  # the previous step's verdict, long computed by now
         self.reducer.finish()
         scale = self.loss_scaler.scale_tensor if self.loss_scaler is not None else 1.0
         # Sums over ranks become means; the loss scale comes off in the same multiply.
@@ -416,32 +410,27 @@ class ZeroEngine(DeepSpeedEngineAPI):
         found_inf = None if norm is None or not self.check_overflow else ~norm.isfinite()
         step = self.global_steps + 1
         if found_inf is None:
+            verdict = Verdict.APPLIED
             self._update(mult)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
         elif self._skips_on_device:
             self._update(mult, found_inf.to(torch.float32))
-            self._skips.record(found_inf, step)
+            verdict = self.book.defer(found_inf, step)
         elif self.offload is not None:
             # Offload steps on the host: the verdict lands with the gradients, in one wait.
-            verdict = found_inf
-            host_mult = self._offload_land(mult, lambda: self._skips.record(verdict, step))
-            if not self._skips.settle():
+            flag = found_inf
+            host_mult = self._offload_land(mult, lambda: self.book.record(flag, step))
+            verdict = self.book.verdict()
+            if verdict is Verdict.APPLIED:
                 self._offload_step(host_mult)
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
         else:
             # An optimizer without ``found_inf`` support: the host needs the flag now.
-            self._skips.record(found_inf, step)
-            if not self._skips.settle():
+            verdict = self.book.decide(found_inf, step)
+            if verdict is Verdict.APPLIED:
                 self._update(mult)
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
         if self.loss_scaler is not None and found_inf is not None:
             self.loss_scaler.update(found_inf)
         self.zero_grad()
-        self.global_steps += 1
-        self.global_samples += self.config.train_batch_size
+        self.book.close(verdict)
         if self._loss_sum is not None and self._loss_count:
             self._last_loss_t = self._loss_sum / self._loss_count
         self._loss_sum, self._loss_count = None, 0
@@ -466,21 +455,47 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._publish_params()
 
     def _settle(self) -> None:
-        """Take the host's side of the last step's verdict: its schedule step (DeepSpeed does
-        not advance the schedule on a skipped step), its count and log line."""
-        if self._skips.settle() is False and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        """Take the host side of the last step's verdict (see :class:`StepBook`)."""
+        self.book.settle()
+
+    # The counters live in the step book; these are plain views of it.
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (boundaries seen, skipped ones included)."""
+        return self.book.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.book.global_steps = int(value)
+
+    @property
+    def global_samples(self) -> int:
+        """Samples seen over all ranks."""
+        return self.book.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.book.global_samples = int(value)
+
+    @property
+    def micro_steps(self) -> int:
+        """``step()`` calls (micro-batches) so far."""
+        return self.book.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.book.micro_steps = int(value)
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped for non-finite gradients (reads the last step's verdict)."""
-        self._settle()
-        return self._skips.skipped
+        """Optimizer steps skipped for non-finite gradients, the last one included (may wait
+        for the last step's verdict; advances nothing)."""
+        return self.book.skipped_steps
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._settle()
-        self._skips.skipped = int(value)
+        self.book.skipped_steps = value
 
     def _offload_land(
         self, mult: float | torch.Tensor, verdict: Callable[[], None] | None = None

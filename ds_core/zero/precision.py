@@ -7,10 +7,11 @@ the optimizer receives it the way torch's GradScaler hands it over (``optimizer.
 torch's fused Adam/AdamW/SGD then leave parameters, moments and step count untouched), and
 the dynamic loss scale is updated from it with tensor ops. Only host-side decisions need the
 verdict on the host — the learning-rate schedule (DeepSpeed does not advance it on a skipped
-step), the skip counter and its log line — and they can wait: :class:`SkipTracker` copies the
-flag into a host buffer (pinned and non-blocking where the backend has pinned memory) and
-reads it at the next step, when the device finished it long ago, or earlier when the user asks
-(``skipped_steps``, ``get_lr()``, a log line, a checkpoint).
+step), the skip counter and its log line — and they can wait:
+:class:`~ds_core.zero.steps.SkipTracker` copies the flag into a host buffer (pinned and
+non-blocking where the backend has pinned memory) and reads it at the next step, when the
+device finished it long ago, or earlier when the user asks (``skipped_steps``, ``get_lr()``, a
+log line, a checkpoint); :class:`~ds_core.zero.steps.StepBook` takes the host-side effects.
 
 Dynamic scaling is DeepSpeed's: it starts at ``2 ** initial_scale_power``; an overflowing step
 is skipped; when the hysteresis budget is used up the scale halves (never below
@@ -20,16 +21,11 @@ steps since the last overflow the scale doubles and the budget refills.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
-from ds_core.accelerator import Accelerator
-
-log = logging.getLogger("ds_core.zero")
-
-__all__ = ["LossScaler", "NonFiniteGradientsError", "SkipTracker", "step_skips_on_device"]
+__all__ = ["LossScaler", "NonFiniteGradientsError", "step_skips_on_device", "step_with_found_inf"]
 
 
 class NonFiniteGradientsError(RuntimeError):
@@ -150,83 +146,3 @@ class LossScaler:
         self._hysteresis.fill_(int(state["cur_hysteresis"]))
         self.iteration = int(state["iteration"])
         self._last_overflow.fill_(int(state["last_overflow_iter"]))
-
-
-class SkipTracker:
-    """Brings each step's non-finite verdict to the host one step late (see [Note: skipping a
-    step without a host sync]) and counts the skips.
-
-    :param acc: the accelerator (pinned memory, events).
-    :param max_consecutive: consecutive skips after which :meth:`settle` raises; 0 never.
-    :param scaler: the fp16 loss scaler, whose calibration skips do not count towards the
-        limit until the scale sits at its minimum.
-    """
-
-    def __init__(self, acc: Accelerator, max_consecutive: int, scaler: LossScaler | None) -> None:
-        self.acc = acc
-        self.max_consecutive = max_consecutive
-        self.scaler = scaler
-        self._pinned = "pinned_memory" in acc.capabilities
-        flag = torch.zeros((), dtype=torch.bool)
-        #: where the verdict lands on the host; a read of it never waits for the device.
-        self.host_flag = acc.pin_memory(flag) if self._pinned else flag
-        self._arrived: Any = None
-        self._device_flag: torch.Tensor | None = None
-        self._pending_step: int | None = None
-        #: updates skipped so far (settled ones).
-        self.skipped = 0
-        self._consecutive: list[int] = []
-
-    @property
-    def pending(self) -> bool:
-        """Whether a step's verdict has not been read yet."""
-        return self._pending_step is not None
-
-    def record(self, found_inf: torch.Tensor, step: int) -> None:
-        """Start bringing step ``step``'s verdict (a 0-dim bool tensor) to the host."""
-        if self._pinned or self.acc.is_synchronized_device():
-            self.host_flag.copy_(found_inf, non_blocking=self._pinned)
-            self._device_flag = None
-        else:  # a pageable copy would wait for the step: read the device flag at settle
-            self._device_flag = found_inf
-        self._arrived = self.acc.Event()
-        self._arrived.record()
-        self._pending_step = step
-
-    def settle(self) -> bool | None:
-        """Read the pending verdict: ``True`` if that step was skipped, ``None`` if nothing
-        was pending. Logs the skip with its step number.
-
-        :raises NonFiniteGradientsError: the skip made ``max_consecutive`` in a row.
-        """
-        step = self._pending_step
-        if step is None:
-            return None
-        self._pending_step = None
-        # Polling first: the verdict is a step old and normally arrived, and a synchronize
-        # is a host sync even then. Only a device a whole step behind makes the host wait.
-        if not self._arrived.query():
-            self._arrived.synchronize()
-        flag = self._device_flag if self._device_flag is not None else self.host_flag
-        self._device_flag = None
-        skipped = bool(flag)
-        if not skipped:
-            self._consecutive.clear()
-            return False
-        self.skipped += 1
-        scaler = self.scaler
-        if scaler is not None and not scaler.at_minimum():  # the scale still calibrates
-            log.info("step %d skipped: fp16 overflow, loss scale now %g", step, scaler.scale)
-            self._consecutive.clear()
-            return True
-        log.warning("step %d skipped: non-finite gradient (inf or NaN)", step)
-        self._consecutive.append(step)
-        if self.max_consecutive and len(self._consecutive) >= self.max_consecutive:
-            first, last = self._consecutive[0], self._consecutive[-1]
-            raise NonFiniteGradientsError(
-                f"{len(self._consecutive)} consecutive steps ({first}–{last}) had non-finite "
-                "gradients and were skipped; training stops. Check the data and the loss for "
-                "inf/NaN, lower the learning rate, or raise "
-                "nonfinite_gradients.max_consecutive_skips (0 never stops)"
-            )
-        return True
