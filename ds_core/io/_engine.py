@@ -17,9 +17,7 @@ from typing import Literal
 import torch
 
 from ds_core.errors import DSCoreError
-from ds_core.ops._build import build_shared_library, cached_shared_library
-from ds_core.ops._cache import OpBuildError
-from ds_core.ops._toolchain import compiler_path
+from ds_core.ops._native import NativeLib, Signatures
 
 log = logging.getLogger("ds_core.io")
 
@@ -36,6 +34,14 @@ _MAX_INTRA = 30  # AioConfig.intra_op_parallelism's bound
 #: Most blocks of one request in flight (threads one transfer starts): queue_depth 8 x
 #: intra_op_parallelism 4 fits; beyond it a virtio or NVMe queue gains nothing measurable.
 MAX_BLOCKS_IN_FLIGHT = 32
+#: The engine's one function, checked against ``ops/csrc/async_io.c`` when it is built.
+SIGNATURES: Signatures = {
+    "ds_aio_transfer": (
+        "int",
+        ("const char *", "int", "void *", "int64_t", "int64_t", "int64_t", "int", "int",
+         "int64_t", "int64_t *"),
+    ),
+}  # fmt: skip
 
 
 class AsyncIOError(DSCoreError, OSError):
@@ -74,21 +80,7 @@ class _Compiled:
     path = "compiled"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.ds_aio_transfer
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_char_p,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int64,
-            ctypes.POINTER(ctypes.c_int64),
-        ]
-        self._fn = fn
+        self._fn = lib.ds_aio_transfer  # typed from SIGNATURES by build_shared_library
 
     def describe(self) -> str:
         return "compiled thread pool over pread/pwrite (ds_core.ops 'async_io')"
@@ -239,16 +231,16 @@ class _StopError(Exception):
         self.code, self.at = code, at
 
 
-_IMPLS: dict[str, _Compiled | _Python] = {}
-_IMPLS_LOCK = threading.Lock()
-_FALLBACK: list[str] = []
-
-
-def _requested(implementation: str | None) -> str:
-    chosen = implementation or os.environ.get(ENV_IMPL, "auto") or "auto"
-    if chosen not in ("auto", "compiled", "python"):
-        raise ValueError(f"{ENV_IMPL}={chosen!r}: expected auto, compiled or python")
-    return chosen
+_NATIVE: NativeLib[_Compiled | _Python] = NativeLib(
+    "async_io",
+    [_SOURCE],
+    SIGNATURES,
+    env=ENV_IMPL,
+    compiled="compiled thread pool over pread/pwrite",
+    python="pure-Python path",
+    build_args=lambda: {"cflags": _CFLAGS, "ldflags": _LDFLAGS},
+    log=log,
+)
 
 
 def load_impl(implementation: str | None = None) -> _Compiled | _Python:
@@ -257,47 +249,12 @@ def load_impl(implementation: str | None = None) -> _Compiled | _Python:
 
     :raises OpBuildError: with ``compiled`` when the library cannot be built.
     """
-    chosen = _requested(implementation)
-    with _IMPLS_LOCK:
-        if chosen in _IMPLS:
-            return _IMPLS[chosen]
-        impl: _Compiled | _Python
-        if chosen == "python":
-            impl = _Python()
-        else:
-            try:
-                lib = build_shared_library(
-                    "async_io", [_SOURCE], cflags=_CFLAGS, ldflags=_LDFLAGS, quiet=True
-                )
-                impl = _Compiled(lib)
-            except OpBuildError as exc:
-                if chosen == "compiled":
-                    raise
-                log.warning("async_io: using the pure-Python path: %s", exc)
-                _FALLBACK[:] = [str(exc).splitlines()[0]]
-                impl = _Python()
-        _IMPLS[chosen] = impl
-        return impl
+    return _NATIVE.load(implementation, _Compiled, _Python)
 
 
 def io_status() -> str:
     """Which implementation is (or would be) active, for ``ds-core report``; builds nothing."""
-    chosen = _requested(None)
-    if chosen in _IMPLS:
-        impl = _IMPLS[chosen]
-        note = f" ({_FALLBACK[0]})" if impl.path == "python" and _FALLBACK else ""
-        return f"active: {impl.describe()}{note}"
-    if chosen == "python":
-        return f"pure-Python path ({ENV_IMPL}=python)"
-    if compiler_path("c") is None:
-        return "pure-Python path: no C compiler found (same bytes, slower)"
-    try:
-        built = cached_shared_library("async_io", [_SOURCE], cflags=_CFLAGS, ldflags=_LDFLAGS)
-    except OpBuildError as exc:
-        return f"pure-Python path: {exc}"
-    if built is None:
-        return "compiled thread pool over pread/pwrite, not built yet: builds on first use"
-    return f"compiled thread pool over pread/pwrite, built ({built.parent})"
+    return _NATIVE.status()
 
 
 # -- O_DIRECT probe ---------------------------------------------------------------------------

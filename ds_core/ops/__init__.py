@@ -27,21 +27,35 @@ compiler child is killed, temporary files are removed).
 :func:`toolchain` says which compilers are present; :func:`compiler_path` answers without
 starting a process, for side-effect-free ``is_compatible`` checks.
 
+A library's functions are declared once, ``signatures={name: (C return type, C argument
+types)}``: the build checks each against its C definition (a missing function or another type
+fails the build, naming it) and the loaded library has every ``restype`` / ``argtypes`` set.
+:class:`NativeLib` is the one "compiled, else the Python path" wrapper (choice from an
+environment variable, one build per process, one fallback warning, the ``ds-core report``
+status line) that cpu_adam, the I/O engine and the CPU backend's shm sync share. Why ctypes
+and not cffi: docs/architecture.md §3.13.
+
 Example::
 
-    lib = ds_core.ops.build_shared_library("my_sync", ["sync.c"], cflags=["-std=c11"])
-    lib.my_fn.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib = ds_core.ops.build_shared_library(
+        "my_sync", ["sync.c"], cflags=["-std=c11"],
+        signatures={"my_fn": ("int", ("void *", "int64_t"))},
+    )
+    lib.my_fn(tensor.data_ptr(), 4)
 """
 
 from __future__ import annotations
 
 from ds_core.ops._build import build_extension, build_shared_library, cached_shared_library
 from ds_core.ops._cache import ENV_CACHE, OpBuildError, cache_root
+from ds_core.ops._native import NativeLib, Signatures
 from ds_core.ops._toolchain import Toolchain, compiler_path, toolchain
 
 __all__ = [
     "ENV_CACHE",
+    "NativeLib",
     "OpBuildError",
+    "Signatures",
     "Toolchain",
     "build_extension",
     "build_shared_library",

@@ -29,6 +29,7 @@ from ds_core.ops._cache import (
     file_lock,
     make_key,
 )
+from ds_core.ops._native import Signatures, bind, render_checks
 from ds_core.ops._toolchain import toolchain
 
 __all__ = ["build_extension", "build_shared_library", "cached_shared_library"]
@@ -136,7 +137,8 @@ def _shared_library_plan(
     include_dirs: Sequence[str | os.PathLike[str]],
     depends: Sequence[str | os.PathLike[str]],
     openmp: bool,
-) -> tuple[BuildKey, str, list[str], list[Path]]:
+    signatures: Signatures | None = None,
+) -> tuple[BuildKey, str, list[str], list[Path], str]:
     paths = _sources(name, sources)
     cxx = any(p.suffix in _CXX_SUFFIXES for p in paths)
     tc = toolchain()
@@ -150,15 +152,16 @@ def _shared_library_plan(
         raise OpBuildError(f"op '{name}' asks for OpenMP, which {compiler} cannot link")
     flags = ["-O3", "-fPIC", "-shared", *(["-fopenmp"] if openmp else []), *cflags]
     flags += [f"-I{Path(d).resolve()}" for d in include_dirs]
+    checks = render_checks(signatures, cxx) if signatures else ""
     key = make_key(
         name,
         "shared_library",
         [*paths, *(Path(d).resolve() for d in depends)],
-        [*flags, "--ld", *ldflags],
+        [*flags, "--ld", *ldflags, *(["--signatures", checks] if checks else [])],
         compiler,
         version,
     )
-    return key, compiler, flags, paths
+    return key, compiler, flags, paths, checks
 
 
 def cached_shared_library(
@@ -170,6 +173,7 @@ def cached_shared_library(
     include_dirs: Sequence[str | os.PathLike[str]] = (),
     depends: Sequence[str | os.PathLike[str]] = (),
     openmp: bool = False,
+    signatures: Signatures | None = None,
 ) -> Path | None:
     """Return the verified cached artefact :func:`build_shared_library` would load, or ``None``.
 
@@ -177,7 +181,9 @@ def cached_shared_library(
 
     :raises OpBuildError: as :func:`build_shared_library` does before building.
     """
-    key, *_ = _shared_library_plan(name, sources, cflags, ldflags, include_dirs, depends, openmp)
+    key, *_ = _shared_library_plan(
+        name, sources, cflags, ldflags, include_dirs, depends, openmp, signatures
+    )
     return Manifest(cache_root() / key.folder_name).valid_artefact(key)
 
 
@@ -190,6 +196,7 @@ def build_shared_library(
     include_dirs: Sequence[str | os.PathLike[str]] = (),
     depends: Sequence[str | os.PathLike[str]] = (),
     openmp: bool = False,
+    signatures: Signatures | None = None,
     quiet: bool = False,
 ) -> ctypes.CDLL:
     """Compile ``sources`` into a shared library (or take it from the cache) and load it.
@@ -206,29 +213,44 @@ def build_shared_library(
     :param include_dirs: folders for ``-I``.
     :param depends: headers or other files whose contents must be part of the key.
     :param openmp: compile and link with ``-fopenmp``.
+    :param signatures: the library's functions, ``name -> (C return type, C argument types)``
+        (:mod:`ds_core.ops._native`): the compiler checks each definition has exactly that
+        type (the sources are compiled as one translation unit that includes them and asserts
+        it), and the loaded library gets each function's ``restype`` / ``argtypes``.
     :param quiet: do not print build progress on stderr.
     :returns: the loaded library (one ``ctypes.CDLL`` per key per process).
     :raises OpBuildError: no compiler, no OpenMP when asked, unreadable sources, a failed
-        compile (with the command and the compiler's last lines), or a failed load.
+        compile (with the command and the compiler's last lines; a declared function missing
+        or unlike its definition is named there), a declared symbol the library does not
+        export (named), or a failed load.
     """
-    key, compiler, flags, paths = _shared_library_plan(
-        name, sources, cflags, ldflags, include_dirs, depends, openmp
+    key, compiler, flags, paths, checks = _shared_library_plan(
+        name, sources, cflags, ldflags, include_dirs, depends, openmp, signatures
     )
     artefact_name = f"lib{name}.so"
 
     def build(folder: Path) -> Path:
+        inputs = list(map(str, paths))
+        if checks:
+            # One unit: the sources (absolute includes keep their names in diagnostics and
+            # their own relative includes), then the assertions on their definitions.
+            suffix = ".cc" if any(p.suffix in _CXX_SUFFIXES for p in paths) else ".c"
+            unit = folder / f"{name}_checked{suffix}"
+            unit.write_text("".join(f'#include "{p}"\n' for p in paths) + checks)
+            inputs = [str(unit)]
         return _compile_into(
             folder,
             artefact_name,
             name,
-            lambda out: [compiler, *flags, *map(str, paths), "-o", out, *ldflags],
+            lambda out: [compiler, *flags, *inputs, "-o", out, *ldflags],
         )
 
     def load(artefact: Path) -> ctypes.CDLL:
         try:
-            return ctypes.CDLL(str(artefact))
+            lib = ctypes.CDLL(str(artefact))
         except OSError as exc:
             raise OpBuildError(f"op '{name}': built {artefact} but cannot load it: {exc}") from exc
+        return bind(lib, signatures, f"op '{name}'") if signatures else lib
 
     lib: ctypes.CDLL = _build_or_load(key, build, load, quiet)
     return lib

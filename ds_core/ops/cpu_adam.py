@@ -7,7 +7,8 @@ and the Python path is a true fallback, not an approximation. Against ``torch.op
 (``tests/ops/test_cpu_adam.py``).
 
 The compiled kernel is a plain C shared library built through :mod:`ds_core.ops` and called
-with ``ctypes`` on ``data_ptr()`` (no pybind11, no torch C++ ABI, about a second to build).
+with ``ctypes`` on ``data_ptr()`` (no pybind11, no torch C++ ABI, about a second to build); its
+functions are declared once, in :data:`SIGNATURES`, which the build checks against the C.
 
 Which path runs: ``DS_CORE_CPU_ADAM`` = ``auto`` (default: compiled when a C compiler builds
 it, else Python with one warning), ``compiled`` (fail if it cannot build) or ``python``.
@@ -19,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +27,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from ds_core.ops._build import build_shared_library, cached_shared_library
-from ds_core.ops._cache import OpBuildError
+from ds_core.ops._cache import OpBuildError  # noqa: F401  (callers catch it from here)
+from ds_core.ops._native import NativeLib, Signatures
 from ds_core.ops._toolchain import compiler_path, toolchain
 
 __all__ = [
@@ -52,6 +52,18 @@ _SOURCE = Path(__file__).with_name("csrc") / "cpu_adam.c"
 # the Python path needs; -fno-math-errno lets sqrtf vectorise and changes no result.
 _CFLAGS = ("-std=c11", "-ffp-contract=off", "-fno-math-errno", "-Wall")
 _OUT_KIND = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+_FP32_BUFFERS = ("float *", "const float *", "float *", "float *")
+#: The kernel's functions, checked against ``csrc/cpu_adam.c`` when it is built.
+SIGNATURES: Signatures = {
+    "ds_cpu_adam_step": (
+        "int",
+        (*_FP32_BUFFERS, "int64_t", *("float",) * 10, "int", "void *", "int", "int"),
+    ),
+    "ds_cpu_adam_touch": ("void", (*_FP32_BUFFERS, "int64_t", "int")),
+    "ds_cpu_adam_isa": ("const char *", ()),
+    "ds_cpu_adam_openmp": ("int", ()),
+    "ds_cpu_adam_has_fp16": ("int", ()),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,22 +249,8 @@ class CompiledAdamKernel:
     path = "compiled"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        f = lib.ds_cpu_adam_step
-        f.restype = ctypes.c_int
-        f.argtypes = [
-            *(ctypes.c_void_p,) * 4,
-            ctypes.c_int64,
-            *(ctypes.c_float,) * 10,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
-        self._step = f
+        self._step = lib.ds_cpu_adam_step  # typed from SIGNATURES by build_shared_library
         self._touch = lib.ds_cpu_adam_touch
-        self._touch.restype = None
-        self._touch.argtypes = [*(ctypes.c_void_p,) * 4, ctypes.c_int64, ctypes.c_int]
-        lib.ds_cpu_adam_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ds_cpu_adam_isa().decode()
         self.openmp = bool(lib.ds_cpu_adam_openmp())
         self.has_fp16 = bool(lib.ds_cpu_adam_has_fp16())
@@ -316,20 +314,21 @@ class CompiledAdamKernel:
             )
 
 
-_KERNELS: dict[str, AdamKernel] = {}
-_KERNELS_LOCK = threading.Lock()
-_FALLBACK_REASON: list[str] = []
-
-
 def _build_args() -> dict[str, Any]:
     return {"cflags": _CFLAGS, "openmp": toolchain().openmp}
 
 
-def _requested(implementation: Implementation | None) -> str:
-    chosen = implementation or os.environ.get(ENV_IMPL, "auto") or "auto"
-    if chosen not in ("auto", "compiled", "python"):
-        raise ValueError(f"{ENV_IMPL}={chosen!r}: expected auto, compiled or python")
-    return chosen
+_NATIVE: NativeLib[AdamKernel] = NativeLib(
+    "cpu_adam",
+    [_SOURCE],
+    SIGNATURES,
+    env=ENV_IMPL,
+    compiled="compiled kernel",
+    python="pure-PyTorch path",
+    build_args=_build_args,
+    log=log,
+)
+_KERNELS = _NATIVE.loaded  # choice -> kernel (tests clear it)
 
 
 def load_kernel(implementation: Implementation | None = None) -> AdamKernel:
@@ -340,47 +339,12 @@ def load_kernel(implementation: Implementation | None = None) -> AdamKernel:
     :raises OpBuildError: with ``compiled`` when the kernel cannot be built.
     :raises ValueError: for an unknown implementation name.
     """
-    chosen = _requested(implementation)
-    with _KERNELS_LOCK:
-        if chosen in _KERNELS:
-            return _KERNELS[chosen]
-        kernel: AdamKernel
-        if chosen == "python":
-            kernel = PythonAdamKernel()
-        else:
-            try:
-                kernel = CompiledAdamKernel(
-                    build_shared_library("cpu_adam", [_SOURCE], **_build_args())
-                )
-            except OpBuildError as exc:
-                if chosen == "compiled":
-                    raise
-                # Same results either way, only slower: warn once and keep training.
-                log.warning("cpu_adam: using the pure-PyTorch path: %s", exc)
-                _FALLBACK_REASON[:] = [str(exc).splitlines()[0]]
-                kernel = PythonAdamKernel()
-        _KERNELS[chosen] = kernel
-        return kernel
+    return _NATIVE.load(implementation, CompiledAdamKernel, PythonAdamKernel)
 
 
 def kernel_status() -> str:
     """Which path is (or would be) active, for ``ds-core report``. Builds nothing."""
-    chosen = _requested(None)
-    if chosen in _KERNELS:
-        kernel = _KERNELS[chosen]
-        note = f" ({_FALLBACK_REASON[0]})" if kernel.path == "python" and _FALLBACK_REASON else ""
-        return f"active: {kernel.describe()}{note}"
-    if chosen == "python":
-        return f"pure-PyTorch path ({ENV_IMPL}=python)"
-    if compiler_path("c") is None:
-        return "pure-PyTorch path: no C compiler found (install gcc or clang, or set CC)"
-    try:
-        built = cached_shared_library("cpu_adam", [_SOURCE], **_build_args())
-    except OpBuildError as exc:
-        return f"pure-PyTorch path: {exc}"
-    if built is None:
-        return f"compiled kernel, not built yet: builds on first use with {toolchain().describe()}"
-    return f"compiled kernel, built ({built.parent})"
+    return _NATIVE.status()
 
 
 class DeepSpeedCPUAdam(torch.optim.Optimizer):

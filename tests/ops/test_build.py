@@ -292,3 +292,49 @@ def test_a_plugin_ships_a_compiled_op_through_its_provider_hook(
         assert provider.load().ds_triple(14) == 42
     finally:
         ds_core.unregister_plugin(addon)
+
+
+# -- declared signatures (ds_core/ops/_native.py) ------------------------------------------
+
+PLAIN = {"ds_add": ("int32_t", ("int32_t", "int32_t"))}
+
+
+def test_declared_signatures_type_the_loaded_functions(cache: Path, tmp_path: Path) -> None:
+    lib = ops.build_shared_library(
+        "signed", [_source(tmp_path)], cflags=["-DOFFSET=0"], signatures=PLAIN, quiet=True
+    )
+    assert lib.ds_add.restype is ctypes.c_int32
+    assert lib.ds_add.argtypes == [ctypes.c_int32, ctypes.c_int32]
+    assert lib.ds_add(2, 3) == 5
+
+
+def test_a_declared_symbol_the_source_lacks_fails_the_build_naming_it(
+    cache: Path, tmp_path: Path
+) -> None:
+    signatures = {**PLAIN, "ds_flag_clear": ("void", ("int32_t *",))}
+    with pytest.raises(ops.OpBuildError, match="ds_flag_clear"):
+        ops.build_shared_library(
+            "signed", [_source(tmp_path)], cflags=["-DOFFSET=0"], signatures=signatures,
+            quiet=True,
+        )  # fmt: skip
+
+
+def test_a_declared_type_unlike_the_definition_fails_the_build_naming_it(
+    cache: Path, tmp_path: Path
+) -> None:
+    # int64_t where C has int32_t: a call would pass silently with a plain prototype or cffi.
+    with pytest.raises(ops.OpBuildError, match=r"ds_add is declared in Python as int64_t ds_add"):
+        ops.build_shared_library(
+            "signed", [_source(tmp_path)], cflags=["-DOFFSET=0"],
+            signatures={"ds_add": ("int64_t", ("int32_t", "int32_t"))}, quiet=True,
+        )  # fmt: skip
+
+
+def test_a_library_missing_a_declared_symbol_is_refused_naming_it(
+    cache: Path, tmp_path: Path
+) -> None:
+    from ds_core.ops._native import bind
+
+    lib = ops.build_shared_library("plain", [_source(tmp_path)], cflags=["-DOFFSET=0"], quiet=True)
+    with pytest.raises(ops.OpBuildError, match=r"does not export the declared symbol\(s\) ds_gone"):
+        bind(lib, {**PLAIN, "ds_gone": ("int", ())}, "op 'plain'")
