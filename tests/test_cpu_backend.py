@@ -30,7 +30,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_devices_follow_the_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setattr(cpu, "_current", None)
+    monkeypatch.setattr(cpu._host, "_current", None)
     assert cpu.ds_device_count() == 4
     assert cpu.ds_device_current() == 3
     cpu.ds_device_set(1)

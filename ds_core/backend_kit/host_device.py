@@ -7,7 +7,8 @@ on any machine: the scaffold's generated backend for ``--device-type cpu`` uses 
 vendor points the hooks at its own module, and ``bench/dispatch.py`` measures dispatch through
 it. Ranks are processes (``LOCAL_WORLD_SIZE`` devices, current = the last ``set_device``, else
 ``LOCAL_RANK``); streams and events are the kit's host ones (:class:`HostStreams`); memory is the
-process's resident set (bytes), as on the CPU backend, without its limit accounting.
+process's resident set (bytes). The CPU backend's device, RNG and memory hooks are this class;
+what it adds is its own (the process's memory limits, the CPU's name).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from ds_core.backend_kit.host_streams import HostEvent, HostStream, HostStreams
 
-__all__ = ["HostDevice", "HostDeviceProperties"]
+__all__ = ["HostDevice", "HostDeviceProperties", "status_bytes"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -37,11 +38,14 @@ class HostDeviceProperties:
     total_memory: int
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
+def status_bytes(field: str, status: str | None = None) -> int:
+    """A kB field of ``/proc/self/status`` (or of ``status``, its text) in bytes."""
+    if status is None:
+        with open("/proc/self/status") as f:
+            status = f.read()
+    for line in status.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field} line")
 
 
@@ -64,9 +68,11 @@ class HostDevice:
         return max(int(os.environ.get("LOCAL_WORLD_SIZE") or 1), 1)
 
     def current_device(self) -> int:
-        """The last :meth:`set_device`, else ``LOCAL_RANK``, else 0."""
+        """The last :meth:`set_device`, else ``LOCAL_RANK`` (read once: a hot path), else 0."""
         current = self._current
-        return current if current is not None else int(os.environ.get("LOCAL_RANK") or 0)
+        if current is None:
+            current = self._current = int(os.environ.get("LOCAL_RANK") or 0)
+        return current
 
     def set_device(self, index: int) -> None:
         """Make ``index`` current (the caller has checked the range)."""
@@ -123,13 +129,16 @@ class HostDevice:
 
     def max_memory_allocated(self, device: Any = None) -> int:
         """The resident set's high-water mark (``VmHWM``)."""
-        return max(_status_bytes("VmHWM"), self.memory_allocated())
+        return max(status_bytes("VmHWM"), self.memory_allocated())
 
-    def reset_peak_memory_stats(self, device: Any = None) -> None:
-        """Reset ``VmHWM`` to the current resident set where the kernel allows it."""
-        with contextlib.suppress(OSError):
+    def reset_peak_memory_stats(self, device: Any = None) -> bool:
+        """Reset ``VmHWM`` to the current resident set; ``False`` where the kernel forbids it."""
+        try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
+        except OSError:
+            return False
+        return True
 
     def memory_reserved(self, device: Any = None) -> int:
         """The resident set size: the host allocator keeps nothing it does not use."""
@@ -140,6 +149,7 @@ class HostDevice:
         return {
             "allocated_bytes.all.current": current,
             "allocated_bytes.all.peak": max(self.max_memory_allocated(), current),
+            "reserved_bytes.all.current": current,
         }
 
     def empty_cache(self) -> None:

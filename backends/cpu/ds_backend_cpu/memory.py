@@ -1,5 +1,6 @@
-"""Host memory as a device: resident set, peak, and the process's own limits.
+"""The process's own memory limits, which the CPU backend adds to the kit's host device.
 
+The resident set, its peak and ``malloc_trim`` are :class:`ds_core.backend_kit.HostDevice`'s.
 Every figure is in bytes. ``total`` and ``available`` honour the lowest of the process's
 limits — ``RLIMIT_AS``, ``RLIMIT_DATA``, cgroup v2 ``memory.max``, cgroup v1
 ``memory.limit_in_bytes`` — so a job in a 4 GiB container is never told it has the host's 1 TiB.
@@ -7,14 +8,13 @@ limits — ``RLIMIT_AS``, ``RLIMIT_DATA``, cgroup v2 ``memory.max``, cgroup v1
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
 
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+from ds_core.backend_kit.host_device import status_bytes
+
 # cgroup v1 reports "no limit" as a huge page-rounded number rather than "max".
 _V1_UNLIMITED = 1 << 60
 
@@ -26,35 +26,6 @@ class Limit:
     source: str
     limit: int
     used: int
-
-
-def _status_kib(field: str, status: str | None = None) -> int:
-    text = status if status is not None else Path("/proc/self/status").read_text()
-    for line in text.splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field} line")
-
-
-def resident_bytes() -> int:
-    """Resident set size of this process."""
-    fields = Path("/proc/self/statm").read_text().split()
-    return int(fields[1]) * PAGE_SIZE
-
-
-def peak_resident_bytes() -> int:
-    """Peak resident set size (``VmHWM``) since start or the last :func:`reset_peak`."""
-    return _status_kib("VmHWM")
-
-
-def reset_peak() -> bool:
-    """Reset ``VmHWM`` to the current RSS through ``/proc/self/clear_refs``; False if forbidden."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def host_total() -> int:
@@ -132,7 +103,7 @@ def rlimits(status: str | None = None) -> list[Limit]:
     for name, field in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
         soft, _hard = resource.getrlimit(getattr(resource, name))
         if soft != resource.RLIM_INFINITY:
-            limits.append(Limit(name, soft, _status_kib(field, status)))
+            limits.append(Limit(name, soft, status_bytes(field, status)))
     return limits
 
 
@@ -145,16 +116,3 @@ def memory_info() -> tuple[int, int, Limit | None]:
             total, binding = lim.limit, lim
         available = min(available, max(lim.limit - lim.used, 0))
     return total, min(available, total), binding
-
-
-def trim() -> bool:
-    """Return freed heap memory to the OS (glibc ``malloc_trim``); False where unavailable."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    trim_fn = getattr(libc, "malloc_trim", None)
-    if trim_fn is None:
-        return False
-    trim_fn(0)
-    return True

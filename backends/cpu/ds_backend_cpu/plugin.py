@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ds_backend_cpu import comm, memory, shm_groups, shm_sync
 from ds_backend_cpu.graph import CpuGraph
 from ds_core import hookimpl
-from ds_core.backend_kit import HostEvent, HostStream, HostStreams
+from ds_core.backend_kit import HostDevice, HostEvent, HostStream, HostStreams
 from ds_core.errors import ConfigError
 from ds_core.ops.cpu_adam import cpu_adam_provider
 from ds_core.types import (
@@ -77,43 +77,37 @@ def ds_backend_configure(options: Mapping[str, Any]) -> bool:
 
 # --------------------------------------------------------------------------- device
 
-_current: int | None = None
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
+# The host as a device: the kit's one implementation (devices, current device, RNG, resident
+# memory). What the CPU backend adds is below: range checks, the CPU's name, memory limits.
+_host = HostDevice()
 
 
 @hookimpl
 def ds_device_count() -> int:
-    return max(_env_int("LOCAL_WORLD_SIZE", 1), 1)
+    return _host.device_count()
 
 
 @hookimpl
 def ds_device_current() -> int:
-    global _current
-    if _current is None:  # read the launcher's choice once: this is a hot path
-        _current = _env_int("LOCAL_RANK", 0)
-    return _current
+    return _host.current_device()
 
 
 @hookimpl
 def ds_device_set(index: int) -> bool:
-    global _current
-    count = ds_device_count()
+    count = _host.device_count()
     if not 0 <= index < count:
         raise ValueError(
             f"device index {index} is out of range: this process sees {count} cpu device(s) "
             f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', 'unset')})"
         )
-    _current = index
+    _host.set_device(index)
     return True
 
 
 @hookimpl
 def ds_device_synchronize(index: int | None) -> bool:
-    return True  # host work is complete when the call that queued it returns
+    _host.synchronize()  # host work is complete when the call that queued it returns
+    return True
 
 
 def _cpu_name() -> str:
@@ -146,24 +140,24 @@ def ds_device_properties(index: int | None) -> DeviceProperties:
 
 @hookimpl
 def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
-    torch.manual_seed(seed)
+    _host.manual_seed(seed)  # one generator for every device
     return True
 
 
 @hookimpl
 def ds_rng_get_state(index: int | None) -> torch.Tensor:
-    return torch.get_rng_state()
+    return _host.get_rng_state()
 
 
 @hookimpl
 def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
-    torch.set_rng_state(state)
+    _host.set_rng_state(state)
     return True
 
 
 @hookimpl
 def ds_rng_default_generator(index: int | None) -> torch.Generator:
-    return torch.default_generator
+    return _host.default_generators[0]
 
 
 # --------------------------------------------------------------------------- streams
@@ -171,7 +165,7 @@ def ds_rng_default_generator(index: int | None) -> torch.Generator:
 
 # One implementation for every synchronous device, in the kit (HostEvent and HostStream are
 # re-exported here for code that imported them from this module).
-_streams = HostStreams(ds_device_current)
+_streams = HostStreams(_host.current_device)
 
 
 @hookimpl
@@ -204,37 +198,32 @@ def ds_stream_event_create(enable_timing: bool) -> HostEvent:
 
 @hookimpl
 def ds_memory_allocated(index: int | None) -> int:
-    return memory.resident_bytes()
+    return _host.memory_allocated()  # the resident set
 
 
 @hookimpl
 def ds_memory_max_allocated(index: int | None) -> int:
-    return max(memory.peak_resident_bytes(), memory.resident_bytes())
+    return _host.max_memory_allocated()
 
 
 @hookimpl
 def ds_memory_reset_peak(index: int | None) -> bool:
-    return memory.reset_peak()
+    return _host.reset_peak_memory_stats()
 
 
 @hookimpl
 def ds_memory_reserved(index: int | None) -> int:
-    return memory.resident_bytes()  # the C allocator's cache is part of the resident set
+    return _host.memory_reserved()  # the C allocator's cache is part of the resident set
 
 
 @hookimpl
 def ds_memory_stats(index: int | None) -> dict[str, int]:
-    current, peak = memory.resident_bytes(), memory.peak_resident_bytes()
-    return {
-        "allocated_bytes.all.current": current,
-        "allocated_bytes.all.peak": max(peak, current),
-        "reserved_bytes.all.current": current,
-    }
+    return _host.memory_stats()
 
 
 @hookimpl
 def ds_memory_empty_cache() -> bool:
-    memory.trim()
+    _host.empty_cache()
     return True
 
 
