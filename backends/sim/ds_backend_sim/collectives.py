@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from ds_backend_cpu import shm, shm_groups
 from ds_backend_cpu.comm import _rows as _all_to_all_rows
+from torch.distributed.distributed_c10d import PrefixStore
 
 from ds_backend_sim import device
 
@@ -168,13 +169,19 @@ class SimProcessGroup(dist.ProcessGroup):
     so the two kinds of traffic never interleave differently on different ranks. Collectives
     on sim tensors of one group must be issued on one stream at a time, as a NCCL
     communicator requires.
+
+    The collectives have the signatures c10d calls a backend with (``tensors, opts``); torch's
+    stub for ``ProcessGroup`` lists its user-facing overloads instead, hence the
+    ``type: ignore[override]``/``[assignment]`` on each.
     """
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
-        super().__init__(rank, size)
+        # the (rank, size) constructor Python c10d backends use; torch's stub lists only
+        # (store, rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._rank, self._size = rank, size
-        self._direct = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, timeout)
-        self._queued = dist.ProcessGroupGloo(dist.PrefixStore("sim", store), rank, size, timeout)
+        self._direct = dist.ProcessGroupGloo(PrefixStore("host", store), rank, size, timeout)
+        self._queued = dist.ProcessGroupGloo(PrefixStore("sim", store), rank, size, timeout)
         # The shared-memory transport of the queued traffic: set up by the first queued
         # collective, over ``_queued``, in issue order on every rank. Ranks are named by their
         # index in this group (a backend is not told the global ranks).
@@ -194,7 +201,7 @@ class SimProcessGroup(dist.ProcessGroup):
     #: ``init_process_group(device_id=...)`` asks the device's backend whether it can split.
     supports_splitting = False
 
-    def _get_backend(self, device: Any) -> SimProcessGroup:
+    def _get_backend(self, device: Any) -> SimProcessGroup:  # type: ignore[override]
         # torch's own lookup knows only C++ backends; this group serves every device itself.
         return self
 
@@ -302,7 +309,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     # -- collectives -----------------------------------------------------------------------
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         (tensor,) = tensors
         op = _reduce_op(opts)
 
@@ -319,7 +326,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
         return self._run("all_reduce", [tensor], _nbytes(tensor), body)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         (tensor,) = tensors
         bopts = dist.BroadcastOptions()
         bopts.rootRank = int(opts.rootRank) if opts is not None else 0
@@ -355,7 +362,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def allgather(
+    def allgather(  # type: ignore[override]
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
         (outputs,), (input,) = output_lists, inputs
@@ -404,9 +411,9 @@ class SimProcessGroup(dist.ProcessGroup):
 
         return self._run("reduce_scatter", [output, input], _nbytes(input), body)
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
         (output,), (inputs,) = outputs, input_lists
@@ -468,12 +475,12 @@ class SimProcessGroup(dist.ProcessGroup):
 
         return self._run("all_to_all", [output, input], _nbytes(input), body)
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         (tensor,) = tensors
         ropts = dist.ReduceOptions()
-        ropts.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        ropts.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp(dist.ReduceOp.SUM)
         ropts.rootRank = int(opts.rootRank) if opts is not None else 0
 
         def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
@@ -509,7 +516,8 @@ class SimProcessGroup(dist.ProcessGroup):
         if device.is_initialized():
             for i in range(device.device_count()):
                 device.synchronize(i)
-        self._direct.barrier().wait()
+        # ProcessGroupGloo has barrier() at runtime; torch's stub declares it on ProcessGroup only
+        self._direct.barrier().wait()  # type: ignore[attr-defined]
         return _done()
 
 

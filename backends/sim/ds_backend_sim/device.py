@@ -32,6 +32,10 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
+from torch.utils.backend_registration import (
+    generate_methods_for_privateuse1_backend,
+    rename_privateuse1_backend,
+)
 
 from ds_core.backend_kit import module_present
 from ds_core.errors import ConfigError
@@ -136,11 +140,11 @@ def name_device_type() -> str:
             "torch_npu is installed and takes torch's one PrivateUse1 device when imported; "
             "the sim device is not registered beside it (use another environment for sim)"
         )
-    torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
+    rename_privateuse1_backend(DEVICE_TYPE)
     # torch looks up ``torch.<name>`` for a named PrivateUse1 device (serialization, autocast,
     # RNG forking); its functions create the device only when called.
     if not hasattr(torch, DEVICE_TYPE):
-        torch._register_device_module(DEVICE_TYPE, module)
+        torch._register_device_module(DEVICE_TYPE, module)  # type: ignore[no-untyped-call]  # untyped in torch
     return ""
 
 
@@ -162,11 +166,11 @@ def init() -> ModuleType:
         ext = extension(quiet=False)
         ext.configure(s.devices, s.memory_bytes, s.lazy, s.pcie_gbps)
         if not hasattr(torch, DEVICE_TYPE):
-            torch._register_device_module(DEVICE_TYPE, module)
+            torch._register_device_module(DEVICE_TYPE, module)  # type: ignore[no-untyped-call]  # untyped in torch
         # Separate from the module registration: name_device_type() may have registered
         # torch.sim already (a probe), and the generated methods must exist either way.
         if not hasattr(torch.Tensor, f"is_{DEVICE_TYPE}"):
-            torch.utils.generate_methods_for_privateuse1_backend(
+            generate_methods_for_privateuse1_backend(
                 for_tensor=True, for_module=True, for_storage=True
             )
         _settings = s
@@ -387,7 +391,7 @@ def _stream(index: int, stream_id: int) -> torch.Stream:
 
 
 def _device_type_code() -> int:
-    return int(torch._C._autograd.DeviceType.PrivateUse1.value)  # type: ignore[attr-defined]
+    return int(torch._C._autograd.DeviceType.PrivateUse1.value)
 
 
 def current_stream(device: Any = None) -> torch.Stream:
