@@ -32,7 +32,8 @@ def _train(acc: Any) -> list[torch.Tensor]:
     target = torch.randn(5, 16, 1, device=device)
     for x, y in zip(data, target, strict=True):
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is untyped
         opt.step()
     acc.synchronize()
     return [p.detach().cpu().clone() for p in model.parameters()]

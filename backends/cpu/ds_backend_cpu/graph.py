@@ -54,9 +54,10 @@ class _Step:
     outputs: tuple[torch.Tensor | None, ...]  # where each fresh (non-aliasing) result goes
 
 
-class _Recorder(TorchDispatchMode):
+# torch's TorchDispatchMode is unannotated (its __init__ and __init_subclass__ are untyped).
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.steps: list[_Step] = []
 
     def __torch_dispatch__(
