@@ -110,17 +110,18 @@ _lock = threading.Lock()
 _loaded: tuple[Any, str] | None = None
 
 
-def _declare(lib: Any) -> Any:
-    u64, i64, ptr = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
-    lib.ds_shm_store.argtypes, lib.ds_shm_store.restype = [ptr, i64, u64, i64], None
-    lib.ds_shm_load.argtypes, lib.ds_shm_load.restype = [ptr, i64], u64
-    lib.ds_shm_wait_all.argtypes = [ptr, ctypes.POINTER(i64), i64, u64, ctypes.c_double, i64]
-    lib.ds_shm_wait_all.restype = i64
-    return lib
-
-
+#: The helper's functions, checked against ``csrc/shm_sync.c`` when ds_core.ops builds it.
+SIGNATURES = {
+    "ds_shm_store": ("void", ("uint64_t *", "int64_t", "uint64_t", "int64_t")),
+    "ds_shm_load": ("uint64_t", ("uint64_t *", "int64_t")),
+    "ds_shm_wait_all": (
+        "int64_t",
+        ("uint64_t *", "const int64_t *", "int64_t", "uint64_t", "double", "int64_t"),
+    ),
+}
 _NAME = "ds_cpu_shm_sync"
 _CFLAGS = ["-std=c11"]
+_native: Any = None  # ds_core.ops.NativeLib: builds once per process, keeps the failure
 
 
 def _ops() -> Any:
@@ -129,16 +130,24 @@ def _ops() -> Any:
 
 def build_helper() -> tuple[Any, str]:
     """Build (or reuse from the cache) and load the helper; ``(None, why)`` when impossible."""
+    global _native
     try:
         ops = _ops()
     except ImportError:
         return None, "C helper unavailable: this ds_core has no ds_core.ops"
+    if not hasattr(ops, "NativeLib"):
+        return None, "C helper unavailable: this ds_core's ops predates NativeLib"
+    if _native is None:
+        _native = ops.NativeLib(
+            _NAME, [SOURCE], SIGNATURES, env=ENV_SYNC, compiled="C helper",
+            python="pure-Python flags", build_args=lambda: {"cflags": _CFLAGS},
+        )  # fmt: skip
     try:
-        lib = ops.build_shared_library(_NAME, [SOURCE], cflags=_CFLAGS, quiet=True)
+        lib = _native.library()
     except Exception as exc:  # no compiler, a failed build: the Python path stays correct
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return None, f"C helper unavailable ({first})"
-    return _declare(lib), "C helper (csrc/shm_sync.c, built through ds_core.ops)"
+    return lib, "C helper (csrc/shm_sync.c, built through ds_core.ops)"
 
 
 def _compiler_note() -> str:
@@ -233,7 +242,7 @@ def status() -> str:
     if os.environ.get(ENV_SYNC, "").lower() == "python":
         return describe_path(build=False)
     try:
-        built = _ops().cached_shared_library(_NAME, [SOURCE], cflags=_CFLAGS)
+        built = _ops().cached_shared_library(_NAME, [SOURCE], cflags=_CFLAGS, signatures=SIGNATURES)
     except Exception as exc:
         return f"C helper cannot build ({str(exc).splitlines()[0]}); {describe_path(False)}"
     if built is None:
