@@ -255,8 +255,10 @@ def _opt_state(
         if isinstance(v, torch.Tensor):
             v = v.clone().to(master.device) if on_device else v.clone()
         state[k] = v
+    low = engine.master_dtype != torch.float32  # bf16 masters keep their state in bf16
     for k, v in src["state"].items():
-        t = torch.empty(master.shape, dtype=v.dtype, device=master.device)
+        dtype = master.dtype if low and v.is_floating_point() else v.dtype
+        t = torch.empty(master.shape, dtype=dtype, device=master.device)
         t.copy_(pick(v))
         state[k] = t
     return state

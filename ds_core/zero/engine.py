@@ -152,7 +152,13 @@ class ZeroEngine(DeepSpeedEngineAPI):
         # - module, partitioned as it is placed: one full parameter on the device at a time
         self.module = model
         placed = Placement(model, config, self.acc, self.mesh, self.model_dtype)
-        placed.make_masters(self.offload)
+        #: dtype of the masters, the gradient accumulators and the optimizer state the masters
+        #: carry: bf16 with ``bf16.bf16_master_weights_and_grads`` (docs/from-deepspeed.md,
+        #: "Low-precision master states"), else fp32.
+        self.master_dtype = (
+            torch.bfloat16 if config.bf16.bf16_master_weights_and_grads else torch.float32
+        )
+        placed.make_masters(self.offload, self.master_dtype)
         self.zparams: dict[str, ZeroParam] = placed.zparams
         self._by_param: dict[int, ZeroParam] = placed.by_param
         self.units: list[FlatUnit] = placed.units
@@ -175,6 +181,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             tp_rank=self.mesh.tp_rank,
             tp_size=self.mesh.tp_size,
             norm_dtype=self.norm_dtype,
+            grad_dtype=self.master_dtype,
         )
         if self.offload is not None:
             # Stages 2/3 (and 1 without accumulation) sum each micro-batch on the host.

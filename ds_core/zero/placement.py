@@ -1,5 +1,6 @@
 """How a model's parameters become an engine's: one :class:`ZeroParam` each, grouped into
-flat units and moved onto the device equal on every rank, and their fp32 masters.
+flat units and moved onto the device equal on every rank, and their masters (fp32, or bf16
+with ``bf16.bf16_master_weights_and_grads``).
 
 :class:`Placement` does this once, inside :class:`~ds_core.zero.engine.ZeroEngine`'s
 constructor; the engine owns what it builds (``zparams``, ``units``, ``param_swap``).
@@ -179,9 +180,12 @@ class Placement:
         else:
             self.acc.broadcast(t, 0, None)
 
-    def make_masters(self, offload: OptimizerOffload | None) -> None:
-        """fp32 masters of each trainable parameter's piece; fp32 parameters are their own
-        masters (the optimizer steps the unit's storage in place, so no copy exists)."""
+    def make_masters(
+        self, offload: OptimizerOffload | None, dtype: torch.dtype = torch.float32
+    ) -> None:
+        """Masters of each trainable parameter's piece, in ``dtype`` (fp32; bf16 with
+        ``bf16.bf16_master_weights_and_grads``); a parameter already in ``dtype`` is its own
+        master (the optimizer steps the unit's storage in place, so no copy exists)."""
         if offload is not None:
             offload.make_masters(
                 [u for u in self.units if u.trainable and u.mode is not Mode.REPLICATED]
@@ -192,11 +196,11 @@ class Placement:
                     continue
                 if zp.mode is Mode.REPLICATED:
                     p = zp.param
-                    zp.master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float())
+                    zp.master = p if p.dtype == dtype else nn.Parameter(p.detach().to(dtype))
                     continue
                 assert zp.unit is not None
                 piece = zp.unit.piece(zp)
                 if zp.unit.host_shard:  # offload_param: the optimizer steps on the device
-                    zp.master = nn.Parameter(piece.to(self.device, torch.float32, copy=True))
+                    zp.master = nn.Parameter(piece.to(self.device, dtype, copy=True))
                     continue
-                zp.master = nn.Parameter(piece if piece.dtype == torch.float32 else piece.float())
+                zp.master = nn.Parameter(piece if piece.dtype == dtype else piece.to(dtype))

@@ -134,6 +134,9 @@ class GradReducer:
         in the global norm on TP rank 0 only (their gradients are equal across the TP group).
     :param tp_size: ranks of the TP group (the norm sums over ``world × tp_size`` ranks).
     :param norm_dtype: dtype the global norm is accumulated in.
+    :param grad_dtype: dtype of the accumulators and the reduced ranges the optimizer reads:
+        fp32, or bf16 with ``bf16.bf16_master_weights_and_grads`` (the norm stays in
+        ``norm_dtype``).
     """
 
     def __init__(
@@ -150,9 +153,11 @@ class GradReducer:
         tp_rank: int = 0,
         tp_size: int = 1,
         norm_dtype: torch.dtype = torch.float32,
+        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.policy = policy_for(stage, gas)
         self.norm_dtype = norm_dtype
+        self.grad_dtype = grad_dtype
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.world = world
@@ -169,12 +174,12 @@ class GradReducer:
         self.post_scale = 1.0 if prescale else predivide / world
         if self.policy.local_accumulation:
             for ug in self.units:
-                ug.local = torch.zeros(ug.unit.padded, dtype=torch.float32, device=self.device)
+                ug.local = torch.zeros(ug.unit.padded, dtype=grad_dtype, device=self.device)
                 if self.policy.all_reduce:
                     ug.reduced = ug.local
         else:
             for ug in self.units:
-                ug.reduced = torch.zeros(ug.unit.part, dtype=torch.float32, device=self.device)
+                ug.reduced = torch.zeros(ug.unit.part, dtype=grad_dtype, device=self.device)
         capacity = max((ug.unit.padded for ug in self.units), default=0)
         self._capacity = capacity
         self._pool: list[torch.Tensor] = []
@@ -284,7 +289,7 @@ class GradReducer:
             ug.touched.clear()
         pre = self.pre_scale
         send = buf
-        if self.policy.local_accumulation and self.comm_dtype != torch.float32:
+        if self.policy.local_accumulation and self.comm_dtype != self.grad_dtype:
             send = buf.to(self.comm_dtype)
         if pre != 1.0:
             send.mul_(pre)
@@ -295,7 +300,7 @@ class GradReducer:
         elif (
             first
             and self.policy.persistent_shard
-            and self.comm_dtype == torch.float32
+            and self.comm_dtype == self.grad_dtype
             and self.host is None
         ):
             assert ug.reduced is not None
@@ -348,7 +353,7 @@ class GradReducer:
             self.host.accumulate(ug.unit, out)
             return
         if ug.reduced is None:  # stage 1 with accumulation: the range lives during the step
-            ug.reduced = out if out.dtype == torch.float32 else out.float()
+            ug.reduced = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
         elif out is not ug.reduced:
             if first and self.policy.persistent_shard:
                 ug.reduced.copy_(out)
@@ -504,9 +509,9 @@ class GradReducer:
         total = 0
         for ug in self.units:
             if ug.local is not None:
-                total += ug.local.numel() * 4
+                total += ug.local.numel() * ug.local.element_size()
             elif self.policy.persistent_shard and ug.reduced is not None:
-                total += ug.reduced.numel() * 4
+                total += ug.reduced.numel() * ug.reduced.element_size()
         return total
 
     def staging_bytes(self) -> int:

@@ -333,11 +333,7 @@ def test_param_offload_at_stage_3_is_used_and_checked() -> None:
 
 @pytest.mark.parametrize(
     ("section", "key", "feature"),
-    [
-        ("bf16", "bf16_master_weights_and_grads", "bf16 master weights and bf16 gradients"),
-        ("bf16", "bf16_optimizer_states", "bf16 optimizer state"),
-        ("fp16", "fp16_master_weights_and_grads", "fp16 master weights and fp16 gradients"),
-    ],
+    [("fp16", "fp16_master_weights_and_grads", "fp16 master weights and fp16 gradients")],
 )
 def test_low_precision_masters_false_loads_and_true_names_the_missing_feature(
     section: str, key: str, feature: str
@@ -349,6 +345,72 @@ def test_low_precision_masters_false_loads_and_true_names_the_missing_feature(
     assert f"{section}.{key}: true asks for {feature}" in line, msg
     assert "not supported yet" in line and "set it to false or remove it" in line, msg
     assert f"{section}.{key}" in error_of({section: {key: "yes"}})  # not silently taken as off
+
+
+_BF16_MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True}
+_BF16_STATES = {**_BF16_MASTERS, "bf16_optimizer_states": True}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_master_states_load_where_deepspeed_takes_them(stage: int) -> None:
+    # DeepSpeed 0.19.8: stages 1-3 (runtime/config.py); on the device the optimizer state must
+    # be bf16 too (runtime/base_optimizer.py _configure_master_weights)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config({"bf16": _BF16_STATES, "zero_optimization": {"stage": stage}}, 2)
+    assert cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states
+    default = load_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}, 2)
+    assert not default.bf16.bf16_master_weights_and_grads
+    assert not default.bf16.bf16_optimizer_states
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "why"),
+    [
+        # DeepSpeed refuses these
+        (
+            {"bf16": _BF16_STATES, "zero_optimization": {"stage": 0}},
+            "bf16.bf16_master_weights_and_grads",
+            "needs ZeRO stage 1, 2 or 3, got stage 0",
+        ),
+        (
+            {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+            "bf16.bf16_optimizer_states",
+            "needs bf16.bf16_master_weights_and_grads: true",
+        ),
+        (
+            {"bf16": _BF16_MASTERS, "zero_optimization": {"stage": 2}},
+            "bf16.bf16_master_weights_and_grads",
+            "without bf16.bf16_optimizer_states",
+        ),
+        # DeepSpeed takes these; ds_core cannot yet
+        (
+            {
+                "bf16": _BF16_STATES,
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            },
+            "bf16.bf16_master_weights_and_grads",
+            "with zero_optimization.offload_optimizer (device 'cpu') is not supported yet",
+        ),
+        (
+            {
+                "bf16": _BF16_MASTERS,
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            },
+            "bf16.bf16_master_weights_and_grads",
+            "is not supported yet",
+        ),
+        (
+            {"bf16": {**_BF16_STATES, "enabled": False}, "zero_optimization": {"stage": 2}},
+            "bf16.bf16_master_weights_and_grads",
+            "needs bf16.enabled: true",
+        ),
+    ],
+    ids=["stage0", "states-alone", "masters-alone", "offload", "offload-masters", "no-bf16"],
+)
+def test_bf16_master_states_refused_naming_the_key(config: dict, key: str, why: str) -> None:
+    msg = error_of(config)
+    assert f"{key}: true" in msg and why in msg, msg
 
 
 def test_deepspeed_defaults_of_unimplemented_keys_load() -> None:

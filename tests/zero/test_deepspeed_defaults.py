@@ -166,9 +166,9 @@ ROWS: list[Row] = [
     Row("bf16.immediate_grad_update", False, f"{BF16}.immediate_grad_update", ACCEPTED,
         note="ignored: both modes add each micro-batch's bf16 gradient into fp32"),
     Row("bf16.bf16_master_weights_and_grads", False, f"{BF16}.bf16_master_weights_and_grads",
-        ACCEPTED, note="true is refused: bf16 masters not supported yet"),
-    Row("bf16.bf16_optimizer_states", False, f"{BF16}.bf16_optimizer_states", ACCEPTED,
-        note="true is refused"),
+        note="true: stages 1-3, with bf16_optimizer_states; not with offload_optimizer yet"),
+    Row("bf16.bf16_optimizer_states", False, f"{BF16}.bf16_optimizer_states",
+        note="true needs bf16_master_weights_and_grads"),
     # ---- zero_optimization
     Row("zero_optimization.stage", 0, f"{ZERO}.stage"),
     Row("zero_optimization.reduce_bucket_size", 500_000_000, f"{ZERO}.reduce_bucket_size"),

@@ -135,7 +135,6 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
     ),
     ("zero_optimization", "offload_optimizer"): frozenset({"super_offload"}),
     ("fp16",): frozenset({"consecutive_hysteresis", "fp16_master_weights_and_grads"}),
-    ("bf16",): frozenset({"bf16_master_weights_and_grads", "bf16_optimizer_states"}),
     ("tensor_parallel",): frozenset(
         {
             "tp",
@@ -199,23 +198,11 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
         and v.get("param_dtype") is None
         and v.get("buffer_dtype") is None
     ),
-    (("bf16",), "bf16_master_weights_and_grads"): lambda v: v is False,
-    (("bf16",), "bf16_optimizer_states"): lambda v: v is False,
     (("fp16",), "fp16_master_weights_and_grads"): lambda v: v is False,
 }
 
 #: (section path, key) -> the feature a refused value asks for, named in the error
 _FEATURES: dict[tuple[tuple[str, ...], str], str] = {
-    (("bf16",), "bf16_master_weights_and_grads"): (
-        "true asks for bf16 master weights and bf16 gradients (DeepSpeed keeps them in bf16 at "
-        "ZeRO stages 1-3); ds_core keeps fp32 masters and accumulates gradients in fp32, and "
-        "low-precision master states are not supported yet; set it to false or remove it"
-    ),
-    (("bf16",), "bf16_optimizer_states"): (
-        "true asks for bf16 optimizer state (DeepSpeed: with bf16_master_weights_and_grads); "
-        "ds_core keeps optimizer state in fp32, and low-precision optimizer states are not "
-        "supported yet; set it to false or remove it"
-    ),
     (("fp16",), "fp16_master_weights_and_grads"): (
         "true asks for fp16 master weights and fp16 gradients (DeepSpeed: ZeRO stages 1-3 with "
         "DeepSpeedCPUAdam); ds_core keeps fp32 masters and accumulates gradients in fp32, and "

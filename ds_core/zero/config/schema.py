@@ -116,6 +116,15 @@ class BF16Config(BaseModel):
     check_grad_overflow: Bool = True
     """Skip a step whose gradients hold inf/NaN, keeping Adam state clean; false turns the
     check off for bf16 whatever ``nonfinite_gradients.skip`` says. (Default: true)"""
+    bf16_master_weights_and_grads: Bool = False
+    """Keep the masters the optimizer steps and the gradients (accumulated and reduced ranges)
+    in bf16 instead of fp32: a bf16 parameter's owned piece is its own master. ZeRO stages 1-3
+    with ``bf16.enabled``, and (as DeepSpeed requires without optimizer offload)
+    ``bf16_optimizer_states: true``. Loses precision: docs/from-deepspeed.md, "Low-precision
+    master states". (Default: false)"""
+    bf16_optimizer_states: Bool = False
+    """Keep the optimizer state (Adam's moments) in bf16; needs
+    ``bf16_master_weights_and_grads``. (Default: false)"""
 
 
 class NonFiniteConfig(BaseModel):
@@ -337,7 +346,53 @@ class DSConfig(BaseModel):
             )
         if self.fp16.auto_cast and not self.fp16.enabled:
             raise ValueError("fp16.auto_cast needs fp16.enabled: true")
+        problems = self._low_precision_master_problems()
+        if problems:
+            raise ValueError(problems[0])
         return self
+
+    def _low_precision_master_problems(self) -> list[str]:
+        """DeepSpeed 0.19.8's rules for ``bf16.bf16_master_weights_and_grads`` and
+        ``bf16.bf16_optimizer_states`` (runtime/config.py ``_do_error_check``,
+        runtime/base_optimizer.py ``_configure_master_weights``, the offload validators of
+        runtime/zero/stage_1_and_2.py and stage3.py), plus what ds_core does not do yet."""
+        bf16 = self.bf16
+        masters, states = bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states
+        if not masters and not states:
+            return []
+        stage = self.zero_optimization.stage
+        offload = self.zero_optimization.offload_optimizer.device
+        out: list[str] = []
+        if states and not masters:
+            out.append(
+                "bf16.bf16_optimizer_states: true needs bf16.bf16_master_weights_and_grads: true "
+                "(DeepSpeed asserts the same)"
+            )
+        key = "bf16.bf16_master_weights_and_grads" if masters else "bf16.bf16_optimizer_states"
+        if stage == 0:
+            out.append(
+                f"{key}: true needs ZeRO stage 1, 2 or 3, got stage 0 (DeepSpeed: "
+                "'only supported with ZeRO Stage 1, 2, or 3')"
+            )
+        if masters and not bf16.enabled:
+            out.append(
+                "bf16.bf16_master_weights_and_grads: true needs bf16.enabled: true (ds_core keeps "
+                "bf16 masters of bf16 parameters only)"
+            )
+        if masters and offload != "none":
+            out.append(
+                f"bf16.bf16_master_weights_and_grads: true with zero_optimization.offload_optimizer "
+                f"(device '{offload}') is not supported yet (DeepSpeed steps bf16 masters on the "
+                "host with DeepSpeedCPUAdam); drop the offload or set it to false"
+            )
+        elif masters and not states:
+            out.append(
+                "bf16.bf16_master_weights_and_grads: true without bf16.bf16_optimizer_states "
+                "keeps fp32 optimizer state beside bf16 masters, which DeepSpeed allows only with "
+                "offload_optimizer and DeepSpeedCPUAdam (and ds_core does not support that "
+                "offload yet); set bf16.bf16_optimizer_states: true"
+            )
+        return out
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:
