@@ -119,6 +119,12 @@ class Resume:
         return cfg
 
 
+BF16_MASTERS = {
+    "enabled": True,
+    "bf16_master_weights_and_grads": True,
+    "bf16_optimizer_states": True,
+}
+
 RESUME: dict[str, Resume] = {
     "s0": Resume(stage=0),
     "s1": Resume(stage=1),
@@ -135,6 +141,9 @@ RESUME: dict[str, Resume] = {
         stage=3, optimizer="config", extra={"offload": True, "offload_param": True}
     ),
     "s3_bf16_param_offload": Resume(stage=3, model="mlp", bf16=True, extra={"offload_param": True}),
+    # bf16 masters, gradients and Adam state (the parameters are their own masters)
+    "s2_bf16_masters": Resume(stage=2, model="mlp", bf16=True, extra={"bf16": BF16_MASTERS}),
+    "s3_bf16_masters": Resume(stage=3, model="mlp", bf16=True, extra={"bf16": BF16_MASTERS}),
     "s1_group_step": Resume(stage=1, optimizer="group_step"),
     "s3_param_step": Resume(stage=3, optimizer="param_step"),
 }

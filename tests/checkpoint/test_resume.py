@@ -125,6 +125,19 @@ def test_precision_kept(suite: Any) -> None:
         assert all(p.dtype == torch.bfloat16 for p in snap["params"].values())
 
 
+@pytest.mark.parametrize("name", ["s2_bf16_masters", "s3_bf16_masters"])
+def test_bf16_masters_stay_bf16(suite: Any, name: str) -> None:
+    """bf16 master states: masters and optimizer state are bf16 before the save and after
+    the load, in both formats (the bitwise resume is test_exact_resume)."""
+    runs = [suite("resume_save").ranks(f"save_{name}")]
+    runs += [suite("resume_load").ranks(f"load_{name}_{fmt}") for fmt in ("native", "universal")]
+    for ranks in runs:
+        for snap in ranks:
+            assert all(m.dtype == torch.bfloat16 for m in snap["masters"].values())
+            for st in snap["opt"].values():
+                assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+
+
 def test_save_16bit_model(suite: Any) -> None:
     ranks = suite("resume_load").ranks("save16")
     for out in ranks:

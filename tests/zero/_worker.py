@@ -727,6 +727,10 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         from tests.zero import _autotp
 
         return _autotp.jobs(world)
+    if suite == "bf16master":
+        from tests.zero import _bf16master
+
+        return _bf16master.jobs(world)
     if suite == "autoep":
         from tests.zero import _autoep
 
