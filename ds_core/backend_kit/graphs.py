@@ -17,14 +17,14 @@ class TorchStyleGraph:
     :param capture_kwargs: extra keyword arguments for ``context`` (e.g. an error mode).
     :param accepts_pool: ``False`` for vendors whose capture ignores ``pool``; passing a pool
         then raises instead of being silently dropped, and ``context`` is called without it.
-    :param vendor: the vendor's torch-style device module (``torch.cuda``), or a callable
+    :param vendor: the vendor's torch-style device module (``torch.<device>``), or a callable
         returning it; given, a capture that raises is cleaned up (below).
 
     Capture failures come from the vendor (unsupported op, host sync inside capture) and
     propagate; nothing here falls back to running the work eagerly.
 
-    A failed capture leaves no state behind when ``vendor`` is given. ``torch.cuda.graph``
-    does not guarantee that: when ``capture_end`` raises (a host sync invalidated the capture)
+    A failed capture leaves no state behind when ``vendor`` is given. The NVIDIA build's
+    ``graph`` context manager does not guarantee that: when ``capture_end`` raises (a host sync invalidated the capture)
     its ``__exit__`` neither leaves its stream context, so the capture stream stays current,
     nor runs the generators' capture epilogue, so every later random draw raises "Offset
     increment outside graph capture encountered unexpectedly" (seen on an H200 with torch

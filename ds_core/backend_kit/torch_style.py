@@ -95,7 +95,7 @@ def _spec_event_class(factory: Any) -> Any:
     """The vendor's event class, subclassed so ``elapsed_time`` raises what the spec names.
 
     ``ds_stream_event_create`` promises ``RuntimeError`` for ``elapsed_time`` on events without
-    timing or not recorded; torch 2.11's ``torch.cuda.Event`` raises ``ValueError`` for the
+    timing or not recorded; torch 2.11's NVIDIA event class raises ``ValueError`` for the
     former (seen on an H200 with torch 2.11+cu130), earlier releases ``RuntimeError``. The
     subclass re-raises a ``ValueError`` as ``RuntimeError`` and is otherwise the vendor's
     class, so vendor APIs taking an event (``Stream.wait_event``) accept it. A factory that is

@@ -17,7 +17,8 @@ from typing import Literal
 import torch
 
 from ds_core.errors import DSCoreError
-from ds_core.ops._native import NativeLib, Signatures
+from ds_core.ops._native import NativeLib
+from ds_core.ops._signatures import Signatures
 
 log = logging.getLogger("ds_core.io")
 

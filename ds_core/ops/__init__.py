@@ -48,7 +48,8 @@ from __future__ import annotations
 
 from ds_core.ops._build import build_extension, build_shared_library, cached_shared_library
 from ds_core.ops._cache import ENV_CACHE, OpBuildError, cache_root
-from ds_core.ops._native import NativeLib, Signatures
+from ds_core.ops._native import NativeLib
+from ds_core.ops._signatures import Signatures
 from ds_core.ops._toolchain import Toolchain, compiler_path, toolchain
 
 __all__ = [

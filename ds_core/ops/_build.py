@@ -29,7 +29,7 @@ from ds_core.ops._cache import (
     file_lock,
     make_key,
 )
-from ds_core.ops._native import Signatures, bind, render_checks
+from ds_core.ops._signatures import Signatures, bind, render_checks
 from ds_core.ops._toolchain import toolchain
 
 __all__ = ["build_extension", "build_shared_library", "cached_shared_library"]
@@ -214,7 +214,7 @@ def build_shared_library(
     :param depends: headers or other files whose contents must be part of the key.
     :param openmp: compile and link with ``-fopenmp``.
     :param signatures: the library's functions, ``name -> (C return type, C argument types)``
-        (:mod:`ds_core.ops._native`): the compiler checks each definition has exactly that
+        (:mod:`ds_core.ops._signatures`): the compiler checks each definition has exactly that
         type (the sources are compiled as one translation unit that includes them and asserts
         it), and the loaded library gets each function's ``restype`` / ``argtypes``.
     :param quiet: do not print build progress on stderr.

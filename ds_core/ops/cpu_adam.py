@@ -28,7 +28,8 @@ from typing import Any, Literal, Protocol
 import torch
 
 from ds_core.ops._cache import OpBuildError  # noqa: F401  (callers catch it from here)
-from ds_core.ops._native import NativeLib, Signatures
+from ds_core.ops._native import NativeLib
+from ds_core.ops._signatures import Signatures
 from ds_core.ops._toolchain import compiler_path, toolchain
 
 __all__ = [

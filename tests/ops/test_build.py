@@ -294,7 +294,7 @@ def test_a_plugin_ships_a_compiled_op_through_its_provider_hook(
         ds_core.unregister_plugin(addon)
 
 
-# -- declared signatures (ds_core/ops/_native.py) ------------------------------------------
+# -- declared signatures (ds_core/ops/_signatures.py) ------------------------------------------
 
 PLAIN = {"ds_add": ("int32_t", ("int32_t", "int32_t"))}
 
@@ -333,7 +333,7 @@ def test_a_declared_type_unlike_the_definition_fails_the_build_naming_it(
 def test_a_library_missing_a_declared_symbol_is_refused_naming_it(
     cache: Path, tmp_path: Path
 ) -> None:
-    from ds_core.ops._native import bind
+    from ds_core.ops._signatures import bind
 
     lib = ops.build_shared_library("plain", [_source(tmp_path)], cflags=["-DOFFSET=0"], quiet=True)
     with pytest.raises(ops.OpBuildError, match=r"does not export the declared symbol\(s\) ds_gone"):

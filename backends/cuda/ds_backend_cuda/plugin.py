@@ -164,9 +164,9 @@ def _probe() -> ProbeResult:
             f"CUDA build of torch (https://pytorch.org/get-started/locally/), or run on the "
             f"CPU on purpose with DS_ACCELERATOR=cpu.",
         )
-    nodes = count_device_nodes(NVIDIA_DEVICE_NODES)
-    if nodes:
-        found, source = nodes, f"{NVIDIA_DEVICE_NODES} nodes"
+    found: int | None = count_device_nodes(NVIDIA_DEVICE_NODES)
+    if found:
+        source = f"{NVIDIA_DEVICE_NODES} nodes"
     else:  # no per-GPU nodes (WSL exposes GPUs through /dev/dxg): ask NVML
         found, why = _nvml_device_count()
         if found is None:
