@@ -63,8 +63,16 @@ def test_probe_on_this_cpu_only_torch_is_unavailable_and_imports_nothing_vendor(
     assert result["initialized"] is False
 
 
-def test_a_cuda_build_is_left_to_the_cuda_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cuda_build_is_left_to_the_cuda_backend(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     install(monkeypatch, FakeCuda(2), cuda="12.8", hip=None)
+    # an NVIDIA host: the driver's per-GPU device nodes, which the cuda probe counts
+    nodes = tmp_path / "dev"
+    nodes.mkdir()
+    for name in ("nvidia0", "nvidia1"):
+        (nodes / name).touch()
+    monkeypatch.setattr(cuda_plugin, "NVIDIA_DEVICE_NODES", str(nodes / "nvidia[0-9]*"))
     result = plugin.hooks.ds_backend_probe()
     assert not result.available
     assert "CUDA 12.8" in result.reason and "cuda backend" in result.reason
