@@ -147,8 +147,15 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "amsgrad",
     ),
     (
-        "bf16 master weights",
-        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+        "bf16 master weights offloaded",
+        {
+            "bf16": {
+                "enabled": True,
+                "bf16_master_weights_and_grads": True,
+                "bf16_optimizer_states": True,
+            },
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        },
         "bf16.bf16_master_weights_and_grads",
         "not supported yet",
     ),
