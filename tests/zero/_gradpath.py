@@ -131,7 +131,7 @@ def host_reads() -> dict[str, Any]:
             engine, _, _, _ = ds_core.initialize(model=model, optimizer=opt, config=cfg)
             counts, verdicts = [], []
             for step in range(3):
-                mode = _HostReads(engine._skips.host_flag)
+                mode = _HostReads(engine.book.skips.host_flag)
                 for _ in range(2):
                     x = torch.randn(MICRO, 32).to(dtype[precision])
                     loss = engine(x).float().pow(2).mean()
