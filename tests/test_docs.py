@@ -145,7 +145,8 @@ def test_the_readme_python_snippet_runs_as_pasted(tmp_path: Path) -> None:
 
 def test_the_readme_says_how_long_the_tests_take_and_the_fast_subset() -> None:
     text = (ROOT / "README.md").read_text()
-    assert "about 20 minutes on 2 cores" in text
+    # The figure changes as the suite grows; what must stay is that one is stated.
+    assert re.search(r"takes about \d+ minutes on 2 cores", text), "README: state the suite's time"
     assert 'pytest -m "not slow"' in text
     assert '"slow:' in (ROOT / "pyproject.toml").read_text()  # the marker the README names
 
