@@ -107,6 +107,12 @@ def load_checkpoint(
     if want_opt:
         keys = _state.master_keys(engine)
         _state.restore_param_groups(engine, meta["optimizer"]["param_groups"], keys)
+        if reader.world_size == engine.world and _state.rank_local_keys(engine):
+            _restore_rank_local(engine, reader.rank_payload(engine.rank))
+        if hasattr(engine.optimizer, "backward_allreduce"):
+            # The state went in behind the optimizer's back: a round trip through its own
+            # load_state_dict lets it re-derive its phase (warm-up or compression).
+            engine.optimizer.load_state_dict(engine.optimizer.state_dict())
     if not load_module_only:
         _state.restore_counters(engine, meta, load_lr_scheduler_states)
         if reader.world_size == engine.world:
@@ -114,6 +120,14 @@ def load_checkpoint(
             _state.set_rng_state(payload["rng"])
             _state.set_loader_state(engine, payload.get("loader"))
         else:
+            if want_opt and _state.rank_local_keys(engine):
+                log.warning(
+                    "%s's error-feedback buffers start from zero: saved on %d ranks, loading "
+                    "on %d (they belong to each rank; DeepSpeed resets them on every load)",
+                    type(engine.optimizer).__name__,
+                    reader.world_size,
+                    engine.world,
+                )
             log.warning(
                 "RNG states and data position not restored: saved on %d ranks, loading on %d",
                 reader.world_size,
@@ -235,6 +249,18 @@ def _load_param(
     if reader.format == "universal":
         reader.release(_io.param_file(key))
     return step
+
+
+def _restore_rank_local(engine: ZeroEngine, payload: dict[str, Any]) -> None:
+    """Put this rank's own optimizer state (:func:`~ds_core.checkpoint._state.rank_local_keys`)
+    back."""
+    saved = payload.get("optimizer_rank_state", {})
+    for zp in engine.zparams.values():
+        if zp.master is None or zp.name not in saved:
+            continue
+        state = engine.optimizer.state[zp.master]
+        for k, v in saved[zp.name].items():
+            state[k] = v.to(zp.master.device)
 
 
 def _opt_state(

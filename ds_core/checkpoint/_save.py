@@ -94,7 +94,9 @@ def _validate(
         )
     for zp in engine.zparams.values():
         if zp.master is not None:
-            _state.split_state(zp, _state.optimizer_state(engine, zp.master))
+            _state.split_state(
+                zp, _state.optimizer_state(engine, zp.master), _state.rank_local_keys(engine)
+            )
     return root, tag
 
 
@@ -151,6 +153,7 @@ def save_checkpoint(
             "rng": _state.rng_state(),
             "loader": _state.loader_state(engine),
             "params": {},
+            "optimizer_rank_state": _state.rank_local_state(engine),
         }
         if not universal:
             rank_payload["params"] = _native_fragments(
@@ -221,7 +224,9 @@ def _native_fragments(
             frag["scalars"] = _nvme.scalars(nv, zp)
         elif zp.master is not None:
             frag["fp32"] = _io.host(zp.master)
-            tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
+            tensors, scalars = _state.split_state(
+                zp, _state.optimizer_state(engine, zp.master), _state.rank_local_keys(engine)
+            )
             frag["state"] = {k: _io.host(v) for k, v in tensors.items()}
             frag["scalars"] = {
                 k: v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else v
@@ -287,7 +292,9 @@ def _agreed_layout(engine: ZeroEngine) -> dict[str, dict[str, Any]]:
                 "scalars": {k: _encode(v) for k, v in _nvme.scalars(nv, zp).items()},
             }
         elif zp.master is not None and stores(zp):
-            tensors, scalars = _state.split_state(zp, _state.optimizer_state(engine, zp.master))
+            tensors, scalars = _state.split_state(
+                zp, _state.optimizer_state(engine, zp.master), _state.rank_local_keys(engine)
+            )
             mine[_state.param_key(engine, zp)] = {
                 "tensors": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
                 "scalars": {k: _encode(v) for k, v in scalars.items()},

@@ -126,10 +126,33 @@ def global_samples(engine: ZeroEngine) -> int:
 # -- optimizer state ----------------------------------------------------------------------------
 
 
+def rank_local_keys(engine: ZeroEngine) -> tuple[str, ...]:
+    """Optimizer state keys that belong to this rank rather than to parameter elements: an
+    optimizer lists them in ``rank_local_state`` (the compressing optimizers' error-feedback
+    buffers, :mod:`ds_core.optim`). They are saved in each rank's file and restored only at the
+    same world size."""
+    return tuple(getattr(engine.optimizer, "rank_local_state", ()))
+
+
+def rank_local_state(engine: ZeroEngine) -> dict[str, dict[str, torch.Tensor]]:
+    """``{parameter name: {key: tensor}}`` of this rank's :func:`rank_local_keys` state."""
+    keys = rank_local_keys(engine)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for zp in engine.zparams.values():
+        if zp.master is None or not keys:
+            continue
+        state = optimizer_state(engine, zp.master)
+        own = {k: state[k] for k in keys if isinstance(state.get(k), torch.Tensor)}
+        if own:
+            out[zp.name] = own
+    return out
+
+
 def split_state(
-    zp: ZeroParam, state: Mapping[str, Any]
+    zp: ZeroParam, state: Mapping[str, Any], rank_local: tuple[str, ...] = ()
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split one master's optimizer state into shard-shaped tensors and per-parameter scalars.
+    """Split one master's optimizer state into shard-shaped tensors and per-parameter scalars,
+    leaving out the ``rank_local`` keys (see :func:`rank_local_keys`).
 
     :raises CheckpointError: a state value that is neither shaped like the master nor a
         scalar (such state cannot be cut by parameter element, so it cannot be resharded).
@@ -140,6 +163,8 @@ def split_state(
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     for k, v in state.items():
+        if k in rank_local:
+            continue
         # A 0-dim parameter's moments are 0-dim like its step: there the name decides.
         shaped = master.dim() > 0 or k != "step"
         if isinstance(v, torch.Tensor) and v.shape == master.shape and shaped:

@@ -268,6 +268,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             [zp.param for zp in self._trainable],
             self.stage,
             host_adam=self.offload is not None,
+            group=self.mesh.dp_group,
         )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:
@@ -325,6 +326,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         scaled = loss / self.gas
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale_tensor
+        # An optimizer that averages over the group itself takes this rank's own gradients
+        # once its warm-up ends (ds_core.optim); it says so before each backward.
+        self.reducer.communicate = bool(getattr(self.optimizer, "backward_allreduce", True))
         self.reducer.begin_backward(self.is_gradient_accumulation_boundary() and not self._no_sync)
         if self.coordinator is not None:
             self.coordinator.begin_backward()
@@ -415,6 +419,12 @@ class ZeroEngine(DeepSpeedEngineAPI):
             # torch's clip_grad_norm_ coefficient, kept on the device.
             mult = ((self.clip / (norm + 1e-6)).clamp(max=1.0) * coef).to(torch.float32)
         found_inf = None if norm is None or not self.check_overflow else ~norm.isfinite()
+        if found_inf is not None and not self.reducer.communicate and self.world > 1:
+            # Local gradients: every rank must skip together, or the optimizer's own
+            # collectives would not match (DeepSpeed's CheckOverflow does the same).
+            any_inf = found_inf.to(torch.float32)
+            self.acc.all_reduce(any_inf, "sum", self.mesh.dp_group)
+            found_inf = any_inf > 0
         step = self.global_steps + 1
         if found_inf is None:
             verdict = Verdict.APPLIED

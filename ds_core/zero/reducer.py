@@ -171,7 +171,7 @@ class GradReducer:
         }
         #: multiplier applied before the collective, and the one the step applies after.
         self.pre_scale = 1.0 / world if prescale else 1.0 / predivide
-        self.post_scale = 1.0 if prescale else predivide / world
+        self._post_scale = 1.0 if prescale else predivide / world
         if self.policy.local_accumulation:
             for ug in self.units:
                 ug.local = torch.zeros(ug.unit.padded, dtype=grad_dtype, device=self.device)
@@ -201,6 +201,9 @@ class GradReducer:
         self._host_single = True
         #: reduce this backward (else accumulate locally).
         self.reducing = True
+        #: average over the group (stage 0); false hands the optimizer this rank's own
+        #: gradients, for one that communicates itself (see :mod:`ds_core.optim`).
+        self.communicate = True
         #: the next unit index to issue in this backward.
         self._cursor = 0
 
@@ -212,7 +215,13 @@ class GradReducer:
         self._cursor = 0
         for ug in self.units:
             ug.arrived = 0
-            if self.reducing and self.policy.all_reduce and ug.opened and ug.local is not None:
+            if (
+                self.reducing
+                and self.policy.all_reduce
+                and ug.opened
+                and ug.local is not None
+                and self.communicate
+            ):
                 # A second reducing backward in one window (a GAN's two discriminator
                 # losses): the all-reduce works in place, so the first result is set aside
                 # and added back when the second completes.
@@ -285,6 +294,11 @@ class GradReducer:
             if id(zp) not in ug.touched:  # no gradient reached it: it contributes zeros
                 buf[zp.offset : zp.offset + zp.numel].zero_()
         buf[unit.numel :].zero_()
+        if not self.communicate:
+            # Stage 0 for an optimizer that communicates itself: the window's backwards keep
+            # summing where they accumulate (``zero()`` ends the window).
+            ug.opened = True
+            return
         if self.policy.local_accumulation:
             ug.touched.clear()
         pre = self.pre_scale
@@ -360,6 +374,12 @@ class GradReducer:
             else:
                 ug.reduced.add_(out)
 
+    @property
+    def post_scale(self) -> float:
+        """Multiplier the step applies to the reduced gradients: turns the group's sum into
+        its mean (1 when gradients stay local, see :attr:`communicate`)."""
+        return self._post_scale if self.communicate else 1.0
+
     def finish(self) -> None:
         """Wait for every collective in flight and fold its result in; idempotent."""
         while self._inflight:
@@ -411,6 +431,13 @@ class GradReducer:
         all-reduce over the world; never read on the host here). Non-finite when any rank
         holds a non-finite gradient, TP replicas included."""
         total = torch.zeros((), dtype=dtype, device=self.device)
+        if not self.communicate:
+            # Local gradients (an optimizer that communicates itself): this rank's own norm,
+            # as DeepSpeed clips them; the engine agrees on skipping across ranks apart.
+            for ug in self.units:
+                if ug.reduced is not None:
+                    total += _sum_of_squares(ug.reduced, dtype)
+            return total.sqrt()
         if self.host is not None and self._host_single and dtype == self.norm_dtype:
             # Offload, one contribution per unit this window: the device saw every gradient.
             for part in self._host_partials:

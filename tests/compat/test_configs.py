@@ -60,6 +60,36 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     (
+        "Lamb as BERT pre-training sets it",
+        {
+            "optimizer": {
+                "type": "Lamb",
+                "params": {
+                    "lr": 11e-3,
+                    "weight_decay": 0.01,
+                    "bias_correction": False,
+                    "max_coeff": 0.3,
+                    "min_coeff": 0.01,
+                },
+            }
+        },
+    ),
+    (
+        "OneBitAdam with its transport keys",
+        {
+            "optimizer": {
+                "type": "OneBitAdam",
+                "params": {
+                    "lr": 4e-4,
+                    "freeze_step": 23000,
+                    "cuda_aware": False,
+                    "comm_backend_name": "nccl",
+                },
+            },
+            "fp16": {"enabled": True},
+        },
+    ),
+    (
         "bias_correction false",
         {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False}}},
     ),
@@ -139,7 +169,25 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "scheduler.type",
         "not supported yet",
     ),
-    ("Lamb", {"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type", "not supported yet"),
+    ("Lion", {"optimizer": {"type": "Lion", "params": {}}}, "optimizer.type", "not supported yet"),
+    (
+        "Lamb under ZeRO",
+        {"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}},
+        "optimizer.type 'Lamb' needs zero_optimization.stage 0",
+        "trust ratio",
+    ),
+    (
+        "OneBitAdam under ZeRO",
+        {"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 2}},
+        "optimizer.type 'OneBitAdam' needs zero_optimization.stage 0",
+        "not compatible with ZeRO",
+    ),
+    (
+        "Lamb with max_grad_norm",
+        {"optimizer": {"type": "Lamb", "params": {"max_grad_norm": 1.0}}},
+        "max_grad_norm",
+        "gradient_clipping",
+    ),
     (
         "amsgrad",
         {"optimizer": {"type": "Adam", "params": {"amsgrad": True}}},

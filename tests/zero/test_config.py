@@ -564,11 +564,12 @@ def test_optimizer_params_are_validated(params: dict[str, Any], message: str) ->
 
 
 def test_optimizer_type_errors() -> None:
-    assert "optimizer.type: 'Lamb' is not supported yet; use one of Adam, AdamW" in error_of(
-        {"optimizer": {"type": "Lamb"}}
+    assert "optimizer.type: 'Lion' is not supported yet; use one of Adam, AdamW, Lamb" in error_of(
+        {"optimizer": {"type": "Lion"}}
     )
-    assert "unknown type 'Adma' (one of Adam, AdamW); did you mean 'Adam'?" in error_of(
-        {"optimizer": {"type": "Adma"}}
+    assert (
+        "unknown type 'Adma' (one of Adam, AdamW, Lamb, OneBitAdam); did you mean 'Adam'?"
+        in error_of({"optimizer": {"type": "Adma"}})
     )
     assert "optimizer.type: is required" in error_of({"optimizer": {"params": {}}})
     assert "adam_w_mode: must be true for AdamW" in error_of(

@@ -10,6 +10,7 @@ formula at iteration ``k - 1`` (the value before the first step is iteration ``-
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -19,6 +20,8 @@ from pydantic import BaseModel, ValidationError
 
 from ds_core.errors import ConfigError
 from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
+from ds_core.optim.lamb import Lamb
+from ds_core.optim.onebit_adam import OneBitAdam
 from ds_core.zero.adam import AdamNoBiasCorrection
 from ds_core.zero.config import (
     OPTIMIZER_TYPES,
@@ -32,6 +35,8 @@ from ds_core.zero.config import (
     WarmupLRParams,
 )
 from ds_core.zero.config.errors import messages
+
+log = logging.getLogger("ds_core.zero")
 
 __all__ = [
     "LRRangeTest",
@@ -73,6 +78,7 @@ def build_optimizer(
     cfg: OptimizerConfig,
     params: Iterable[torch.nn.Parameter] | list[dict[str, Any]],
     host_adam: bool = False,
+    group: Any = None,
 ) -> torch.optim.Optimizer:
     """Build the torch optimizer a config's ``optimizer`` section describes.
 
@@ -86,24 +92,15 @@ def build_optimizer(
     :param params: parameters, or parameter groups as dicts (each may override ``lr`` etc.).
     :param host_adam: build :class:`~ds_core.ops.cpu_adam.DeepSpeedCPUAdam` (optimizer offload:
         DeepSpeed's ``zero_force_ds_cpu_optimizer``), same hyper-parameters and mode.
+    :param group: the data-parallel group the compressing optimizers (``OneBitAdam``,
+        ``ZeroOneAdam``, ``OneBitLamb``: :mod:`ds_core.optim`) average over; ``None``: all ranks.
     :returns: the optimizer; learning rate in the units of the loss's gradient, as torch's.
     :raises ConfigError: unknown type or invalid params, naming the field.
     """
     name, parsed = _validated("optimizer", cfg.type, OPTIMIZER_TYPES, cfg.params)
-    if not isinstance(parsed, AdamParams):  # only Adam-family types are registered
-        raise ConfigError(f"optimizer.type: '{name}' has no builder")
-    groups: list[dict[str, Any]] = []
-    for item in params:
-        if isinstance(item, dict):
-            groups.append({**item, "params": list(item["params"])})
-        else:
-            if not groups or "_plain" not in groups[-1]:
-                groups.append({"params": [], "_plain": True})
-            groups[-1]["params"].append(item)
-    for group in groups:
-        group.pop("_plain", None)
-    if not groups:
-        raise ConfigError("build_optimizer: got no parameters to optimize")
+    groups = _param_groups(params)
+    if not isinstance(parsed, AdamParams):
+        return _build_ds_optimizer(name, parsed, groups, group)
     decoupled = name == "AdamW" or parsed.adam_w_mode
     if host_adam:
         return DeepSpeedCPUAdam(
@@ -134,6 +131,48 @@ def build_optimizer(
             # This torch has no fused cpu kernel (added in 2.4): use its default path.
             pass
     return cls(groups, **kwargs)
+
+
+def _param_groups(
+    params: Iterable[torch.nn.Parameter] | list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """``params`` as a list of group dicts (consecutive plain parameters form one group)."""
+    groups: list[dict[str, Any]] = []
+    for item in params:
+        if isinstance(item, dict):
+            groups.append({**item, "params": list(item["params"])})
+        else:
+            if not groups or "_plain" not in groups[-1]:
+                groups.append({"params": [], "_plain": True})
+            groups[-1]["params"].append(item)
+    for g in groups:
+        g.pop("_plain", None)
+    if not groups:
+        raise ConfigError("build_optimizer: got no parameters to optimize")
+    return groups
+
+
+def _build_ds_optimizer(
+    name: str, parsed: BaseModel, groups: list[dict[str, Any]], group: Any
+) -> torch.optim.Optimizer:
+    """Lamb and the compressing optimizers of :mod:`ds_core.optim`, from their params model."""
+    params = parsed.model_dump()
+    for key in ("amsgrad", "comm_backend_name", "cuda_aware"):
+        params.pop(key, None)  # amsgrad is refused by the model; the transport is ours
+    backend = getattr(parsed, "comm_backend_name", "nccl")
+    if backend != "nccl" or getattr(parsed, "cuda_aware", False):
+        log.info(
+            "optimizer.params: comm_backend_name '%s' / cuda_aware change nothing here: %s's "
+            "compressed all-reduce runs on the selected backend's collectives, on device "
+            "tensors",
+            backend,
+            name,
+        )
+    if name == "Lamb":
+        return Lamb(groups, **params)
+    if name == "OneBitAdam":
+        return OneBitAdam(groups, group=group, **params)
+    raise ConfigError(f"optimizer.type: '{name}' has no builder")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,6 +433,12 @@ def _master_groups(
 
 
 def _reject_full_gradient_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    if stage >= 1 and hasattr(optimizer, "backward_allreduce"):
+        raise ConfigError(
+            f"optimizer {type(optimizer).__name__} averages whole-tensor momenta over the "
+            f"data-parallel group itself (ds_core.optim), which needs ZeRO stage 0; got stage "
+            f"{stage}. Set zero_optimization.stage to 0 (DeepSpeed refuses it with ZeRO too)."
+        )
     if stage >= 1 and needs_full_gradients(optimizer):
         raise ConfigError(
             f"optimizer {type(optimizer).__name__} needs whole gradients (Muon-style "
@@ -412,6 +457,7 @@ def bind_optimizer(
     trainable: list[Any],
     stage: int,
     host_adam: bool = False,
+    group: Any = None,
 ) -> torch.optim.Optimizer:
     """The optimizer stepping the engine's fp32 masters.
 
@@ -422,8 +468,9 @@ def bind_optimizer(
     :param masters: ``id(model parameter) -> fp32 master`` (``None`` for frozen parameters).
     :param host_adam: the masters live on the host (optimizer offload): build Adam as
         cpu_adam (see :func:`build_optimizer`).
+    :param group: the data-parallel group, for a compressing optimizer built from ``config``.
     :raises ConfigError: a stepped optimizer, a foreign tensor, no optimizer at all, or one
-        that needs whole gradients at stages 1-3.
+        that needs whole gradients or communicates itself at stages 1-3.
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:
@@ -448,7 +495,10 @@ def bind_optimizer(
         )
     else:
         built = build_optimizer(
-            config, _master_groups(model_parameters, masters, trainable), host_adam=host_adam
+            config,
+            _master_groups(model_parameters, masters, trainable),
+            host_adam=host_adam,
+            group=group,
         )
     _reject_full_gradient_optimizer(built, stage)
     return built

@@ -56,6 +56,105 @@ class AdamParams(BaseModel):
         return self
 
 
+class _MomentParams(BaseModel):
+    """The hyper-parameters DeepSpeed's Lamb and 1-bit optimizers share, with their defaults
+    (``deepspeed/ops/lamb/fused_lamb.py``, ``deepspeed/runtime/fp16/onebit/*.py``)."""
+
+    model_config = _FROZEN
+
+    lr: Float = Field(default=1e-3, ge=0)
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(default=1e-8, gt=0)
+    weight_decay: Float = Field(default=0.0, ge=0)
+    bias_correction: Bool = True
+    eps_inside_sqrt: Bool = False
+    max_grad_norm: Float = Field(default=0.0, ge=0)
+    amsgrad: Bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> _MomentParams:
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
+        if self.amsgrad:
+            raise ValueError(
+                "amsgrad: true is not supported by this optimizer (nor by DeepSpeed's)"
+            )
+        return self
+
+
+class LambParams(_MomentParams):
+    """``Lamb``: DeepSpeed's FusedLamb (:class:`ds_core.optim.lamb.Lamb`)."""
+
+    max_coeff: Float = Field(default=10.0, ge=0)
+    """Upper clamp of the per-parameter trust ratio. (Default: 10.0)"""
+    min_coeff: Float = Field(default=0.01, ge=0)
+    """Lower clamp of the per-parameter trust ratio. (Default: 0.01)"""
+
+    @model_validator(mode="after")
+    def _coeffs(self) -> LambParams:
+        if self.max_grad_norm > 0 and type(self) is LambParams:
+            raise ValueError(
+                f"max_grad_norm: {self.max_grad_norm} clips inside DeepSpeed's legacy fp16 Lamb "
+                "path only; set it to 0 and use the top-level gradient_clipping"
+            )
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(
+                f"min_coeff ({self.min_coeff}) must not exceed max_coeff ({self.max_coeff})"
+            )
+        return self
+
+
+class _CompressedParams(BaseModel):
+    """What DeepSpeed's 1-bit optimizers take to choose their transport. ds_core's compressed
+    all-reduce always runs on the selected backend's comm hooks, on device tensors, so neither
+    changes how it communicates; the engine logs that when they are set."""
+
+    comm_backend_name: Literal["nccl", "mpi", "hccl", "compressed"] = "nccl"
+    """DeepSpeed's transport for the compressed all-reduce. (Default: "nccl")"""
+    cuda_aware: Bool = False
+    """DeepSpeed's MPI transport: whether MPI reads device memory. (Default: false)"""
+
+
+class OneBitAdamParams(_MomentParams, _CompressedParams):
+    """``OneBitAdam`` (:class:`ds_core.optim.onebit_adam.OneBitAdam`)."""
+
+    freeze_step: Int = Field(default=100000, ge=0)
+    """Steps of uncompressed warm-up. (Default: 100000)"""
+
+
+class ZeroOneAdamParams(_MomentParams, _CompressedParams):
+    """``ZeroOneAdam``: 0/1 Adam (:class:`ds_core.optim.zero_one_adam.ZeroOneAdam`)."""
+
+    var_freeze_step: Int = Field(default=100000, ge=0)
+    """Step after which the variance is frozen. (Default: 100000)"""
+    var_update_scaler: Int = Field(default=16, gt=0)
+    """Growth of the interval between variance updates. (Default: 16)"""
+    local_step_scaler: Int = Field(default=32678, gt=0)
+    """Growth of the interval between synchronisations after the freeze. (Default: 32678)"""
+    local_step_clipper: Int = Field(default=16, gt=0)
+    """Upper bound of that interval. (Default: 16)"""
+
+
+class OneBitLambParams(LambParams, _CompressedParams):
+    """``OneBitLamb`` (:class:`ds_core.optim.onebit_lamb.OneBitLamb`)."""
+
+    freeze_step: Int = Field(default=100000, ge=0)
+    """Steps of uncompressed warm-up. (Default: 100000)"""
+    coeff_beta: Float = Field(default=0.9, ge=0, lt=1)
+    """Moving-average factor of the warm-up's trust ratios. (Default: 0.9)"""
+    factor_max: Float = Field(default=4.0, gt=0)
+    """Upper clamp of the compression stage's scaling factor. (Default: 4.0)"""
+    factor_min: Float = Field(default=0.5, gt=0)
+    """Lower clamp of that factor. (Default: 0.5)"""
+    factor_threshold: Float = Field(default=0.1, ge=0)
+    """Largest change of that factor per step. (Default: 0.1)"""
+
+
+#: the optimizers that average gradients themselves (compressed) after a warm-up.
+COMPRESSED_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
+
+
 def _as_lrs(value: Any) -> Any:
     # DeepSpeed takes one learning rate or one per parameter group.
     if isinstance(value, (list, tuple)):
@@ -139,7 +238,12 @@ def _check_total_steps(total: int, warmup: int) -> None:
 
 
 #: canonical optimizer name -> params model
-OPTIMIZER_TYPES: dict[str, type[BaseModel]] = {"Adam": AdamParams, "AdamW": AdamParams}
+OPTIMIZER_TYPES: dict[str, type[BaseModel]] = {
+    "Adam": AdamParams,
+    "AdamW": AdamParams,
+    "Lamb": LambParams,
+    "OneBitAdam": OneBitAdamParams,
+}
 #: canonical scheduler name -> params model
 SCHEDULER_TYPES: dict[str, type[BaseModel]] = {
     "WarmupLR": WarmupLRParams,
