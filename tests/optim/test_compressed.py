@@ -22,7 +22,9 @@ def test_bits_pack_most_significant_first_as_numpy() -> None:
         pack_bits(bits[:7])
 
 
-@pytest.mark.parametrize(("numel", "world", "padded"), [(37, 2, 48), (64, 4, 64), (65, 4, 96), (1, 3, 72)])
+@pytest.mark.parametrize(
+    ("numel", "world", "padded"), [(37, 2, 48), (64, 4, 64), (65, 4, 96), (1, 3, 72)]
+)
 def test_padding_is_deepspeeds_rule(numel: int, world: int, padded: int) -> None:
     # A multiple of world * lcm(world, 8): each rank's chunk is whole bytes.
     assert padded_numel(numel, world) == padded
@@ -65,7 +67,9 @@ def reference(inputs: list[list[np.ndarray]], numel: int) -> tuple[list[np.ndarr
 def test_compressed_all_reduce_matches_the_reference(run_ranks: RunJob, world: int) -> None:
     numel, steps = 37, 4
     got = run_ranks(world, "tests.optim._jobs:compressed", numel, steps)
-    inputs = [[rank_input(r, s, numel).double().numpy() for r in range(world)] for s in range(steps)]
+    inputs = [
+        [rank_input(r, s, numel).double().numpy() for r in range(world)] for s in range(steps)
+    ]
     outs, worker, server = reference(inputs, numel)
     for r in range(world):
         for s in range(steps):
