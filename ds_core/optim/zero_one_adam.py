@@ -99,6 +99,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
     """
 
     backward_allreduce: bool
+    #: state that belongs to this rank, not to parameter elements (checkpoints keep it per
+    #: rank and restore it at the same world size).
+    rank_local_state = ("worker_error", "server_error")
     """True: the engine must hand :meth:`step` gradients averaged over ``group``; false: this
     rank's own gradients (the optimizer communicates itself)."""
 

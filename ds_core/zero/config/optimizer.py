@@ -243,6 +243,7 @@ OPTIMIZER_TYPES: dict[str, type[BaseModel]] = {
     "AdamW": AdamParams,
     "Lamb": LambParams,
     "OneBitAdam": OneBitAdamParams,
+    "ZeroOneAdam": ZeroOneAdamParams,
 }
 #: canonical scheduler name -> params model
 SCHEDULER_TYPES: dict[str, type[BaseModel]] = {

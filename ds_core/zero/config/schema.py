@@ -273,7 +273,7 @@ class SchedulerConfig(BaseModel):
     """Schedule arguments, validated by the type's params model (defaults filled in)."""
 
 
-_NOT_YET_OPTIMIZERS = ("ZeroOneAdam", "OneBitLamb", "Adagrad", "SGD", "Lion")
+_NOT_YET_OPTIMIZERS = ("OneBitLamb", "Adagrad", "SGD", "Lion")
 _NOT_YET_SCHEDULERS = ("OneCycle", "WarmupCosineDecayLR")
 
 
