@@ -29,3 +29,35 @@ def compressed(numel: int, steps: int) -> dict[str, list[torch.Tensor]]:
         x = rank_input(rank, step, numel).to(device)
         outs.append(compressed_all_reduce(x, worker, server).cpu())
     return {"outs": outs, "worker": [worker.cpu()], "server": [server.cpu()]}
+
+
+def quantized(part: int, local_size: int) -> dict[str, torch.Tensor]:
+    """qwZ's all-gather of :func:`rank_input` shards and qgZ's reduce-scatter of
+    ``world × part`` inputs over nodes of ``local_size`` ranks; results on the host, with
+    the bytes each moved (CommCounter)."""
+    from ds_core.comm.counting import CommCounter
+    from ds_core.comm.quantized import node_groups, quantized_all_gather, quantized_reduce_scatter
+
+    device = ds_core.get_accelerator().device()
+    rank, world = get_rank(), get_world_size()
+    groups = node_groups(local_size)
+    counter = CommCounter()
+    ds_core.register_plugin(counter)
+    try:
+        gathered = torch.empty(world * part, device=device)
+        quantized_all_gather(gathered, rank_input(rank, 0, part).to(device), None, True).wait()
+        gather_bytes = sum(counter.bytes_by_op().values())
+        reduced = torch.empty(part, device=device)
+        handle = quantized_reduce_scatter(
+            reduced, rank_input(rank, 1, world * part).to(device), groups, True
+        )
+        handle.wait()
+        reduce_bytes = sum(counter.bytes_by_op().values()) - gather_bytes
+    finally:
+        ds_core.unregister_plugin(counter)
+    return {
+        "gathered": gathered.cpu(),
+        "reduced": reduced.cpu(),
+        "gather_bytes": torch.tensor(gather_bytes),
+        "reduce_bytes": torch.tensor(reduce_bytes),
+    }
