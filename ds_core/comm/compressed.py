@@ -35,8 +35,6 @@ from ds_core.comm.groups import get_world_size
 
 __all__ = ["compressed_all_reduce", "pack_bits", "padded_numel", "unpack_bits"]
 
-_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
-
 
 def padded_numel(numel: int, world: int) -> int:
     """Elements a tensor of ``numel`` elements occupies in the compressed all-reduce over
@@ -59,14 +57,21 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """
     if bits.numel() % 8:
         raise ValueError(f"pack_bits: {bits.numel()} bits is not a multiple of 8")
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
-    return (bits.reshape(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+    return (bits.reshape(-1, 8).to(torch.uint8) * _bit_weights(bits.device)).sum(
+        dim=1, dtype=torch.uint8
+    )
 
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`pack_bits`: a flat bool tensor of ``8 × packed.numel()`` bits."""
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
-    return (packed.reshape(-1, 1).bitwise_and(weights) != 0).reshape(-1)
+    return (packed.reshape(-1, 1).bitwise_and(_bit_weights(packed.device)) != 0).reshape(-1)
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """``128, 64, ..., 1`` as uint8, made on the device (a host tensor copied there would be
+    a host-to-device transfer, and so a host synchronisation, per call)."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
+    return torch.ones(8, dtype=torch.uint8, device=device).bitwise_left_shift(shifts)
 
 
 def _signs(bits: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,9 @@ class OneBitLamb(torch.optim.Optimizer):
     #: the engine's cue: hand :meth:`step` gradients averaged over the group (true, warm-up
     #: and the set-up step) or this rank's own (false, compression).
     backward_allreduce: bool
+    #: state that belongs to this rank, not to parameter elements (checkpoints keep it per
+    #: rank and restore it at the same world size; the layout is rebuilt on load).
+    rank_local_state = ("worker_error", "server_error", "fused_numels")
 
     def __init__(
         self,

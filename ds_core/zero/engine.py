@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
+from ds_core.comm.quantized import NodeGroups, node_groups
 from ds_core.errors import ConfigError
 from ds_core.parallel.expert.moe import dropped_parameters
 from ds_core.parallel.tensor import apply_autotp, model_tp_size, replaced_parameters
@@ -44,7 +45,7 @@ from ds_core.zero.compat import guards as _guards
 from ds_core.zero.compat.builders import bind_optimizer, bind_scheduler
 from ds_core.zero.compat.engine_api import DeepSpeedEngineAPI
 from ds_core.zero.compat.throughput import ThroughputTimer
-from ds_core.zero.config import DSConfig
+from ds_core.zero.config import DSConfig, ZeroConfig
 from ds_core.zero.offload.host import OptimizerOffload
 from ds_core.zero.offload.nvme import NvmeOptimizerOffload
 from ds_core.zero.offload.nvme_param import ParamSwapper
@@ -166,6 +167,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         #: NVMe parameter offload's swap files and buffers (see [Note: NVMe parameter swap]).
         self.param_swap: ParamSwapper | None = placed.param_swap
 
+        # - ZeRO++ (stage 3): quantized gathers and reductions, the in-node parameter copy
+        qgz = self._configure_zeropp(zcfg) if self.stage == 3 else None
+
         # - gradient path and stage-3 gathering
         self.reducer = GradReducer(
             # Backward produces gradients roughly in reverse order of registration.
@@ -182,6 +186,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             tp_size=self.mesh.tp_size,
             norm_dtype=self.norm_dtype,
             grad_dtype=self.master_dtype,
+            qgz=qgz,
         )
         if self.offload is not None:
             # Stages 2/3 (and 1 without accumulation) sum each micro-batch on the host.
@@ -233,6 +238,40 @@ class ZeroEngine(DeepSpeedEngineAPI):
         _guards.claim(model, self.label)
 
     # ------------------------------------------------------------------ Initialization #
+
+    def _configure_zeropp(self, zcfg: ZeroConfig) -> NodeGroups | None:
+        """Apply ``zero_quantized_weights`` (qwZ) and ``zero_hpz_partition_size`` (hpZ) to the
+        partitioned units; return qgZ's node groups when ``zero_quantized_gradients`` is on.
+        Collective (it may create process groups).
+
+        :raises ConfigError: an hpZ size that does not divide the data-parallel world, or
+            hpZ / qgZ with tensor parallelism.
+        """
+        partitioned = [u for u in self.units if u.mode is Mode.PARTITIONED]
+        for unit in partitioned:
+            unit.quantized_gather = bool(zcfg.zero_quantized_weights)
+        hpz = zcfg.zero_hpz_partition_size
+        if (hpz > 1 or zcfg.zero_quantized_gradients) and self.mesh.tp_size > 1:
+            raise ConfigError(
+                "zero_optimization.zero_hpz_partition_size / zero_quantized_gradients with "
+                "tensor_parallel.autotp_size > 1 is not supported; use one of them"
+            )
+        if hpz > 1:
+            if self.world % hpz:
+                raise ConfigError(
+                    f"zero_optimization.zero_hpz_partition_size: {hpz} does not divide the "
+                    f"world size {self.world}; use the ranks per node (LOCAL_WORLD_SIZE)"
+                )
+            nodes = node_groups(hpz)
+            for unit in partitioned:
+                if unit.group is None:  # experts gather over their own groups
+                    unit.enable_secondary(nodes.intra, hpz, self.rank % hpz)
+        if not zcfg.zero_quantized_gradients:
+            return None
+        try:
+            return node_groups()
+        except ValueError as exc:
+            raise ConfigError(f"zero_optimization.zero_quantized_gradients: {exc}") from None
 
     def _grad_hook(self, zp: ZeroParam) -> Callable[[torch.Tensor], None]:
         reducer = self.reducer

@@ -56,7 +56,7 @@ class GatheredParameters:
             if zp.mode is Mode.PARTITIONED and zp.unit is not None and zp.unit not in units:
                 units.append(zp.unit)
         for unit in units:  # the whole unit comes with each parameter: one collective each
-            unit.gather()
+            unit.gather(exact=True)  # changes go back to the shards: no qwZ codes, no hpZ copy
             unit.gather_count += 1
         self._units = units
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ds_core.accelerator import get_accelerator
+from ds_core.comm.quantized import quantized_all_gather
 from ds_core.types import Work
 
 if TYPE_CHECKING:
@@ -58,6 +59,18 @@ class InFlight:
     def wait(self) -> torch.Tensor:
         self.handle.wait()
         return self.output
+
+
+@dataclass(eq=False)
+class Secondary:
+    """hpZ's second copy of a stage-3 unit: ``buf`` is this rank's piece of the unit cut over
+    ``group`` (``size`` ranks, this one at ``rank``); ``valid`` while it matches the shards."""
+
+    group: Any
+    size: int
+    rank: int
+    buf: torch.Tensor
+    valid: bool = False
 
 
 def set_param_data(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -254,6 +267,11 @@ class FlatUnit:
         self._host_write: Any = None
         #: NVMe parameter offload: the swapper holding this unit's shard, or ``None``.
         self.swapper: ParamSwapper | None = None
+        #: ZeRO++ qwZ: gathers move 8-bit codes (:func:`~ds_core.comm.quantized.quantized_all_gather`).
+        self.quantized_gather = False
+        #: ZeRO++ hpZ: the copy partitioned inside a node (:meth:`enable_secondary`), or ``None``.
+        self.secondary: Secondary | None = None
+        self._refresh_secondary = False
         if mode is Mode.PARTITIONED:
             if self.host_shard and swapper is not None and swapper.adopt(self):
                 self.swapper = swapper  # no host memory until swapped in (zeros at first)
@@ -312,6 +330,8 @@ class FlatUnit:
             self._host_write = None
 
     def _range(self, dirty: bool = False) -> torch.Tensor:
+        if dirty and self.secondary is not None:
+            self.secondary.valid = False  # the shard may change: the next gather is primary
         if self.swapper is not None:
             return self.swapper.fetch(self, dirty)
         if self.shard is not None:
@@ -354,14 +374,35 @@ class FlatUnit:
         handle = get_accelerator().all_gather(self.flat, send, self.group, async_op)
         return InFlight(handle, send, self.flat)
 
-    def gather(self, async_op: bool = False) -> None:
-        """PARTITIONED: start (or with ``async_op`` false, finish) gathering the full unit."""
+    def enable_secondary(self, group: Any, size: int, rank: int) -> None:
+        """hpZ: keep this unit also partitioned over ``group`` (``size`` ranks, this one at
+        ``rank``): the first gather after the shards change fills this rank's piece of it, and
+        later gathers read it over ``group`` instead of the whole world."""
+        piece = self.padded // size
+        buf = torch.empty(piece, dtype=self.dtype, device=self.device)
+        self.secondary = Secondary(group, size, rank, buf)
+
+    def gather(self, async_op: bool = False, exact: bool = False) -> None:
+        """PARTITIONED: start (or with ``async_op`` false, finish) gathering the full unit.
+
+        :param exact: gather the shards themselves, never the hpZ copy or qwZ codes (for
+            :class:`~ds_core.zero.gathered.GatheredParameters`, whose changes go back to them).
+        """
         if self.gathered or self.inflight is not None:
             if not async_op:
                 self.wait_gather()
             return
         assert self.flat is not None
         self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
+        sec = self.secondary
+        if sec is not None and sec.valid and not exact:
+            # hpZ: the step's first gather left a copy inside the node; read it there.
+            work = get_accelerator().all_gather(self.flat, sec.buf, sec.group, async_op)
+            self.inflight = InFlight(work, sec.buf, self.flat)
+            if not async_op:
+                self.wait_gather()
+            return
+        self._refresh_secondary = sec is not None
         src = self._range() if self.swapper is not None else self.shard
         assert src is not None
         if self.host_shard:
@@ -371,7 +412,11 @@ class FlatUnit:
             src.copy_(host, non_blocking=self.pinned)
             if self.swapper is not None:
                 self.swapper.read_by_device(self)
-        handle = get_accelerator().all_gather(self.flat, src, self.group, async_op)
+        handle: Work
+        if self.quantized_gather and not exact:
+            handle = quantized_all_gather(self.flat, src, self.group, async_op)
+        else:
+            handle = get_accelerator().all_gather(self.flat, src, self.group, async_op)
         self.inflight = InFlight(handle, src, self.flat)
         if not async_op:
             self.wait_gather()
@@ -382,6 +427,12 @@ class FlatUnit:
             return
         out = self.inflight.wait()
         self.inflight = None
+        if self._refresh_secondary and self.secondary is not None:
+            sec = self.secondary
+            n = sec.buf.numel()
+            sec.buf.copy_(out[sec.rank * n : (sec.rank + 1) * n])
+            sec.valid = True
+            self._refresh_secondary = False
         for zp in self.zparams:
             set_param_data(zp.param, out[zp.offset : zp.offset + zp.numel].view(zp.shape))
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ds_core.accelerator import Accelerator
+from ds_core.comm.quantized import NodeGroups, quantized_reduce_scatter
 from ds_core.types import Work
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
 
@@ -137,6 +138,9 @@ class GradReducer:
     :param grad_dtype: dtype of the accumulators and the reduced ranges the optimizer reads:
         fp32, or bf16 with ``bf16.bf16_master_weights_and_grads`` (the norm stays in
         ``norm_dtype``).
+    :param qgz: ZeRO++ ``zero_quantized_gradients``: the node groups of
+        :func:`~ds_core.comm.quantized.quantized_reduce_scatter`, used for the units reduced
+        over the whole world (experts keep exact reduce-scatters); ``None``: off.
     """
 
     def __init__(
@@ -154,8 +158,11 @@ class GradReducer:
         tp_size: int = 1,
         norm_dtype: torch.dtype = torch.float32,
         grad_dtype: torch.dtype = torch.float32,
+        qgz: NodeGroups | None = None,
     ) -> None:
         self.policy = policy_for(stage, gas)
+        #: ZeRO++ qgZ: reduce-scatters over the whole world go through quantized all-to-alls.
+        self.qgz = qgz
         self.norm_dtype = norm_dtype
         self.grad_dtype = grad_dtype
         self.tp_rank = tp_rank
@@ -330,16 +337,21 @@ class GradReducer:
     def _collective(self, unit: FlatUnit, out: torch.Tensor, send: torch.Tensor) -> Work:
         acc = self.acc
         if self._stream is None:
-            if self.policy.all_reduce:
-                return acc.all_reduce(out, "sum", unit.group, False)
-            return acc.reduce_scatter(out, send, "sum", unit.group, False)
+            return self._issue_collective(unit, out, send, False)
         ready = acc.Event()
         ready.record()  # on the producing (current) stream
         with acc.stream(self._stream):
             self._stream.wait_event(ready)
-            if self.policy.all_reduce:
-                return acc.all_reduce(out, "sum", unit.group, True)
-            return acc.reduce_scatter(out, send, "sum", unit.group, True)
+            return self._issue_collective(unit, out, send, True)
+
+    def _issue_collective(
+        self, unit: FlatUnit, out: torch.Tensor, send: torch.Tensor, async_op: bool
+    ) -> Work:
+        if self.policy.all_reduce:
+            return self.acc.all_reduce(out, "sum", unit.group, async_op)
+        if self.qgz is not None and unit.group is None:
+            return quantized_reduce_scatter(out, send, self.qgz, async_op)
+        return self.acc.reduce_scatter(out, send, "sum", unit.group, async_op)
 
     def _complete_oldest(self) -> None:
         done = self._inflight.popleft()

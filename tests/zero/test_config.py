@@ -568,7 +568,7 @@ def test_optimizer_type_errors() -> None:
         {"optimizer": {"type": "Lion"}}
     )
     assert (
-        "unknown type 'Adma' (one of Adam, AdamW, Lamb, OneBitAdam, ZeroOneAdam); did you mean 'Adam'?"
+        "unknown type 'Adma' (one of Adam, AdamW, Lamb, OneBitAdam, ZeroOneAdam, OneBitLamb); did you mean 'Adam'?"
         in error_of({"optimizer": {"type": "Adma"}})
     )
     assert "optimizer.type: is required" in error_of({"optimizer": {"params": {}}})

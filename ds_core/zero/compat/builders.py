@@ -22,6 +22,7 @@ from ds_core.errors import ConfigError
 from ds_core.ops.cpu_adam import DeepSpeedCPUAdam
 from ds_core.optim.lamb import Lamb
 from ds_core.optim.onebit_adam import OneBitAdam
+from ds_core.optim.onebit_lamb import OneBitLamb
 from ds_core.optim.zero_one_adam import ZeroOneAdam
 from ds_core.zero.adam import AdamNoBiasCorrection
 from ds_core.zero.config import (
@@ -175,6 +176,8 @@ def _build_ds_optimizer(
         return OneBitAdam(groups, group=group, **params)
     if name == "ZeroOneAdam":
         return ZeroOneAdam(groups, group=group, **params)
+    if name == "OneBitLamb":
+        return OneBitLamb(groups, group=group, **params)
     raise ConfigError(f"optimizer.type: '{name}' has no builder")
 
 

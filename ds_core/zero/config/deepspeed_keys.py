@@ -121,10 +121,7 @@ _UNSUPPORTED: dict[tuple[str, ...], frozenset[str]] = {
     ),
     ("zero_optimization",): frozenset(
         {
-            "zero_quantized_weights",
             "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients",
-            "zero_hpz_partition_size",
             "mics_shard_size",
             "mics_hierarchical_params_gather",
             "zeropp_loco_param",
@@ -164,11 +161,8 @@ _NO_OP_VALUES: dict[tuple[tuple[str, ...], str], Callable[[Any], bool]] = {
     ((), "sparse_gradients"): lambda v: v is False,
     ((), "gradient_allreduce_op"): lambda v: v == "mean",
     (("fp16",), "consecutive_hysteresis"): lambda v: v is False,
-    (("zero_optimization",), "zero_hpz_partition_size"): lambda v: v == 1,
     # DeepSpeed's defaults (DeepSpeedZeroConfig, TPTrainingConfig): off, so nothing asked for
-    (("zero_optimization",), "zero_quantized_weights"): lambda v: v is False,
     (("zero_optimization",), "zero_quantized_nontrainable_weights"): lambda v: v is False,
-    (("zero_optimization",), "zero_quantized_gradients"): lambda v: v is False,
     (("zero_optimization",), "pipeline_loading_checkpoint"): lambda v: v is False,
     (("tensor_parallel",), "keep_module_on_host"): lambda v: v is False,
     (("tensor_parallel",), "replace_with_kernel_inject"): lambda v: v is False,

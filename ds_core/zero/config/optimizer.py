@@ -244,6 +244,7 @@ OPTIMIZER_TYPES: dict[str, type[BaseModel]] = {
     "Lamb": LambParams,
     "OneBitAdam": OneBitAdamParams,
     "ZeroOneAdam": ZeroOneAdamParams,
+    "OneBitLamb": OneBitLambParams,
 }
 #: canonical scheduler name -> params model
 SCHEDULER_TYPES: dict[str, type[BaseModel]] = {

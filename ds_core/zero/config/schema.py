@@ -6,7 +6,7 @@ unknown key also names the closest known key. Three kinds of DeepSpeed keys are 
 
 - performance knobs that mean nothing in this design (``contiguous_gradients``,
   ``wall_clock_breakdown``, ...) are accepted and named in one warning;
-- keys that would change results but are not implemented (``zero_quantized_weights``,
+- keys that would change results but are not implemented (``zero_quantized_nontrainable_weights``,
   ``activation_checkpointing``, ...) are errors saying "not supported yet";
 - result-changing keys set to their no-op value (``prescale_gradients: false``,
   ``fp32_allreduce: false``) are accepted with the knobs' warning.
@@ -183,6 +183,20 @@ class ZeroConfig(BaseModel):
     """Let ``engine.save_16bit_model`` gather stage-3 parameters into a consolidated file
     (DeepSpeed's legacy spelling ``stage3_gather_fp16_weights_on_model_save`` is read too).
     (Default: false)"""
+    zero_quantized_weights: Bool = False
+    """ZeRO++ qwZ: stage 3 gathers parameters as 8-bit block-quantized codes and every rank
+    computes with the dequantized weights (a quarter of an fp32 gather's bytes, half of a
+    bf16 one's); the masters and the optimizer stay exact (:mod:`ds_core.comm.quantized`).
+    (Default: false)"""
+    zero_quantized_gradients: Bool = False
+    """ZeRO++ qgZ: stage 3 reduce-scatters gradients as two all-to-alls of block-quantized
+    codes, 4-bit inside a node and 8-bit across nodes (nodes of the launcher's
+    ``LOCAL_WORLD_SIZE`` ranks); accumulation stays fp32. (Default: false)"""
+    zero_hpz_partition_size: Int = Field(default=1, ge=1)
+    """ZeRO++ hpZ: with a size above 1, stage 3 keeps a second copy of each parameter
+    partitioned over groups of this many consecutive ranks (a node), filled by the forward's
+    gather, so later gathers in the step (backward's) stay inside the group. Must divide the
+    world size. (Default: 1, off)"""
     sub_group_size: Int = Field(default=1_000_000_000, gt=0)
     """Elements of optimizer state stepped (and, with NVMe offload, swapped) as one piece:
     each unit's range is cut into sub-groups of at most this many elements. (Default: 1e9)"""
@@ -273,7 +287,7 @@ class SchedulerConfig(BaseModel):
     """Schedule arguments, validated by the type's params model (defaults filled in)."""
 
 
-_NOT_YET_OPTIMIZERS = ("OneBitLamb", "Adagrad", "SGD", "Lion")
+_NOT_YET_OPTIMIZERS = ("Adagrad", "SGD", "Lion")
 _NOT_YET_SCHEDULERS = ("OneCycle", "WarmupCosineDecayLR")
 
 
@@ -659,6 +673,17 @@ def load_config(
     if errors:
         raise fail(errors)
     if cfg is not None and cfg.zero_optimization.stage < 3:
+        zcfg = cfg.zero_optimization
+        for key, on in (
+            ("zero_quantized_weights", zcfg.zero_quantized_weights),
+            ("zero_quantized_gradients", zcfg.zero_quantized_gradients),
+            ("zero_hpz_partition_size", zcfg.zero_hpz_partition_size > 1),
+        ):
+            if on:
+                ignored.append(
+                    f"zero_optimization.{key} (ZeRO++ acts at stage 3 only; stage "
+                    f"{zcfg.stage} ignores it, as DeepSpeed does)"
+                )
         device = cfg.zero_optimization.offload_param.device
         if device != "none":
             ignored.append(
