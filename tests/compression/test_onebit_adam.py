@@ -15,8 +15,8 @@ from ds_core import ConfigError
 from ds_core.comm.compressed import padded_numel
 from ds_core.optim.onebit_adam import OneBitAdam
 from ds_core.zero.config import load_config
-from tests.optim._engine_jobs import MICRO, batch, model
-from tests.optim.conftest import RunJob
+from tests.compression._engine_jobs import MICRO, batch, model
+from tests.compression.conftest import RunJob
 
 LR, FREEZE, WD = 1e-2, 4, 0.01
 
@@ -108,7 +108,7 @@ def reference(
 @pytest.mark.parametrize("world", [2, 3])
 def test_engine_trains_as_deepspeeds_onebit_adam(run_ranks: RunJob, world: int) -> None:
     steps = 9
-    got = run_ranks(world, "tests.optim._engine_jobs:train", config(), steps)
+    got = run_ranks(world, "tests.compression._engine_jobs:train", config(), steps)
     want, flags = reference(world, steps)
     for r in range(world):
         assert got[r]["flags"] == flags  # warm-up through step FREEZE, then local gradients

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ds_core.comm.quantized import block_size, dequantize, error_bound, quantize
-from tests.optim._jobs import rank_input
-from tests.optim.conftest import RunJob
+from tests.compression._jobs import rank_input
+from tests.compression.conftest import RunJob
 
 
 def numpy_quantize(x: np.ndarray, bits: int, block: int) -> np.ndarray:
@@ -59,7 +59,7 @@ def test_bad_bit_widths_are_refused() -> None:
 @pytest.mark.parametrize(("world", "local"), [(2, 2), (4, 2)])
 def test_qwz_and_qgz_against_exact_collectives(run_ranks: RunJob, world: int, local: int) -> None:
     part = 3000  # two 2048-element blocks per shard, the second one short
-    got = run_ranks(world, "tests.optim._jobs:quantized", part, local)
+    got = run_ranks(world, "tests.compression._jobs:quantized", part, local)
     shards = [rank_input(r, 0, part) for r in range(world)]
     exact_gather = torch.cat(shards)
     bound = torch.cat([error_bound(s.reshape(1, -1), 8)[0] for s in shards])

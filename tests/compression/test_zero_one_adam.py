@@ -13,8 +13,8 @@ import torch
 
 from ds_core.comm.compressed import padded_numel
 from ds_core.optim.zero_one_adam import ZeroOneAdam
-from tests.optim import _zoadam_jobs as jobs
-from tests.optim.conftest import RunJob
+from tests.compression import _zoadam_jobs as jobs
+from tests.compression.conftest import RunJob
 
 #: crosses var_interval 1 → 2 → 4, the freeze after step 7 and local intervals 1 → 2 → 4 (clipped)
 CFG: dict[str, Any] = {
@@ -317,4 +317,4 @@ def test_sparse_gradients_are_refused() -> None:
 
 @pytest.mark.slow
 def test_two_ranks_match_reference_flags_and_resume(run_ranks: RunJob) -> None:
-    check(run_ranks(2, "tests.optim._zoadam_jobs:run", CFG, STEPS, SPLITS), world=2)
+    check(run_ranks(2, "tests.compression._zoadam_jobs:run", CFG, STEPS, SPLITS), world=2)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ds_core.comm.compressed import pack_bits, padded_numel, unpack_bits
-from tests.optim._jobs import rank_input
-from tests.optim.conftest import RunJob
+from tests.compression._jobs import rank_input
+from tests.compression.conftest import RunJob
 
 
 def test_bits_pack_most_significant_first_as_numpy() -> None:
@@ -66,7 +66,7 @@ def reference(inputs: list[list[np.ndarray]], numel: int) -> tuple[list[np.ndarr
 @pytest.mark.parametrize("world", [2, 3])
 def test_compressed_all_reduce_matches_the_reference(run_ranks: RunJob, world: int) -> None:
     numel, steps = 37, 4
-    got = run_ranks(world, "tests.optim._jobs:compressed", numel, steps)
+    got = run_ranks(world, "tests.compression._jobs:compressed", numel, steps)
     inputs = [
         [rank_input(r, s, numel).double().numpy() for r in range(world)] for s in range(steps)
     ]

@@ -12,7 +12,7 @@ import torch
 
 from ds_core import ConfigError
 from ds_core.zero.config import load_config
-from tests.optim.conftest import RunJob
+from tests.compression.conftest import RunJob
 
 STEPS, WORLD, LOCAL = 6, 4, 2
 
@@ -27,7 +27,7 @@ def runs(run_ranks: RunJob) -> Any:
 
     def get(name: str, extra: dict[str, Any]) -> list[dict[str, Any]]:
         if name not in cache:
-            cache[name] = run_ranks(WORLD, "tests.optim._engine_jobs:zeropp", extra, STEPS, LOCAL)
+            cache[name] = run_ranks(WORLD, "tests.compression._engine_jobs:zeropp", extra, STEPS, LOCAL)
         return cache[name]
 
     return get

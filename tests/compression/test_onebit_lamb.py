@@ -20,8 +20,8 @@ import torch
 
 from ds_core.comm.compressed import padded_numel
 from ds_core.optim.onebit_lamb import OneBitLamb
-from tests.optim import _lamb1bit_jobs as jobs
-from tests.optim.conftest import RunJob
+from tests.compression import _lamb1bit_jobs as jobs
+from tests.compression.conftest import RunJob
 
 BETAS = (0.9, 0.999)
 EPS = 1e-8
@@ -75,7 +75,7 @@ def compress(x: np.ndarray) -> tuple[np.ndarray, float, np.ndarray]:
 
 class CompressedMean:
     """Every rank's compressed all-reduce with error feedback kept across calls (the logic
-    of tests/optim/test_compressed.py's reference, one call per step)."""
+    of tests/compression/test_compressed.py's reference, one call per step)."""
 
     def __init__(self, numel: int, world: int) -> None:
         self.numel, self.world = numel, world
@@ -351,7 +351,7 @@ def test_two_ranks_match_reference(run_ranks: RunJob, freeze_step: int) -> None:
     # freeze_step 5: step 1 set-up, 2-5 warm-up, 6-10 compressed; 1: compressed from step 3,
     # with the scaling factor clamped from above (see the one-rank test)
     steps = 10
-    got = run_ranks(2, "tests.optim._lamb1bit_jobs:train", steps, freeze_step)
+    got = run_ranks(2, "tests.compression._lamb1bit_jobs:train", steps, freeze_step)
     want = reference(2, steps, freeze_step)
     assert want["flags"] == deepspeed_flags(freeze_step, steps)
     for r, result in enumerate(got):
@@ -390,7 +390,7 @@ def reference_without_compression(steps: int, freeze_step: int) -> list[np.ndarr
 def test_checkpoint_resumes_bitwise(run_ranks: RunJob, freeze_step: int) -> None:
     # freeze_step 3: saved mid-compression (error buffers live); 6: saved in warm-up, the
     # resumed run crosses into compression.
-    got = run_ranks(2, "tests.optim._lamb1bit_jobs:resume", 4, 8, freeze_step)
+    got = run_ranks(2, "tests.compression._lamb1bit_jobs:resume", 4, 8, freeze_step)
     for r, runs in enumerate(got):
         straight, resumed = runs["straight"], runs["resumed"]
         assert resumed["flags"] == straight["flags"] == deepspeed_flags(freeze_step, 8)[4:8]

@@ -1,5 +1,7 @@
-"""Multi-rank optimizer tests run their jobs on the session's rank pools (tests/rankpool.py),
-once per backend of the engine's matrix that is installed (cpu, and sim in both async modes).
+"""Tests of communication-efficient training: the 1-bit all-reduce and the optimizers on it,
+Lamb, ZeRO++'s quantized collectives. Multi-rank jobs run on the session's rank pools
+(tests/rankpool.py), once per installed backend of the engine's matrix (cpu, and sim in both
+async modes).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.optim._engine_jobs import MICRO
-from tests.optim.conftest import RunJob
+from tests.compression._engine_jobs import MICRO
+from tests.compression.conftest import RunJob
 
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "Lamb": {"lr": 1e-2, "weight_decay": 0.01, "max_coeff": 0.5},
@@ -39,8 +39,8 @@ def config(name: str) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_engine_drives_the_optimizer_as_by_hand(run_ranks: RunJob, name: str) -> None:
-    engine = run_ranks(2, "tests.optim._engine_jobs:train", config(name), STEPS)
-    by_hand = run_ranks(2, "tests.optim._engine_jobs:manual", config(name), STEPS)
+    engine = run_ranks(2, "tests.compression._engine_jobs:train", config(name), STEPS)
+    by_hand = run_ranks(2, "tests.compression._engine_jobs:manual", config(name), STEPS)
     for r in range(2):
         assert engine[r]["flags"] == by_hand[r]["flags"]
         for step in range(STEPS):
@@ -58,9 +58,9 @@ def test_engine_drives_the_optimizer_as_by_hand(run_ranks: RunJob, name: str) ->
 @pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "Lamb"])
 def test_checkpoint_resumes_bit_for_bit(run_ranks: RunJob, tmp_path: Any, name: str) -> None:
     ckpt = str(tmp_path / "ckpt")
-    straight = run_ranks(2, "tests.optim._engine_jobs:train", config(name), STEPS, 5, ckpt)
+    straight = run_ranks(2, "tests.compression._engine_jobs:train", config(name), STEPS, 5, ckpt)
     resumed = run_ranks(
-        2, "tests.optim._engine_jobs:train", {**config(name), "_load": True}, STEPS - 5, None, ckpt
+        2, "tests.compression._engine_jobs:train", {**config(name), "_load": True}, STEPS - 5, None, ckpt
     )
     for r in range(2):
         assert resumed[r]["flags"] == straight[r]["flags"][5:]
