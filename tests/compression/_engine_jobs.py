@@ -28,12 +28,17 @@ def batch(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 
 def train(
-    config: dict[str, Any], steps: int, save_at: int | None = None, ckpt: str = ""
+    config: dict[str, Any],
+    steps: int,
+    save_at: int | None = None,
+    ckpt: str = "",
+    poison: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; the parameters after each step (host, by name), the
-    ``backward_allreduce`` seen before each step, and the step's reported gradient norm.
+    ``backward_allreduce`` seen before each step, and the skipped-step count at the end.
     With ``save_at``, save a checkpoint to ``ckpt`` after that step; a run whose config
-    carries ``"_load": true`` loads it first and trains ``steps`` more."""
+    carries ``"_load": true`` loads it first and trains ``steps`` more. ``poison``
+    ``(rank, step)``: that rank's inputs of that step are inf (its gradients overflow)."""
     cfg = dict(config)
     load = cfg.pop("_load", False)
     engine, *_ = ds_core.zero.initialize(model=model(), config=cfg)
@@ -48,8 +53,11 @@ def train(
         flags.append(bool(getattr(engine.optimizer, "backward_allreduce", True)))
         for micro in range(engine.gas):
             x, y = batch(rank, step, micro)
+            if poison == (rank, step):
+                x = torch.full_like(x, float("inf"))
             dev = engine.device
-            loss = torch.nn.functional.mse_loss(engine(x.to(dev)), y.to(dev))
+            x = x.to(dev, engine.module[0].weight.dtype)
+            loss = torch.nn.functional.mse_loss(engine(x).float(), y.to(dev))
             engine.backward(loss)
             engine.step()
         params.append(
@@ -57,8 +65,9 @@ def train(
         )
         if save_at is not None and step + 1 == save_at:
             engine.save_checkpoint(ckpt)
+    skipped = engine.skipped_steps
     engine.destroy()
-    return {"params": params, "flags": flags}
+    return {"params": params, "flags": flags, "skipped": skipped}
 
 
 class GroupBytes:
@@ -130,11 +139,14 @@ def manual(config: dict[str, Any], steps: int) -> dict[str, Any]:
     opt = build_optimizer(OptimizerConfig(**config["optimizer"]), list(net.parameters()))
     rank, world = get_rank(), get_world_size()
     params, flags = [], []
+    gas = int(config.get("gradient_accumulation_steps", 1))
     for step in range(steps):
         flag = bool(getattr(opt, "backward_allreduce", True))
         flags.append(flag)
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(net(x.to(device)), y.to(device)).backward()
+        for micro in range(gas):
+            x, y = batch(rank, step, micro)
+            loss = torch.nn.functional.mse_loss(net(x.to(device)), y.to(device))
+            (loss / gas).backward()
         if flag and world > 1:
             for p in net.parameters():
                 ds_core.comm.all_reduce(p.grad, "sum")

@@ -27,7 +27,9 @@ def runs(run_ranks: RunJob) -> Any:
 
     def get(name: str, extra: dict[str, Any]) -> list[dict[str, Any]]:
         if name not in cache:
-            cache[name] = run_ranks(WORLD, "tests.compression._engine_jobs:zeropp", extra, STEPS, LOCAL)
+            cache[name] = run_ranks(
+                WORLD, "tests.compression._engine_jobs:zeropp", extra, STEPS, LOCAL
+            )
         return cache[name]
 
     return get
