@@ -116,10 +116,57 @@ def _adamw_reference(cls: Callable[..., torch.optim.Optimizer], device: torch.de
         )
 
 
+def _quantizer_reference(op: Any, device: torch.device) -> None:
+    # Block quantization and the 1-bit compression written out in float64 from their
+    # definitions (hookspecs/op.py), on the device when the op runs there, else the host.
+    where = device if op.accepts(torch.zeros(1, device=device)) else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 70, generator=gen) * 3
+    x[0, :4] = 0
+    for bits in (8, 4):
+        codes, scales = op.quantize(x.to(where), bits, 16)
+        back = op.dequantize(codes, scales, bits, 70, 16).cpu().double()
+        qmax = 2 ** (bits - 1) - 1
+        want = torch.zeros_like(back)
+        for lo in range(0, 70, 14):  # 70 values in blocks of at most 16: 5 blocks of 14
+            blk = x[:, lo : lo + 14].double()
+            absmax = blk.abs().amax(dim=1, keepdim=True)
+            scale = absmax / qmax
+            q = torch.where(absmax > 0, (blk / scale).round().clamp(-qmax, qmax), 0 * blk)
+            want[:, lo : lo + 14] = q * scale
+        err = float((back - want).abs().max())
+        check(
+            torch.allclose(back, want, rtol=1e-5, atol=1e-6),
+            f"{bits}-bit block quantization round trip (max abs error {err:.2e})",
+            "different",
+            "the symmetric block quantization computed in float64 (rtol 1e-5, atol 1e-6)",
+            "the loaded quantizer",
+        )
+    y = torch.randn(64, generator=gen)
+    packed, scale, error = op.onebit_compress(y.to(where))
+    y64 = y.double()
+    signs = torch.where(y64 < 0, -1.0, 1.0).double()
+    want_scale = y64.norm() / 8.0
+    expanded = op.onebit_expand(packed.reshape(1, 8), scale.reshape(1)).cpu().double()
+    ok = (
+        abs(float(scale) - float(want_scale)) <= 1e-5 * float(want_scale)
+        and torch.allclose(expanded, want_scale * signs, rtol=1e-5)
+        and torch.allclose(error.cpu().double(), y64 - want_scale * signs, rtol=1e-4, atol=1e-5)
+    )
+    check(
+        ok,
+        "1-bit compression of 64 values (scale, signs, error)",
+        "different",
+        "||x|| / sqrt(n), the signs of x, x - scale * sign, computed in float64",
+        "the loaded quantizer",
+    )
+
+
 # Well-known op names and how to check one (hookspecs/op.py names them); other names skip.
 REFERENCES: dict[str, Callable[[Any, torch.device], None]] = {
     "fused_adam": lambda op, device: _adamw_reference(op, device),
     "cpu_adam": lambda op, device: _adamw_reference(op, torch.device("cpu")),
+    "quantizer": _quantizer_reference,
 }
 
 

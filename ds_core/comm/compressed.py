@@ -32,8 +32,28 @@ import torch
 
 from ds_core.accelerator import get_accelerator
 from ds_core.comm.groups import get_world_size
+from ds_core.errors import DSCoreError
+from ds_core.ops.quantizer import Quantizer, TorchQuantizer, pack_bits, unpack_bits
 
-__all__ = ["compressed_all_reduce", "pack_bits", "padded_numel", "unpack_bits"]
+__all__ = ["compressed_all_reduce", "pack_bits", "padded_numel", "quantizer_for", "unpack_bits"]
+
+_TORCH = TorchQuantizer()
+_offered: dict[str, Quantizer] = {}
+
+
+def quantizer_for(t: torch.Tensor) -> Quantizer:
+    """The arithmetic for ``t``: the selected backend's op ``"quantizer"`` when it offers one
+    that runs on ``t``'s device (the CPU backend's compiled host kernel), else the PyTorch
+    path (:mod:`ds_core.ops.quantizer`)."""
+    acc = get_accelerator()
+    kernel = _offered.get(acc.name)
+    if kernel is None:
+        try:
+            kernel = acc.get_op("quantizer").load()
+        except DSCoreError:
+            kernel = _TORCH  # the backend offers none: the PyTorch path, on any device
+        _offered[acc.name] = kernel
+    return kernel if kernel.accepts(t) else _TORCH
 
 
 def padded_numel(numel: int, world: int) -> int:
@@ -47,44 +67,6 @@ def padded_numel(numel: int, world: int) -> int:
         raise ValueError(f"padded_numel: numel must be >= 0 and world >= 1, got {numel}, {world}")
     step = world * (world * 8 // math.gcd(world, 8))
     return -(-numel // step) * step
-
-
-def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Pack a flat bool tensor (length a multiple of 8) into uint8, 8 per byte, the first
-    element in the most significant bit (numpy's ``packbits`` order).
-
-    :raises ValueError: the length is not a multiple of 8.
-    """
-    if bits.numel() % 8:
-        raise ValueError(f"pack_bits: {bits.numel()} bits is not a multiple of 8")
-    return (bits.reshape(-1, 8).to(torch.uint8) * _bit_weights(bits.device)).sum(
-        dim=1, dtype=torch.uint8
-    )
-
-
-def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`pack_bits`: a flat bool tensor of ``8 × packed.numel()`` bits."""
-    return (packed.reshape(-1, 1).bitwise_and(_bit_weights(packed.device)) != 0).reshape(-1)
-
-
-def _bit_weights(device: torch.device) -> torch.Tensor:
-    """``128, 64, ..., 1`` as uint8, made on the device (a host tensor copied there would be
-    a host-to-device transfer, and so a host synchronisation, per call)."""
-    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
-    return torch.ones(8, dtype=torch.uint8, device=device).bitwise_left_shift(shifts)
-
-
-def _signs(bits: torch.Tensor) -> torch.Tensor:
-    """``+1.0`` where a bit is set, ``-1.0`` where not (fp32)."""
-    return bits.to(torch.float32).mul_(2.0).sub_(1.0)
-
-
-def _compress(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(bits, scale, error)`` of ``x``: its signs, ``||x|| / sqrt(n)`` (1 element) and what
-    ``scale × sign`` misses. ``x`` is fp32 and flat."""
-    scale = torch.linalg.vector_norm(x).div_(math.sqrt(x.numel())).reshape(1)
-    bits = ~(x < 0)
-    return bits, scale, x - scale * _signs(bits)
 
 
 def compressed_all_reduce(
@@ -127,25 +109,25 @@ def compressed_all_reduce(
     x = torch.zeros(padded, dtype=torch.float32, device=buffer.device)
     x[:n].copy_(buffer.reshape(-1))
     x.add_(worker_error)
-    bits, scale, err = _compress(x)
+    kernel = quantizer_for(x)
+    bits, scale, err = kernel.onebit_compress(x)
     worker_error.copy_(err)
 
     # Phase 1: each chunk's bits to its owner, every rank's scale to every rank.
-    sent = pack_bits(bits).reshape(world, chunk // 8)
+    sent = bits.reshape(world, chunk // 8)
     got = torch.empty_like(sent)
     acc.all_to_all(got, sent, None, None, group)
     scales = torch.empty(world, dtype=torch.float32, device=buffer.device)
     acc.all_gather(scales, scale, group)
-    weights = scales.mul_(1.0 / world).reshape(world, 1)
-    mean = (_signs(unpack_bits(got)).reshape(world, chunk) * weights).sum(0)
+    mean = kernel.onebit_weighted_sum(got, scales.mul_(1.0 / world))
 
     # Phase 2: this rank's chunk, compressed again, to everyone.
     mean.add_(server_error)
-    sbits, sscale, serr = _compress(mean)
+    sbits, sscale, serr = kernel.onebit_compress(mean)
     server_error.copy_(serr)
     all_bits = torch.empty(world * (chunk // 8), dtype=torch.uint8, device=buffer.device)
-    acc.all_gather(all_bits, pack_bits(sbits), group)
+    acc.all_gather(all_bits, sbits, group)
     all_scales = torch.empty(world, dtype=torch.float32, device=buffer.device)
     acc.all_gather(all_scales, sscale, group)
-    out = _signs(unpack_bits(all_bits)).reshape(world, chunk).mul_(all_scales.reshape(world, 1))
-    return out.reshape(-1)[:n].reshape(buffer.shape)
+    out = kernel.onebit_expand(all_bits.reshape(world, chunk // 8), all_scales)
+    return out[:n].reshape(buffer.shape)

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from ds_core.accelerator import get_accelerator
+from ds_core.comm.compressed import quantizer_for
 from ds_core.comm.groups import get_rank, get_world_size, new_group, on_destroy
+from ds_core.ops.quantizer import block_size
 from ds_core.types import Work
 
 __all__ = [
@@ -53,20 +55,12 @@ __all__ = [
 BLOCK = 2048
 
 
-def block_size(cols: int, block: int = BLOCK) -> int:
-    """Elements per scale for rows of ``cols`` values: the fewest blocks of at most ``block``
-    elements, evened out so the padding stays under two elements per block (and even, so
-    4-bit codes pair up in bytes)."""
-    blocks = max(1, -(-cols // block))
-    size = -(-cols // blocks)
-    return size + size % 2
-
-
 def quantize(x: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric block quantization of each row of ``x`` (2-D, any float dtype).
+    """Symmetric block quantization of each row of ``x`` (2-D, any float dtype), by the
+    backend's ``"quantizer"`` op where it runs on ``x``'s device, else PyTorch.
 
     :param bits: 8 or 4.
-    :param block: elements per scale (rows are padded with zeros to whole blocks).
+    :param block: elements per scale at most (:func:`block_size`; rows are padded with zeros).
     :returns: ``(codes, scales)``: uint8 codes, ``(rows, padded)`` for 8 bits or
         ``(rows, padded / 2)`` for 4 bits, and fp32 scales ``(rows, padded / block)``.
     :raises ValueError: ``bits`` is not 4 or 8, or ``x`` is not 2-D.
@@ -75,21 +69,7 @@ def quantize(x: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tens
         raise ValueError(f"quantize: bits must be 4 or 8, got {bits}")
     if x.dim() != 2:
         raise ValueError(f"quantize: x must be 2-D (rows, values), got shape {tuple(x.shape)}")
-    rows, cols = x.shape
-    b = block_size(cols, block)
-    padded = -(-cols // b) * b
-    xf = torch.zeros(rows, padded, dtype=torch.float32, device=x.device)
-    xf[:, :cols].copy_(x)
-    blocks = xf.view(rows, padded // b, b)
-    qmax = 2 ** (bits - 1) - 1
-    absmax = blocks.abs().amax(dim=2)
-    scales = absmax / qmax
-    inv = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))
-    codes = (blocks * inv.unsqueeze(2)).round_().clamp_(-qmax, qmax).to(torch.int16)
-    codes = (codes + (qmax + 1)).to(torch.uint8).view(rows, padded)  # offset binary
-    if bits == 4:
-        codes = codes[:, 0::2] * 16 + codes[:, 1::2]
-    return codes.contiguous(), scales.contiguous()
+    return quantizer_for(x).quantize(x, bits, block)
 
 
 def dequantize(
@@ -101,13 +81,7 @@ def dequantize(
     """
     if bits not in (4, 8):
         raise ValueError(f"dequantize: bits must be 4 or 8, got {bits}")
-    rows = codes.shape[0]
-    if bits == 4:
-        codes = torch.stack((codes // 16, codes % 16), dim=2).view(rows, -1)
-    qmax = 2 ** (bits - 1) - 1
-    b = block_size(cols, block)
-    values = codes.to(torch.float32).sub_(qmax + 1).view(rows, -1, b)
-    return values.mul_(scales.unsqueeze(2)).view(rows, -1)[:, :cols]
+    return quantizer_for(codes).dequantize(codes, scales, bits, cols, block)
 
 
 def error_bound(x: torch.Tensor, bits: int, block: int = BLOCK) -> torch.Tensor:

@@ -16,7 +16,10 @@ def ds_op_providers() -> list[OpProvider]:
 
     Well-known names: ``"fused_adam"`` (a ``torch.optim.Optimizer`` class with AdamW's
     arguments), ``"cpu_adam"`` (host Adam for optimizer offload: a ``torch.optim.Optimizer``
-    class with DeepSpeed's ``DeepSpeedCPUAdam`` arguments, AdamW by default).
+    class with DeepSpeed's ``DeepSpeedCPUAdam`` arguments, AdamW by default), ``"quantizer"``
+    (the arithmetic of the compressed collectives: an object with the methods of
+    ``ds_core.ops.quantizer.Quantizer``, symmetric block quantization and 1-bit compression;
+    ``ds_core.ops.quantizer.quantizer_provider()`` is the host one).
 
     Compiled ops are built through :mod:`ds_core.ops` (one per-user cache, lock, hash scheme
     and toolchain probe); ``ds_core.ops.cpu_adam.cpu_adam_provider()`` is a ready provider

@@ -26,6 +26,7 @@ from ds_core import hookimpl
 from ds_core.backend_kit import HostDevice, HostEvent, HostStream, HostStreams
 from ds_core.errors import ConfigError
 from ds_core.ops.cpu_adam import cpu_adam_provider
+from ds_core.ops.quantizer import quantizer_provider
 from ds_core.types import (
     BackendInfo,
     DeterminismRecord,
@@ -336,6 +337,7 @@ def ds_op_providers() -> list[Any]:
             "fused_adam", _fused_adamw_check, lambda: partial(torch.optim.AdamW, fused=True)
         ),
         cpu_adam_provider(),
+        quantizer_provider(),
         _ShmSyncProvider(),
     ]
 
