@@ -155,6 +155,40 @@ class OneBitLambParams(LambParams, _CompressedParams):
 COMPRESSED_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
 
+def optimizer_problems(
+    name: str, stage: int, autotp_size: int, fp16_loss_scale: float | None
+) -> list[str]:
+    """Where Lamb and the compressing optimizers cannot run, one message each (DeepSpeed's
+    ``runtime/engine.py`` refuses the 1-bit ones with ZeRO and Lamb without dynamic loss
+    scaling; ds_core also refuses Lamb at stages 1-3, see the message).
+
+    :param fp16_loss_scale: ``fp16.loss_scale`` when fp16 is enabled, else ``None``.
+    """
+    if name in COMPRESSED_OPTIMIZERS and stage != 0:
+        return [
+            f"optimizer.type '{name}' needs zero_optimization.stage 0, got {stage}: it "
+            "averages whole-tensor momenta (one scale per tensor) where ZeRO holds flat "
+            "shards, and DeepSpeed refuses it with ZeRO too ('not compatible with ZeRO')"
+        ]
+    if name in COMPRESSED_OPTIMIZERS and autotp_size > 1:
+        return [
+            f"optimizer.type '{name}' with tensor_parallel.autotp_size {autotp_size} is not "
+            "supported: use autotp_size 1"
+        ]
+    if name == "Lamb" and stage != 0:
+        return [
+            f"optimizer.type 'Lamb' needs zero_optimization.stage 0, got {stage}: its trust "
+            "ratio is a norm over each whole parameter, which no rank holds at stages 1-3 "
+            "(DeepSpeed would step flat shards with wrong ratios)"
+        ]
+    if name in ("Lamb", "OneBitLamb") and fp16_loss_scale not in (None, 0):
+        return [
+            f"optimizer.type '{name}' needs dynamic loss scaling: set fp16.loss_scale to 0 "
+            f"(got {fp16_loss_scale}; DeepSpeed asserts the same)"
+        ]
+    return []
+
+
 def _as_lrs(value: Any) -> Any:
     # DeepSpeed takes one learning rate or one per parameter group.
     if isinstance(value, (list, tuple)):

@@ -42,7 +42,6 @@ from ds_core.zero.config.offload import (
     OffloadParamConfig,
 )
 from ds_core.zero.config.optimizer import (
-    COMPRESSED_OPTIMIZERS,
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
     AdamParams,
@@ -50,6 +49,7 @@ from ds_core.zero.config.optimizer import (
     WarmupCosineLRParams,
     WarmupDecayLRParams,
     WarmupLRParams,
+    optimizer_problems,
 )
 from ds_core.zero.config.sections import (
     ActivationCheckpointingConfig,
@@ -361,41 +361,17 @@ class DSConfig(BaseModel):
             )
         if self.fp16.auto_cast and not self.fp16.enabled:
             raise ValueError("fp16.auto_cast needs fp16.enabled: true")
-        problems = self._low_precision_master_problems() + self._optimizer_problems()
+        problems = self._low_precision_master_problems()
+        if self.optimizer is not None:
+            problems += optimizer_problems(
+                self.optimizer.type,
+                self.zero_optimization.stage,
+                self.tensor_parallel.autotp_size,
+                self.fp16.loss_scale if self.fp16.enabled else None,
+            )
         if problems:
             raise ValueError(problems[0])
         return self
-
-    def _optimizer_problems(self) -> list[str]:
-        """Where Lamb and the compressing optimizers cannot run (DeepSpeed's
-        ``runtime/engine.py`` refuses the 1-bit ones with ZeRO and Lamb without dynamic loss
-        scaling; ds_core also refuses Lamb at stages 1-3, see the messages)."""
-        if self.optimizer is None:
-            return []
-        name, stage = self.optimizer.type, self.zero_optimization.stage
-        if name in COMPRESSED_OPTIMIZERS and stage != 0:
-            return [
-                f"optimizer.type '{name}' needs zero_optimization.stage 0, got {stage}: it "
-                "averages whole-tensor momenta (one scale per tensor) where ZeRO holds flat "
-                "shards, and DeepSpeed refuses it with ZeRO too ('not compatible with ZeRO')"
-            ]
-        if name in COMPRESSED_OPTIMIZERS and self.tensor_parallel.autotp_size > 1:
-            return [
-                f"optimizer.type '{name}' with tensor_parallel.autotp_size "
-                f"{self.tensor_parallel.autotp_size} is not supported: use autotp_size 1"
-            ]
-        if name == "Lamb" and stage != 0:
-            return [
-                f"optimizer.type 'Lamb' needs zero_optimization.stage 0, got {stage}: its trust "
-                "ratio is a norm over each whole parameter, which no rank holds at stages 1-3 "
-                "(DeepSpeed would step flat shards with wrong ratios)"
-            ]
-        if name in ("Lamb", "OneBitLamb") and self.fp16.enabled and self.fp16.loss_scale != 0:
-            return [
-                f"optimizer.type '{name}' needs dynamic loss scaling: set fp16.loss_scale to 0 "
-                f"(got {self.fp16.loss_scale}; DeepSpeed asserts the same)"
-            ]
-        return []
 
     def _low_precision_master_problems(self) -> list[str]:
         """DeepSpeed 0.19.8's rules for ``bf16.bf16_master_weights_and_grads`` and
