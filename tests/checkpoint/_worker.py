@@ -2,6 +2,10 @@
 pool (tests/rankpool.py); each job's result is saved to ``OUTDIR/<job>.rank<r>.pt``.
 Checkpoints go under CKROOT, shared between suites: a ``*_save`` suite writes what the matching
 ``*_load`` suite (at another world size, or in another rank process) reads.
+
+Device-correct on every backend: data is drawn on the host (every backend sees the same) and
+fed to the engine on its device (:func:`on_device`); results come back to the host
+(:func:`to_host`) before they are saved.
 """
 
 from __future__ import annotations
@@ -17,7 +21,17 @@ import numpy as np
 import torch
 
 from tests.checkpoint._common import OPTIMIZERS, RESUME, Resume, build_model, draw_batch, loss_of
-from tests.zero._common import IN, OUT, Scenario, TinyNet, batches, load_reference, reference_state
+from tests.zero._common import (
+    IN,
+    OUT,
+    Scenario,
+    TinyNet,
+    batches,
+    load_reference,
+    on_device,
+    reference_state,
+    to_host,
+)
 
 # ------------------------------------------------------------------------------- resume
 
@@ -41,7 +55,7 @@ def build(sc: Resume, world: int, seed: int) -> Any:
 def train(engine: Any, sc: Resume, steps: int) -> list[float]:
     losses = []
     for _ in range(steps * sc.gas):
-        x, y = draw_batch(sc.model)
+        x, y = (on_device(t) for t in draw_batch(sc.model))
         out = engine(x.half() if sc.fp16 else x.bfloat16() if sc.bf16 else x)
         loss = loss_of(out, y)
         engine.backward(loss)
@@ -144,7 +158,7 @@ def loader_job(root: Path, world: int, load: bool) -> dict[str, Any]:
         batches = (b for _ in range(100) for b in engine.training_dataloader)
         for _ in range(steps * sc.gas):
             x, y = next(batches)
-            engine.backward(loss_of(engine(x), y))
+            engine.backward(loss_of(engine(on_device(x)), on_device(y)))
             engine.step()
             seen.append(x)
         return seen
@@ -229,7 +243,7 @@ def load_errors(root: Path) -> dict[str, Any]:
     except CheckpointError as exc:
         out["corrupt"] = str(exc)
     # mid-accumulation save: refused before anything is written
-    x, y = draw_batch(sc.model)
+    x, y = (on_device(t) for t in draw_batch(sc.model))
     engine.backward(loss_of(engine(x), y))
     engine.step()  # micro-step 1 of 2
     try:
@@ -329,7 +343,7 @@ def reshard_train(engine: Any, world: int, offset: int) -> list[float]:
     losses = []
     for step in data:
         x, y = step[0]
-        loss = torch.nn.functional.mse_loss(engine(x[sl]), y[sl])
+        loss = torch.nn.functional.mse_loss(engine(on_device(x[sl])), on_device(y[sl]))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -442,4 +456,4 @@ def run_jobs(suite: str, outdir: str, root: str) -> None:
 
     rank, world = comm.get_rank(), comm.get_world_size()
     for name, job in jobs(suite, world, Path(root)).items():
-        torch.save(job(), os.path.join(outdir, f"{name}.rank{rank}.pt"))
+        torch.save(to_host(job()), os.path.join(outdir, f"{name}.rank{rank}.pt"))

@@ -1,5 +1,9 @@
-"""Run rank-worker suites once per test session (on the run's rank pools, tests/rankpool.py);
-``*_load`` suites first run their ``*_save``."""
+"""Run rank-worker suites once per test session and backend (on the run's rank pools,
+tests/rankpool.py); ``*_load`` suites first run their ``*_save``.
+
+The resume and reshard tests are parametrised by backend (``backend`` fixture): each entry of
+:data:`CHECKPOINT_BACKENDS` runs the same suites, each backend with its own checkpoint folder.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import pytest
 import torch
 
 from tests.rankpool import RankPools
+from tests.zero._common import backend_env
+from tests.zero.conftest import installed_backends
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +38,13 @@ SUITES: dict[str, tuple[int, str | None]] = {
 }
 
 
+#: The backends the checkpoint suites run on: cpu and, when installed, sim in its threads mode.
+#: Not sim-lazy: it would run the whole save/load matrix a third time (minutes on 2 shared
+#: cores) for what the engine tests already cover; a checkpoint's device-specific parts
+#: (placement, device index, transfers to and from the host) are the same in both async modes.
+CHECKPOINT_BACKENDS = tuple(b for b in installed_backends() if b in ("cpu", "sim-threads"))
+
+
 class SuiteResults:
     def __init__(self, outdir: Path, world: int, ckroot: Path) -> None:
         self.outdir, self.world, self.ckroot = outdir, world, ckroot
@@ -49,31 +62,60 @@ def worker_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def ckroot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint root of the ``cpu`` suites (each backend has its own: ``suite``)."""
     return tmp_path_factory.mktemp("ckroot")
+
+
+SuiteGetter = Callable[..., SuiteResults]
 
 
 @pytest.fixture(scope="session")
 def suite(
     tmp_path_factory: pytest.TempPathFactory, ckroot: Path, rank_pools: RankPools
-) -> Callable[[str], SuiteResults]:
-    cache: dict[str, SuiteResults] = {}
+) -> SuiteGetter:
+    """``suite(name, backend="cpu", saved_on=None)``: the suite's results, run once per session.
 
-    def get(name: str) -> SuiteResults:
-        if name in cache:
-            return cache[name]
+    The suite that must run first (its ``*_save``) runs on ``saved_on`` (default: ``backend``),
+    and ``name`` reads that backend's checkpoints: ``saved_on`` other than ``backend`` loads a
+    checkpoint written on one backend on another.
+    """
+    cache: dict[tuple[str, str, str], SuiteResults] = {}
+    roots: dict[str, Path] = {"cpu": ckroot}
+
+    def root_of(backend: str) -> Path:
+        if backend not in roots:
+            roots[backend] = tmp_path_factory.mktemp(f"ckroot-{backend}")
+        return roots[backend]
+
+    def get(name: str, backend: str = "cpu", saved_on: str | None = None) -> SuiteResults:
+        source = saved_on or backend
+        key = (name, backend, source)
+        if key in cache:
+            return cache[key]
         world, before = SUITES[name]
         if before is not None:
-            get(before)
-        outdir = tmp_path_factory.mktemp(name)
-        env = {"DS_ACCELERATOR": "cpu"}
+            get(before, source)
+        elif source != backend:
+            raise ValueError(f"{name} saves its own checkpoints: saved_on={saved_on!r}")
+        outdir = tmp_path_factory.mktemp(
+            f"{name}-{backend}" + (f"-from-{source}" * (source != backend))
+        )
+        env = backend_env(backend, world)
         if before is not None:
             # Readers never run in the ranks that saved: a resume that depends on state the
             # saving process still holds (RNGs, caches) would pass there and fail for users.
             env["DS_TEST_POOL"] = "readers"
+        root = root_of(source)
         rank_pools.get(world, env).run(
-            "tests.checkpoint._worker:run_jobs", name, str(outdir), str(ckroot)
+            "tests.checkpoint._worker:run_jobs", name, str(outdir), str(root)
         )
-        cache[name] = SuiteResults(outdir, world, ckroot)
-        return cache[name]
+        cache[key] = SuiteResults(outdir, world, root)
+        return cache[key]
 
     return get
+
+
+@pytest.fixture(params=CHECKPOINT_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each backend of :data:`CHECKPOINT_BACKENDS`."""
+    return str(request.param)

@@ -3,7 +3,8 @@
 Bitwise: fp32 masters, optimizer state (step counts included), param-group hyperparameters,
 counters, loss scale, LR scheduler, module weights, losses, and every RNG (torch, Python,
 NumPy) drawn after training. Both formats, at stages 0-3, fp16 with a moving loss scale, and
-two fused-style optimizers that keep their step in only one place.
+two fused-style optimizers that keep their step in only one place. On every backend of
+``CHECKPOINT_BACKENDS`` (``backend`` fixture, tests/checkpoint/conftest.py): bitwise on sim too.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def equal(a: Any, b: Any, where: str = "") -> None:
 
 @pytest.mark.parametrize("fmt", ["native", "universal"])
 @pytest.mark.parametrize("name", list(RESUME))
-def test_exact_resume(suite: Any, name: str, fmt: str) -> None:
-    ref = suite("resume_save").ranks(f"save_{name}")
-    got = suite("resume_load").ranks(f"load_{name}_{fmt}")
+def test_exact_resume(suite: Any, backend: str, name: str, fmt: str) -> None:
+    ref = suite("resume_save", backend).ranks(f"save_{name}")
+    got = suite("resume_load", backend).ranks(f"load_{name}_{fmt}")
     for r, (a, b) in enumerate(zip(ref, got, strict=True)):
         path, client = b.pop("load")
         assert path is not None and path.endswith("global_step" + str(RESUME[name].n))
@@ -63,10 +64,10 @@ def test_exact_resume(suite: Any, name: str, fmt: str) -> None:
             equal(a[key], b[key], f"rank{r}.{key}")
 
 
-def test_resume_moves_the_state_that_matters(suite: Any) -> None:
+def test_resume_moves_the_state_that_matters(suite: Any, backend: str) -> None:
     """The scenarios are sensitive: steps were skipped under fp16, the LR moved, each
     optimizer keeps its step where it says, and training changed the weights."""
-    ref = suite("resume_save")
+    ref = suite("resume_save", backend)
     fp16 = ref.ranks("save_s2_fp16")[0]
     assert fp16["counters"][2] > 0, "no fp16 step was skipped: the loss-scale path is untested"
     assert fp16["loss_scale"]["scale"] != 2.0**24
@@ -88,8 +89,8 @@ def test_resume_moves_the_state_that_matters(suite: Any) -> None:
     assert {st["step"] for st in param["opt"].values()} == {2 * RESUME["s3_param_step"].n}
 
 
-def test_load_errors_and_refusals(suite: Any) -> None:
-    res = suite("resume_load")
+def test_load_errors_and_refusals(suite: Any, backend: str) -> None:
+    res = suite("resume_load", backend)
     for r, out in enumerate(res.ranks("errors")):
         assert out["empty"] == (None, None)
         assert out["missing_tag"] == (None, None)
@@ -106,19 +107,19 @@ def test_load_errors_and_refusals(suite: Any) -> None:
         assert out["bad_written"] is False
 
 
-def test_data_position_resumes(suite: Any) -> None:
+def test_data_position_resumes(suite: Any, backend: str) -> None:
     """A ResumableLoader as engine.training_dataloader: saved mid-epoch (epoch 1, batch 2 of
     8 per rank), the resumed run sees the same batches as the uninterrupted one."""
-    ref = suite("resume_save").ranks("loader")
-    got = suite("resume_load").ranks("loader")
+    ref = suite("resume_save", backend).ranks("loader")
+    got = suite("resume_load", backend).ranks("loader")
     for r, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert a["position"] == b["position"] == {"epoch": 2, "batches": 0}, r
         equal(a["seen"], b["seen"], f"rank{r}.seen")
 
 
-def test_precision_kept(suite: Any) -> None:
+def test_precision_kept(suite: Any, backend: str) -> None:
     """bf16 training: masters and optimizer state stay fp32 across the load, weights bf16."""
-    for snap in suite("resume_load").ranks("load_s3_bf16_universal"):
+    for snap in suite("resume_load", backend).ranks("load_s3_bf16_universal"):
         assert all(m.dtype == torch.float32 for m in snap["masters"].values())
         for st in snap["opt"].values():
             assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.float32
@@ -126,11 +127,13 @@ def test_precision_kept(suite: Any) -> None:
 
 
 @pytest.mark.parametrize("name", ["s2_bf16_masters", "s3_bf16_masters"])
-def test_bf16_masters_stay_bf16(suite: Any, name: str) -> None:
+def test_bf16_masters_stay_bf16(suite: Any, backend: str, name: str) -> None:
     """bf16 master states: masters and optimizer state are bf16 before the save and after
     the load, in both formats (the bitwise resume is test_exact_resume)."""
-    runs = [suite("resume_save").ranks(f"save_{name}")]
-    runs += [suite("resume_load").ranks(f"load_{name}_{fmt}") for fmt in ("native", "universal")]
+    runs = [suite("resume_save", backend).ranks(f"save_{name}")]
+    runs += [
+        suite("resume_load", backend).ranks(f"load_{name}_{fmt}") for fmt in ("native", "universal")
+    ]
     for ranks in runs:
         for snap in ranks:
             assert all(m.dtype == torch.bfloat16 for m in snap["masters"].values())
@@ -138,8 +141,8 @@ def test_bf16_masters_stay_bf16(suite: Any, name: str) -> None:
                 assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
 
 
-def test_save_16bit_model(suite: Any) -> None:
-    ranks = suite("resume_load").ranks("save16")
+def test_save_16bit_model(suite: Any, backend: str) -> None:
+    ranks = suite("resume_load", backend).ranks("save16")
     for out in ranks:
         assert out["s1"]["written"] == [True]
         # stage 3 without stage3_gather_16bit_weights_on_model_save: nothing written (DeepSpeed)
@@ -151,11 +154,11 @@ def test_save_16bit_model(suite: Any) -> None:
             assert saved[k].dtype == torch.bfloat16 and torch.equal(saved[k], v), (stage, k)
 
 
-def test_load_options(suite: Any) -> None:
+def test_load_options(suite: Any, backend: str) -> None:
     """load_optimizer_states=False / load_module_only=True restore the weights (this rank's
     stage-1 piece of the saved masters) and leave what they exclude alone."""
-    state = consolidated_state_dict(suite("resume_save").ckroot / "s1" / "native")
-    for out in suite("resume_load").ranks("errors"):
+    state = consolidated_state_dict(suite("resume_save", backend).ckroot / "s1" / "native")
+    for out in suite("resume_load", backend).ranks("errors"):
         no_opt, module_only = out["no_optimizer"], out["module_only"]
         assert no_opt["opt_state"] == 0 and module_only["opt_state"] == 0
         assert no_opt["steps"] == 3  # counters and scheduler still restored
@@ -170,5 +173,5 @@ def test_load_options(suite: Any) -> None:
         assert fwd["optimizer"] is None
         for name, value in fwd["params"].items():
             assert torch.equal(value, state[name]), name
-    saved = consolidated_state_dict(suite("resume_load").ckroot / "forward_only")
+    saved = consolidated_state_dict(suite("resume_load", backend).ckroot / "forward_only")
     assert all(torch.equal(saved[k], state[k]) for k in saved)
