@@ -21,6 +21,10 @@ called every micro-batch and updates at the boundary. The step keeps the global 
 coefficient and the scaling on the device: the host reads a value only to print a log line,
 when the caller asks (:meth:`ZeroEngine.get_global_grad_norm`), or to decide an fp16 / bf16
 overflow skip (one flag per step, as DeepSpeed's loss scaler does).
+
+PyTorch-style backward (DeepSpeed 0.19's ``loss.backward()``; see [Note: PyTorch-style
+backward]): ``forward`` hooks its outputs, so a plain ``.backward()`` of anything computed from
+them runs the steps ``engine.backward(loss)`` runs; fp16 needs ``engine.scale(loss).backward()``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,31 @@ _COMM_DTYPES["bf16"] = torch.bfloat16
 
 log = logging.getLogger("ds_core.zero")
 
+#: ``engine.backward(loss)`` calls in progress, over every engine of the process: an output
+#: hook firing inside another engine's explicit backward (a GAN's ``G_engine.backward(errG)``
+#: through the discriminator engine's outputs) leaves that backward alone. A counter, not a
+#: per-graph record: ds_core drives one backward at a time per process (no threads).
+_explicit_backwards = 0
+
+# [Note: PyTorch-style backward]
+# ``forward`` registers a tensor hook on each output that requires grad (nested in tuples,
+# lists and dicts, each tensor once), as DeepSpeed 0.19's ``register_output_backward_hooks``
+# does. Autograd calls those hooks with the output's gradient before anything upstream of
+# the output, i.e. before any parameter's gradient of this engine exists. The first hook of a
+# backward pass (``_in_backward`` false, or left over from another graph task) runs the
+# prologue ``engine.backward`` runs: the fp16 check (the loss must come from ``scale()``), the
+# micro-batch count, ``reducer.begin_backward`` with the boundary, stage 3's
+# ``coordinator.begin_backward``, ``_in_backward`` and ``_grads_seen``. Every hook of the pass
+# then divides its output's gradient by ``gradient_accumulation_steps``, which is what
+# ``engine.backward`` does to the loss (the same gradients, up to where the division is rounded).
+# The epilogue (``coordinator.release_all``, ``reducer.end_backward``, the "reached no
+# parameter" check) must run after the last parameter gradient of the pass, which no module
+# or tensor hook can tell: ``queue_callback`` of autograd's execution engine runs a function
+# when the current graph task has finished, on the thread that called ``backward()``, and an
+# exception raised there leaves ``backward()`` (DeepSpeed queues its post-backward callback the
+# same way). Inside ``engine.backward`` the hooks pass gradients through untouched: that call
+# has already begun the backward and divided the loss, and ends it itself.
+
 
 class ZeroEngine(DeepSpeedEngineAPI):
     """Trains a module with ZeRO; build it with :func:`ds_core.initialize`.
@@ -77,6 +106,22 @@ class ZeroEngine(DeepSpeedEngineAPI):
     ``reducer`` (the gradient path), ``loss_scaler`` (fp16), ``last_grad_norm`` and ``mesh``
     (the data-parallel × tensor-parallel :class:`~ds_core.comm.Mesh`; AutoTP in
     :mod:`ds_core.parallel.tensor`).
+
+    Backward, two ways (DeepSpeed 0.19): ``engine.backward(loss)``, or a plain
+    ``loss.backward()`` of a loss computed from this engine's forward outputs, which runs the
+    same steps (see [Note: PyTorch-style backward]); with fp16 the loss must be scaled first,
+    ``engine.scale(loss).backward()``, else the backward raises ``RuntimeError``. Both may be
+    mixed within one accumulation window, and several backwards through one forward's outputs
+    (``retain_graph``) count as several micro-batch backwards. Unlike DeepSpeed, stage 0 takes
+    a plain ``loss.backward()`` too (DeepSpeed 0.19.8 refuses it there).
+
+    A backward through this engine's outputs is this engine's backward, except inside another
+    engine's ``backward(loss)``. So in a GAN whose generator loss is computed from the
+    discriminator *engine*'s output: ``G_engine.backward(errG)`` leaves the discriminator
+    alone (its gradients stay on ``p.grad``, as in plain PyTorch); a plain ``errG.backward()``
+    is a discriminator backward as well, as in DeepSpeed 0.19.8 at stages 1–3: the
+    discriminator counts the micro-batch, reduces the gradients into its window and divides
+    the gradient that flows on to the generator by its own ``gradient_accumulation_steps``.
     """
 
     def __init__(
@@ -224,7 +269,20 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._last_norm: torch.Tensor | None = None
         self._boundary_override: bool | None = None
         self._loss_sum: torch.Tensor | None = None
+        #: backwards (micro-batches) since the last update, PyTorch-style ones included.
         self._loss_count = 0
+        #: losses summed in ``_loss_sum``: a plain ``loss.backward()`` shows the engine only
+        #: its outputs' gradients, so its loss is known only when ``scale()`` saw it.
+        self._loss_known = 0
+        #: losses ``scale()`` saw, taken by the next PyTorch-style backward.
+        self._pending_losses: list[torch.Tensor] = []
+        #: ``scale()`` applied the fp16 loss scale since the last PyTorch-style backward.
+        self._scaled_pending = False
+        #: which backward is running: ``"engine"`` (``backward(loss)``), ``"torch"`` (a plain
+        #: ``.backward()`` through the outputs, see [Note: PyTorch-style backward]) or ``None``.
+        self._backward_kind: str | None = None
+        #: autograd's graph task of the running PyTorch-style backward.
+        self._torch_task = -1
         self._last_loss_t: torch.Tensor | None = None
         #: inside this engine's own backward (gradients outside it are not this step's).
         self._in_backward = False
@@ -334,12 +392,137 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.tput_timer.start()
         with self._autocast():
             if self.coordinator is None:
-                return self.module(*args, **kwargs)
-            self.coordinator.begin_forward()
-            try:
-                return self.module(*args, **kwargs)
-            finally:
-                self.coordinator.end_forward()
+                out = self.module(*args, **kwargs)
+            else:
+                self.coordinator.begin_forward()
+                try:
+                    out = self.module(*args, **kwargs)
+                finally:
+                    self.coordinator.end_forward()
+        if self.optimizer is not None and torch.is_grad_enabled():
+            self._hook_outputs(out)  # see [Note: PyTorch-style backward]
+        return out
+
+    def _hook_outputs(self, outputs: Any) -> None:
+        """Register :meth:`_output_grad_hook` on each tensor of ``outputs`` (tuples, lists and
+        dicts searched) that autograd computed; each tensor once, or its gradient would be
+        divided twice."""
+        seen: set[int] = set()
+        todo = [outputs]
+        while todo:
+            obj = todo.pop()
+            if isinstance(obj, torch.Tensor):
+                if obj.grad_fn is not None and id(obj) not in seen:
+                    seen.add(id(obj))
+                    obj.register_hook(self._output_grad_hook)  # type: ignore[no-untyped-call]
+            elif isinstance(obj, (tuple, list)):
+                todo.extend(obj)
+            elif isinstance(obj, dict):
+                todo.extend(obj.values())
+
+    def _output_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of one forward output, divided by the accumulation steps in a
+        PyTorch-style backward (which the first such hook begins), else left as it is.
+
+        :raises RuntimeError: fp16 and the loss was not scaled by :meth:`scale`.
+        :raises EngineDestroyedError: the engine was destroyed after the forward.
+        """
+        if self._backward_kind == "engine":
+            return grad  # engine.backward began this backward and divided the loss
+        task = int(torch._C._current_graph_task_id())
+        if self._backward_kind != "torch" or task != self._torch_task:
+            if _explicit_backwards > 0:
+                # Another engine's backward(loss) (a GAN generator's loss through this
+                # discriminator): not this engine's backward, as before PyTorch-style
+                # backward existed; the gradients stay on p.grad (see _grad_hook).
+                return grad
+            self._begin_torch_backward(task)
+        return grad if self.gas == 1 else grad / self.gas
+
+    def _begin_torch_backward(self, task: int) -> None:
+        """The prologue of a PyTorch-style backward (see [Note: PyTorch-style backward]).
+
+        :raises RuntimeError: fp16 and the loss was not scaled by :meth:`scale`.
+        :raises EngineDestroyedError: the engine was destroyed after the forward.
+        """
+        _guards.require_alive(self, "backward")
+        if self.loss_scaler is not None and not self._scaled_pending:
+            # Unscaled fp16 gradients underflow; DeepSpeed raises too (after the backward).
+            raise RuntimeError(
+                f"loss.backward() through {self.label}'s outputs with fp16: the loss needs "
+                "the loss scale; call engine.scale(loss).backward(), or engine.backward(loss)"
+            )
+        if self._backward_kind == "torch" and self.coordinator is not None:
+            self.coordinator.release_all()  # an earlier backward raised before its end
+        self._scaled_pending = False
+        self._loss_count += 1
+        for value in self._pending_losses:
+            self._add_loss(value)
+        self._pending_losses.clear()
+        self._begin_backward()
+        self._backward_kind = "torch"
+        self._torch_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_torch_backward)
+
+    def _end_torch_backward(self) -> None:
+        """The epilogue of a PyTorch-style backward, run by autograd once the pass is done.
+
+        :raises RuntimeError: the backward reached none of the model's trainable parameters.
+        """
+        self._backward_kind = None
+        self._torch_task = -1
+        self._in_backward = False
+        if self.coordinator is not None:
+            self.coordinator.release_all()
+        self._end_backward("loss.backward()")
+
+    def _add_loss(self, value: torch.Tensor) -> None:
+        """Count one loss value in the mean the step log reports."""
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_known += 1
+
+    def _begin_backward(self) -> None:
+        """What every backward does first: the reducer, stage 3's gathering, the flags."""
+        # An optimizer that averages over the group itself takes this rank's own gradients
+        # once its warm-up ends (ds_core.optim); it says so before each backward.
+        self.reducer.communicate = bool(getattr(self.optimizer, "backward_allreduce", True))
+        self.reducer.begin_backward(self.is_gradient_accumulation_boundary() and not self._no_sync)
+        if self.coordinator is not None:
+            self.coordinator.begin_backward()
+        self._in_backward = True
+        self._grads_seen = 0
+
+    def _end_backward(self, what: str) -> None:
+        """What every backward does last (after ``_in_backward`` is cleared).
+
+        :raises RuntimeError: the backward reached none of the model's trainable parameters.
+        """
+        self.reducer.end_backward()
+        if self._grads_seen == 0:
+            raise RuntimeError(
+                f"{what}: the loss reached none of the model's trainable parameters; "
+                "compute it from this engine's forward (engine(inputs)), not another model's"
+            )
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, for ``engine.scale(loss).backward()`` (DeepSpeed
+        0.19); ``loss`` itself in fp32 and bf16. A plain ``.backward()`` through this engine's
+        outputs then runs as :meth:`backward` would (see [Note: PyTorch-style backward]),
+        and the step log's loss includes ``loss`` (a plain ``loss.backward()`` without
+        ``scale`` is counted, but its value is not known to the engine).
+
+        :raises TypeError: ``loss`` is not a tensor.
+        :raises ValueError: ``loss`` has more than one element or does not require grad.
+        :raises RuntimeError: no optimizer.
+        """
+        _guards.require_alive(self, "scale")
+        self._require_optimizer("scale")
+        _guards.check_loss(loss, "scale(loss)")
+        self._pending_losses.append(loss.detach().float())
+        if self.loss_scaler is None:
+            return loss
+        self._scaled_pending = True
+        return loss * self.loss_scaler.scale_tensor
 
     def capture(self, fn: Callable[..., Any], *static_inputs: Any, **kw: Any) -> Any:
         """Capture ``fn(*static_inputs)`` for replay: :func:`ds_core.zero.capture.capture`."""
@@ -356,35 +539,29 @@ class ZeroEngine(DeepSpeedEngineAPI):
         :raises RuntimeError: no optimizer, or the backward reached none of the model's
             trainable parameters (a loss not computed from this engine's forward).
         """
+        global _explicit_backwards
         _guards.require_alive(self, "backward")
         self._require_optimizer("backward")
         _guards.check_loss(loss)
-        detached = loss.detach().float()
-        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._add_loss(loss.detach().float())
         self._loss_count += 1
         scaled = loss / self.gas
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale_tensor
-        # An optimizer that averages over the group itself takes this rank's own gradients
-        # once its warm-up ends (ds_core.optim); it says so before each backward.
-        self.reducer.communicate = bool(getattr(self.optimizer, "backward_allreduce", True))
-        self.reducer.begin_backward(self.is_gradient_accumulation_boundary() and not self._no_sync)
-        if self.coordinator is not None:
-            self.coordinator.begin_backward()
-        self._in_backward = True
-        self._grads_seen = 0
+        self._begin_backward()
+        # The output hooks of this engine's forward fire inside this call: they see "engine"
+        # and pass the gradients through (the loss is divided above; the end is below).
+        self._backward_kind = "engine"
+        _explicit_backwards += 1
         try:
             scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
         finally:
+            _explicit_backwards -= 1
+            self._backward_kind = None
             self._in_backward = False
             if self.coordinator is not None:
                 self.coordinator.release_all()
-        self.reducer.end_backward()
-        if self._grads_seen == 0:
-            raise RuntimeError(
-                "backward(loss): the loss reached none of the model's trainable parameters; "
-                "compute it from this engine's forward (engine(inputs)), not another model's"
-            )
+        self._end_backward("backward(loss)")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` updates: every ``gradient_accumulation_steps``
@@ -487,9 +664,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.loss_scaler.update(found_inf)
         self.zero_grad()
         self.book.close(verdict)
-        if self._loss_sum is not None and self._loss_count:
-            self._last_loss_t = self._loss_sum / self._loss_count
-        self._loss_sum, self._loss_count = None, 0
+        if self._loss_sum is not None and self._loss_known:
+            self._last_loss_t = self._loss_sum / self._loss_known
+        elif self._loss_count:
+            self._last_loss_t = None  # only plain loss.backward() calls: no value to report
+        self._loss_sum, self._loss_count, self._loss_known = None, 0, 0
         every = self.config.steps_per_print
         if every is not None and self.global_steps % every == 0:
             self._log_step()

@@ -133,25 +133,26 @@ def require_alive(engine: Any, what: str) -> None:
         )
 
 
-def check_loss(loss: Any) -> None:
-    """``backward(loss)`` takes one-element tensor that autograd can reach the model from.
+def check_loss(loss: Any, where: str = "backward(loss)") -> None:
+    """``backward(loss)`` (or ``where``: ``scale(loss)``) takes a one-element tensor that
+    autograd can reach the model from.
 
     :raises TypeError: ``loss`` is not a tensor.
     :raises ValueError: ``loss`` has more than one element, or does not require grad.
     """
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
-            f"backward(loss): loss must be a torch.Tensor, got {type(loss).__name__} "
+            f"{where}: loss must be a torch.Tensor, got {type(loss).__name__} "
             "(pass the tensor the forward returned, not loss.item())"
         )
     if loss.numel() != 1:
         raise ValueError(
-            f"backward(loss): loss must be a scalar, got shape {tuple(loss.shape)}; reduce it "
+            f"{where}: loss must be a scalar, got shape {tuple(loss.shape)}; reduce it "
             "first (loss.mean() or loss.sum())"
         )
     if not loss.requires_grad:
         raise ValueError(
-            "backward(loss): loss does not require grad, so it is not connected to the "
+            f"{where}: loss does not require grad, so it is not connected to the "
             "model's trainable parameters (computed under torch.no_grad(), detached, or from "
             "frozen parameters only)"
         )
