@@ -39,7 +39,6 @@ from torch.utils.hooks import RemovableHandle
 
 from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
-from ds_core.comm.quantized import NodeGroups, node_groups
 from ds_core.errors import ConfigError
 from ds_core.parallel.expert.moe import dropped_parameters
 from ds_core.parallel.tensor import apply_autotp, model_tp_size, replaced_parameters
@@ -49,7 +48,7 @@ from ds_core.zero.compat import guards as _guards
 from ds_core.zero.compat.builders import bind_optimizer, bind_scheduler
 from ds_core.zero.compat.engine_api import DeepSpeedEngineAPI
 from ds_core.zero.compat.throughput import ThroughputTimer
-from ds_core.zero.config import DSConfig, ZeroConfig
+from ds_core.zero.config import DSConfig
 from ds_core.zero.offload.host import OptimizerOffload
 from ds_core.zero.offload.nvme import NvmeOptimizerOffload
 from ds_core.zero.offload.nvme_param import ParamSwapper
@@ -60,39 +59,16 @@ from ds_core.zero.precision import LossScaler, step_skips_on_device, step_with_f
 from ds_core.zero.reducer import GradReducer
 from ds_core.zero.stage3 import ParamCoordinator
 from ds_core.zero.steps import SkipTracker, StepBook, Verdict
+from ds_core.zero.torch_backward import TorchStyleBackward, explicit_backward
+from ds_core.zero.zeropp import configure_zeropp
 
 _COMM_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp16": torch.float16}
 _COMM_DTYPES["bf16"] = torch.bfloat16
 
 log = logging.getLogger("ds_core.zero")
 
-#: ``engine.backward(loss)`` calls in progress, over every engine of the process: an output
-#: hook firing inside another engine's explicit backward (a GAN's ``G_engine.backward(errG)``
-#: through the discriminator engine's outputs) leaves that backward alone. A counter, not a
-#: per-graph record: ds_core drives one backward at a time per process (no threads).
-_explicit_backwards = 0
 
-# [Note: PyTorch-style backward]
-# ``forward`` registers a tensor hook on each output that requires grad (nested in tuples,
-# lists and dicts, each tensor once), as DeepSpeed 0.19's ``register_output_backward_hooks``
-# does. Autograd calls those hooks with the output's gradient before anything upstream of
-# the output, i.e. before any parameter's gradient of this engine exists. The first hook of a
-# backward pass (``_in_backward`` false, or left over from another graph task) runs the
-# prologue ``engine.backward`` runs: the fp16 check (the loss must come from ``scale()``), the
-# micro-batch count, ``reducer.begin_backward`` with the boundary, stage 3's
-# ``coordinator.begin_backward``, ``_in_backward`` and ``_grads_seen``. Every hook of the pass
-# then divides its output's gradient by ``gradient_accumulation_steps``, which is what
-# ``engine.backward`` does to the loss (the same gradients, up to where the division is rounded).
-# The epilogue (``coordinator.release_all``, ``reducer.end_backward``, the "reached no
-# parameter" check) must run after the last parameter gradient of the pass, which no module
-# or tensor hook can tell: ``queue_callback`` of autograd's execution engine runs a function
-# when the current graph task has finished, on the thread that called ``backward()``, and an
-# exception raised there leaves ``backward()`` (DeepSpeed queues its post-backward callback the
-# same way). Inside ``engine.backward`` the hooks pass gradients through untouched: that call
-# has already begun the backward and divided the loss, and ends it itself.
-
-
-class ZeroEngine(DeepSpeedEngineAPI):
+class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
     """Trains a module with ZeRO; build it with :func:`ds_core.initialize`.
 
     DeepSpeed's engine members (``local_rank``, ``train_batch_size()``, ``state_dict()``,
@@ -213,7 +189,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.param_swap: ParamSwapper | None = placed.param_swap
 
         # - ZeRO++ (stage 3): quantized gathers and reductions, the in-node parameter copy
-        qgz = self._configure_zeropp(zcfg) if self.stage == 3 else None
+        qgz = None
+        if self.stage == 3:
+            qgz = configure_zeropp(self.units, zcfg, self.mesh.tp_size, self.world, self.rank)
 
         # - gradient path and stage-3 gathering
         self.reducer = GradReducer(
@@ -297,40 +275,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     # ------------------------------------------------------------------ Initialization #
 
-    def _configure_zeropp(self, zcfg: ZeroConfig) -> NodeGroups | None:
-        """Apply ``zero_quantized_weights`` (qwZ) and ``zero_hpz_partition_size`` (hpZ) to the
-        partitioned units; return qgZ's node groups when ``zero_quantized_gradients`` is on.
-        Collective (it may create process groups).
-
-        :raises ConfigError: an hpZ size that does not divide the data-parallel world, or
-            hpZ / qgZ with tensor parallelism.
-        """
-        partitioned = [u for u in self.units if u.mode is Mode.PARTITIONED]
-        for unit in partitioned:
-            unit.quantized_gather = bool(zcfg.zero_quantized_weights)
-        hpz = zcfg.zero_hpz_partition_size
-        if (hpz > 1 or zcfg.zero_quantized_gradients) and self.mesh.tp_size > 1:
-            raise ConfigError(
-                "zero_optimization.zero_hpz_partition_size / zero_quantized_gradients with "
-                "tensor_parallel.autotp_size > 1 is not supported; use one of them"
-            )
-        if hpz > 1:
-            if self.world % hpz:
-                raise ConfigError(
-                    f"zero_optimization.zero_hpz_partition_size: {hpz} does not divide the "
-                    f"world size {self.world}; use the ranks per node (LOCAL_WORLD_SIZE)"
-                )
-            nodes = node_groups(hpz)
-            for unit in partitioned:
-                if unit.group is None:  # experts gather over their own groups
-                    unit.enable_secondary(nodes.intra, hpz, self.rank % hpz)
-        if not zcfg.zero_quantized_gradients:
-            return None
-        try:
-            return node_groups()
-        except ValueError as exc:
-            raise ConfigError(f"zero_optimization.zero_quantized_gradients: {exc}") from None
-
     def _grad_hook(self, zp: ZeroParam) -> Callable[[torch.Tensor], None]:
         reducer = self.reducer
 
@@ -403,79 +347,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self._hook_outputs(out)  # see [Note: PyTorch-style backward]
         return out
 
-    def _hook_outputs(self, outputs: Any) -> None:
-        """Register :meth:`_output_grad_hook` on each tensor of ``outputs`` (tuples, lists and
-        dicts searched) that autograd computed; each tensor once, or its gradient would be
-        divided twice."""
-        seen: set[int] = set()
-        todo = [outputs]
-        while todo:
-            obj = todo.pop()
-            if isinstance(obj, torch.Tensor):
-                if obj.grad_fn is not None and id(obj) not in seen:
-                    seen.add(id(obj))
-                    obj.register_hook(self._output_grad_hook)  # type: ignore[no-untyped-call]
-            elif isinstance(obj, (tuple, list)):
-                todo.extend(obj)
-            elif isinstance(obj, dict):
-                todo.extend(obj.values())
-
-    def _output_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient of one forward output, divided by the accumulation steps in a
-        PyTorch-style backward (which the first such hook begins), else left as it is.
-
-        :raises RuntimeError: fp16 and the loss was not scaled by :meth:`scale`.
-        :raises EngineDestroyedError: the engine was destroyed after the forward.
-        """
-        if self._backward_kind == "engine":
-            return grad  # engine.backward began this backward and divided the loss
-        task = int(torch._C._current_graph_task_id())
-        if self._backward_kind != "torch" or task != self._torch_task:
-            if _explicit_backwards > 0:
-                # Another engine's backward(loss) (a GAN generator's loss through this
-                # discriminator): not this engine's backward, as before PyTorch-style
-                # backward existed; the gradients stay on p.grad (see _grad_hook).
-                return grad
-            self._begin_torch_backward(task)
-        return grad if self.gas == 1 else grad / self.gas
-
-    def _begin_torch_backward(self, task: int) -> None:
-        """The prologue of a PyTorch-style backward (see [Note: PyTorch-style backward]).
-
-        :raises RuntimeError: fp16 and the loss was not scaled by :meth:`scale`.
-        :raises EngineDestroyedError: the engine was destroyed after the forward.
-        """
-        _guards.require_alive(self, "backward")
-        if self.loss_scaler is not None and not self._scaled_pending:
-            # Unscaled fp16 gradients underflow; DeepSpeed raises too (after the backward).
-            raise RuntimeError(
-                f"loss.backward() through {self.label}'s outputs with fp16: the loss needs "
-                "the loss scale; call engine.scale(loss).backward(), or engine.backward(loss)"
-            )
-        if self._backward_kind == "torch" and self.coordinator is not None:
-            self.coordinator.release_all()  # an earlier backward raised before its end
-        self._scaled_pending = False
-        self._loss_count += 1
-        for value in self._pending_losses:
-            self._add_loss(value)
-        self._pending_losses.clear()
-        self._begin_backward()
-        self._backward_kind = "torch"
-        self._torch_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_torch_backward)
-
-    def _end_torch_backward(self) -> None:
-        """The epilogue of a PyTorch-style backward, run by autograd once the pass is done.
-
-        :raises RuntimeError: the backward reached none of the model's trainable parameters.
-        """
-        self._backward_kind = None
-        self._torch_task = -1
-        self._in_backward = False
-        if self.coordinator is not None:
-            self.coordinator.release_all()
-        self._end_backward("loss.backward()")
-
     def _add_loss(self, value: torch.Tensor) -> None:
         """Count one loss value in the mean the step log reports."""
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
@@ -504,26 +375,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 "compute it from this engine's forward (engine(inputs)), not another model's"
             )
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the fp16 loss scale, for ``engine.scale(loss).backward()`` (DeepSpeed
-        0.19); ``loss`` itself in fp32 and bf16. A plain ``.backward()`` through this engine's
-        outputs then runs as :meth:`backward` would (see [Note: PyTorch-style backward]),
-        and the step log's loss includes ``loss`` (a plain ``loss.backward()`` without
-        ``scale`` is counted, but its value is not known to the engine).
-
-        :raises TypeError: ``loss`` is not a tensor.
-        :raises ValueError: ``loss`` has more than one element or does not require grad.
-        :raises RuntimeError: no optimizer.
-        """
-        _guards.require_alive(self, "scale")
-        self._require_optimizer("scale")
-        _guards.check_loss(loss, "scale(loss)")
-        self._pending_losses.append(loss.detach().float())
-        if self.loss_scaler is None:
-            return loss
-        self._scaled_pending = True
-        return loss * self.loss_scaler.scale_tensor
-
     def capture(self, fn: Callable[..., Any], *static_inputs: Any, **kw: Any) -> Any:
         """Capture ``fn(*static_inputs)`` for replay: :func:`ds_core.zero.capture.capture`."""
         return _capture.capture(self, fn, *static_inputs, **kw)
@@ -539,7 +390,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
         :raises RuntimeError: no optimizer, or the backward reached none of the model's
             trainable parameters (a loss not computed from this engine's forward).
         """
-        global _explicit_backwards
         _guards.require_alive(self, "backward")
         self._require_optimizer("backward")
         _guards.check_loss(loss)
@@ -552,11 +402,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
         # The output hooks of this engine's forward fire inside this call: they see "engine"
         # and pass the gradients through (the loss is divided above; the end is below).
         self._backward_kind = "engine"
-        _explicit_backwards += 1
         try:
-            scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
+            with explicit_backward():
+                scaled.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
         finally:
-            _explicit_backwards -= 1
             self._backward_kind = None
             self._in_backward = False
             if self.coordinator is not None:

@@ -1,0 +1,176 @@
+"""PyTorch-style backward for the ZeRO engine: ``loss.backward()`` (and, in fp16,
+``engine.scale(loss).backward()``) in place of ``engine.backward(loss)``, as DeepSpeed 0.19
+allows. :class:`TorchStyleBackward` is a mixin of :class:`~ds_core.zero.engine.ZeroEngine`:
+``forward`` hooks its outputs, and the hooks run the engine's own backward prologue and
+epilogue around a plain backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_core.zero.compat import guards as _guards
+from ds_core.zero.precision import LossScaler
+from ds_core.zero.stage3 import ParamCoordinator
+
+__all__ = ["TorchStyleBackward", "explicit_backward"]
+
+#: ``engine.backward(loss)`` calls in progress, over every engine of the process: an output
+#: hook firing inside another engine's explicit backward (a GAN's ``G_engine.backward(errG)``
+#: through the discriminator engine's outputs) leaves that backward alone. A counter, not a
+#: per-graph record: ds_core drives one backward at a time per process (no threads).
+_explicit_backwards = 0
+
+
+@contextmanager
+def explicit_backward() -> Iterator[None]:
+    """Mark an ``engine.backward(loss)`` in progress (see ``_explicit_backwards``)."""
+    global _explicit_backwards
+    _explicit_backwards += 1
+    try:
+        yield
+    finally:
+        _explicit_backwards -= 1
+
+
+# [Note: PyTorch-style backward]
+# ``forward`` registers a tensor hook on each output that requires grad (nested in tuples,
+# lists and dicts, each tensor once), as DeepSpeed 0.19's ``register_output_backward_hooks``
+# does. Autograd calls those hooks with the output's gradient before anything upstream of
+# the output, i.e. before any parameter's gradient of this engine exists. The first hook of a
+# backward pass (``_in_backward`` false, or left over from another graph task) runs the
+# prologue ``engine.backward`` runs: the fp16 check (the loss must come from ``scale()``), the
+# micro-batch count, ``reducer.begin_backward`` with the boundary, stage 3's
+# ``coordinator.begin_backward``, ``_in_backward`` and ``_grads_seen``. Every hook of the pass
+# then divides its output's gradient by ``gradient_accumulation_steps``, which is what
+# ``engine.backward`` does to the loss (the same gradients, up to where the division is rounded).
+# The epilogue (``coordinator.release_all``, ``reducer.end_backward``, the "reached no
+# parameter" check) must run after the last parameter gradient of the pass, which no module
+# or tensor hook can tell: ``queue_callback`` of autograd's execution engine runs a function
+# when the current graph task has finished, on the thread that called ``backward()``, and an
+# exception raised there leaves ``backward()`` (DeepSpeed queues its post-backward callback the
+# same way). Inside ``engine.backward`` the hooks pass gradients through untouched: that call
+# has already begun the backward and divided the loss, and ends it itself.
+
+
+class TorchStyleBackward:
+    """The engine's output hooks and :meth:`scale` (see [Note: PyTorch-style backward]).
+
+    Uses the engine's state named below; the engine provides ``_begin_backward``,
+    ``_end_backward``, ``_add_loss`` and ``_require_optimizer``.
+    """
+
+    label: str
+    gas: int
+    loss_scaler: LossScaler | None
+    coordinator: ParamCoordinator | None
+    _in_backward: bool
+    _loss_count: int
+    _pending_losses: list[torch.Tensor]
+    _scaled_pending: bool
+    _backward_kind: str | None
+    _torch_task: int
+
+    if TYPE_CHECKING:  # the engine's; not defined here, so nothing shadows them in the MRO
+
+        def _begin_backward(self) -> None: ...
+        def _end_backward(self, what: str) -> None: ...
+        def _add_loss(self, value: torch.Tensor) -> None: ...
+        def _require_optimizer(self, what: str) -> None: ...
+
+    def _hook_outputs(self, outputs: Any) -> None:
+        """Register :meth:`_output_grad_hook` on each tensor of ``outputs`` (tuples, lists and
+        dicts searched) that autograd computed; each tensor once, or its gradient would be
+        divided twice."""
+        seen: set[int] = set()
+        todo = [outputs]
+        while todo:
+            obj = todo.pop()
+            if isinstance(obj, torch.Tensor):
+                if obj.grad_fn is not None and id(obj) not in seen:
+                    seen.add(id(obj))
+                    obj.register_hook(self._output_grad_hook)  # type: ignore[no-untyped-call]
+            elif isinstance(obj, (tuple, list)):
+                todo.extend(obj)
+            elif isinstance(obj, dict):
+                todo.extend(obj.values())
+
+    def _output_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of one forward output, divided by the accumulation steps in a
+        PyTorch-style backward (which the first such hook begins), else left as it is.
+
+        :raises RuntimeError: fp16 and the loss was not scaled by :meth:`scale`.
+        :raises EngineDestroyedError: the engine was destroyed after the forward.
+        """
+        if self._backward_kind == "engine":
+            return grad  # engine.backward began this backward and divided the loss
+        task = int(torch._C._current_graph_task_id())
+        if self._backward_kind != "torch" or task != self._torch_task:
+            if _explicit_backwards > 0:
+                # Another engine's backward(loss) (a GAN generator's loss through this
+                # discriminator): not this engine's backward, as before PyTorch-style
+                # backward existed; the gradients stay on p.grad (see _grad_hook).
+                return grad
+            self._begin_torch_backward(task)
+        return grad if self.gas == 1 else grad / self.gas
+
+    def _begin_torch_backward(self, task: int) -> None:
+        """The prologue of a PyTorch-style backward (see [Note: PyTorch-style backward]).
+
+        :raises RuntimeError: fp16 and the loss was not scaled by :meth:`scale`.
+        :raises EngineDestroyedError: the engine was destroyed after the forward.
+        """
+        _guards.require_alive(self, "backward")
+        if self.loss_scaler is not None and not self._scaled_pending:
+            # Unscaled fp16 gradients underflow; DeepSpeed raises too (after the backward).
+            raise RuntimeError(
+                f"loss.backward() through {self.label}'s outputs with fp16: the loss needs "
+                "the loss scale; call engine.scale(loss).backward(), or engine.backward(loss)"
+            )
+        if self._backward_kind == "torch" and self.coordinator is not None:
+            self.coordinator.release_all()  # an earlier backward raised before its end
+        self._scaled_pending = False
+        self._loss_count += 1
+        for value in self._pending_losses:
+            self._add_loss(value)
+        self._pending_losses.clear()
+        self._begin_backward()
+        self._backward_kind = "torch"
+        self._torch_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_torch_backward)
+
+    def _end_torch_backward(self) -> None:
+        """The epilogue of a PyTorch-style backward, run by autograd once the pass is done.
+
+        :raises RuntimeError: the backward reached none of the model's trainable parameters.
+        """
+        self._backward_kind = None
+        self._torch_task = -1
+        self._in_backward = False
+        if self.coordinator is not None:
+            self.coordinator.release_all()
+        self._end_backward("loss.backward()")
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, for ``engine.scale(loss).backward()`` (DeepSpeed
+        0.19); ``loss`` itself in fp32 and bf16. A plain ``.backward()`` through this engine's
+        outputs then runs as :meth:`backward` would (see [Note: PyTorch-style backward]),
+        and the step log's loss includes ``loss`` (a plain ``loss.backward()`` without
+        ``scale`` is counted, but its value is not known to the engine).
+
+        :raises TypeError: ``loss`` is not a tensor.
+        :raises ValueError: ``loss`` has more than one element or does not require grad.
+        :raises RuntimeError: no optimizer.
+        """
+        _guards.require_alive(self, "scale")
+        self._require_optimizer("scale")
+        _guards.check_loss(loss, "scale(loss)")
+        self._pending_losses.append(loss.detach().float())
+        if self.loss_scaler is None:
+            return loss
+        self._scaled_pending = True
+        return loss * self.loss_scaler.scale_tensor
