@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from ds_core.optim._checks import check_common
+
 __all__ = ["Lamb"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -80,22 +82,13 @@ class Lamb(torch.optim.Optimizer):
         min_coeff: float = 0.01,
         amsgrad: bool = False,
     ) -> None:
-        if amsgrad:
-            raise ValueError(
-                "Lamb does not support amsgrad=True (neither does DeepSpeed's FusedLamb)"
-            )
+        check_common("Lamb", lr, betas, eps, 0.0, amsgrad)
         if max_grad_norm > 0:
             raise ValueError(
                 f"Lamb: max_grad_norm={max_grad_norm} is not supported; DeepSpeed's FusedLamb "
                 "only applies it with gradient norms passed to step(). Use the engine's "
                 "gradient_clipping instead"
             )
-        if not lr >= 0.0:
-            raise ValueError(f"Lamb: lr must be >= 0, got {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"Lamb: eps must be >= 0, got {eps}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Lamb: betas must be two values in [0, 1), got {betas}")
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,

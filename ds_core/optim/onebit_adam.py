@@ -33,6 +33,7 @@ import torch
 
 from ds_core import comm
 from ds_core.comm.compressed import compressed_all_reduce, padded_numel
+from ds_core.optim._checks import check_at_least, check_common
 
 __all__ = ["OneBitAdam"]
 
@@ -75,19 +76,8 @@ class OneBitAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         group: Any = None,
     ) -> None:
-        if amsgrad:
-            raise ValueError("amsgrad: 1-bit Adam has no AMSGrad variant; set amsgrad false")
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if freeze_step < 0:
-            raise ValueError(f"freeze_step must be >= 0, got {freeze_step}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
-        if eps <= 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_common("OneBitAdam", lr, betas, eps, weight_decay, amsgrad)
+        check_at_least("OneBitAdam", 0, freeze_step=freeze_step)
         defaults = {
             "lr": lr,
             "betas": tuple(betas),

@@ -76,6 +76,7 @@ import torch
 
 from ds_core import comm
 from ds_core.comm.compressed import compressed_all_reduce, padded_numel
+from ds_core.optim._checks import check_at_least, check_common
 
 __all__ = ["OneBitLamb"]
 
@@ -152,27 +153,14 @@ class OneBitLamb(torch.optim.Optimizer):
         factor_threshold: float = 0.1,
         group: Any = None,
     ) -> None:
-        if amsgrad:
-            raise ValueError("amsgrad: 1-bit LAMB has no AMSGrad variant; set amsgrad false")
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if freeze_step < 0:
-            raise ValueError(f"freeze_step must be >= 0, got {freeze_step}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if min_coeff < 0:
-            raise ValueError(f"min_coeff must be >= 0, got {min_coeff}")
+        check_common("OneBitLamb", lr, betas, eps, weight_decay, amsgrad)
+        check_at_least(
+            "OneBitLamb", 0, freeze_step=freeze_step, min_coeff=min_coeff, factor_min=factor_min
+        )
         if min_coeff > max_coeff:
             raise ValueError(f"min_coeff ({min_coeff}) must not exceed max_coeff ({max_coeff})")
         if not 0.0 <= coeff_beta < 1.0:
             raise ValueError(f"coeff_beta must be in [0, 1), got {coeff_beta}")
-        if factor_min < 0:
-            raise ValueError(f"factor_min must be >= 0, got {factor_min}")
         if factor_min > factor_max:
             raise ValueError(f"factor_min ({factor_min}) must not exceed factor_max ({factor_max})")
         if not 0.0 <= factor_threshold <= 1.0:

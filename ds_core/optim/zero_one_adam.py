@@ -20,6 +20,7 @@ import torch
 
 from ds_core.comm import get_world_size
 from ds_core.comm.compressed import compressed_all_reduce, padded_numel
+from ds_core.optim._checks import check_at_least, check_common
 
 __all__ = ["ZeroOneAdam"]
 
@@ -122,31 +123,19 @@ class ZeroOneAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         group: Any = None,
     ) -> None:
-        if amsgrad:
-            raise ValueError(
-                "ZeroOneAdam: amsgrad=True is not supported (0/1 Adam has no AMSGrad variant)"
-            )
-        if lr < 0.0:
-            raise ValueError(f"ZeroOneAdam: lr must be >= 0, got {lr}")
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"ZeroOneAdam: betas must be two values in [0, 1), got {betas}")
-        if eps < 0.0:
-            raise ValueError(f"ZeroOneAdam: eps must be >= 0, got {eps}")
-        if weight_decay < 0.0:
-            raise ValueError(f"ZeroOneAdam: weight_decay must be >= 0, got {weight_decay}")
-        if max_grad_norm < 0.0:
-            raise ValueError(f"ZeroOneAdam: max_grad_norm must be >= 0, got {max_grad_norm}")
-        if var_freeze_step < 0:
-            raise ValueError(f"ZeroOneAdam: var_freeze_step must be >= 0, got {var_freeze_step}")
+        check_common("ZeroOneAdam", lr, betas, eps, weight_decay, amsgrad)
+        check_at_least(
+            "ZeroOneAdam", 0, max_grad_norm=max_grad_norm, var_freeze_step=var_freeze_step
+        )
         # A scaler of 0 would never double its interval, a clipper of 0 would make the sync
         # test a modulo by zero: both are configuration errors.
-        for name, value in (
-            ("var_update_scaler", var_update_scaler),
-            ("local_step_scaler", local_step_scaler),
-            ("local_step_clipper", local_step_clipper),
-        ):
-            if value < 1:
-                raise ValueError(f"ZeroOneAdam: {name} must be >= 1, got {value}")
+        check_at_least(
+            "ZeroOneAdam",
+            1,
+            var_update_scaler=var_update_scaler,
+            local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper,
+        )
         defaults = {
             "lr": lr,
             "bias_correction": bias_correction,

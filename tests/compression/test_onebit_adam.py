@@ -146,7 +146,7 @@ def test_optimizer_refuses_bad_hyperparameters() -> None:
     for kwargs, field in (
         ({"amsgrad": True}, "amsgrad"),
         ({"betas": (1.0, 0.9)}, "betas"),
-        ({"eps": 0.0}, "eps"),
+        ({"eps": -1.0}, "eps"),
         ({"freeze_step": -2}, "freeze_step"),
     ):
         with pytest.raises(ValueError, match=field):
