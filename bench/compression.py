@@ -11,10 +11,14 @@ for a quick look (about 8 minutes here). ``--configs``, ``--backends`` (``cpu``,
 Configurations, all on the GPT of ``examples/gpt.py``, fp32, gradient clipping at 1.0, the same
 seed and the same batches per rank:
 
-- ``adam``          stage 0, AdamW (lr 3e-4): the uncompressed reference of the 1-bit Adams
+- ``adam``          stage 0, AdamW (lr 3e-4), for context
+- ``onebit_adam_nc`` OneBitAdam that never compresses (``freeze_step`` beyond the run): DeepSpeed's
+  1-bit Adam update (no bias correction, a set-up first step) on averaged gradients, the
+  like-for-like uncompressed reference of ``onebit_adam`` and ``zero_one_adam``
 - ``onebit_adam``   OneBitAdam, ``freeze_step`` = 15% of the run (see below)
 - ``zero_one_adam`` ZeroOneAdam, ``var_freeze_step`` = the same 15%
-- ``lamb``          stage 0, Lamb (lr 1e-3): the reference of ``onebit_lamb``
+- ``lamb``          stage 0, Lamb (lr 1e-3, DeepSpeed's FusedLamb), for context
+- ``onebit_lamb_nc`` OneBitLamb that never compresses: the reference of ``onebit_lamb``
 - ``onebit_lamb``   OneBitLamb, ``freeze_step`` = 15%
 - ``zero3``         stage 3, AdamW: the reference of the ZeRO++ rows
 - ``qwz`` / ``qgz`` / ``hpz``  + ``zero_quantized_weights`` / ``zero_quantized_gradients`` /
@@ -94,16 +98,28 @@ import torch.multiprocessing as mp  # noqa: E402
 from ds_core.hookspecs._markers import hookimpl  # noqa: E402
 from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
 
-ONEBIT = ("adam", "onebit_adam", "zero_one_adam", "lamb", "onebit_lamb")
+ONEBIT = (
+    "adam",
+    "onebit_adam_nc",
+    "onebit_adam",
+    "zero_one_adam",
+    "lamb",
+    "onebit_lamb_nc",
+    "onebit_lamb",
+)
 ZEROPP = ("zero3", "qwz", "qgz", "hpz", "zeropp")
 CONFIGS = ONEBIT + ZEROPP
 #: each configuration's uncompressed reference (a reference maps to itself)
 REFERENCE = {
-    "adam": "adam", "onebit_adam": "adam", "zero_one_adam": "adam",
-    "lamb": "lamb", "onebit_lamb": "lamb",
+    "adam": "adam", "onebit_adam_nc": "onebit_adam_nc", "onebit_adam": "onebit_adam_nc",
+    "zero_one_adam": "onebit_adam_nc",
+    "lamb": "lamb", "onebit_lamb_nc": "onebit_lamb_nc", "onebit_lamb": "onebit_lamb_nc",
     "zero3": "zero3", "qwz": "zero3", "qgz": "zero3", "hpz": "zero3", "zeropp": "zero3",
 }  # fmt: skip
 ADAM_LR, LAMB_LR, CLIP, SEED = 3e-4, 1e-3, 1.0, 1234
+#: a freeze step no run reaches: the optimizer's own uncompressed form (DeepSpeed's update,
+#: averaged gradients every step), the like-for-like reference of its compressed run
+NEVER = 10**9
 LOSS_TAIL = 10  # the final loss is the mean of this many last steps
 MiB = 2**20
 PNG = ROOT / "bench" / "compression_loss.png"
@@ -143,6 +159,7 @@ def ds_config(name: str, micro_batch: int, freeze: int, local_size: int) -> dict
     optimizer: dict[str, Any] = {
         "adam": adamw,
         "onebit_adam": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze}},
+        "onebit_adam_nc": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": NEVER}},
         "zero_one_adam": {
             "type": "ZeroOneAdam",
             "params": {"lr": ADAM_LR, "var_freeze_step": freeze},
@@ -151,6 +168,10 @@ def ds_config(name: str, micro_batch: int, freeze: int, local_size: int) -> dict
         "onebit_lamb": {
             "type": "OneBitLamb",
             "params": {"lr": LAMB_LR, "freeze_step": freeze, "weight_decay": 0.0},
+        },
+        "onebit_lamb_nc": {
+            "type": "OneBitLamb",
+            "params": {"lr": LAMB_LR, "freeze_step": NEVER, "weight_decay": 0.0},
         },
     }.get(name, adamw)
     zero: dict[str, Any] = {"stage": 0}

@@ -5,12 +5,16 @@ node (hpZ), and the node groups of quantized gradient reductions (qgZ). The coll
 
 from __future__ import annotations
 
+import logging
+
 from ds_core.comm.quantized import NodeGroups, node_groups
 from ds_core.errors import ConfigError
 from ds_core.zero.config import ZeroConfig
 from ds_core.zero.partition import FlatUnit, Mode
 
 __all__ = ["configure_zeropp"]
+
+log = logging.getLogger("ds_core.zero")
 
 
 def configure_zeropp(
@@ -34,6 +38,11 @@ def configure_zeropp(
             "zero_optimization.zero_hpz_partition_size / zero_quantized_gradients with "
             "tensor_parallel.autotp_size > 1 is not supported; use one of them"
         )
+    if hpz == world > 1:
+        # One node: the in-node group is the whole world, so a second copy would only replace
+        # qwZ's quantized backward gathers with full ones; stage 3 as it is already is hpZ.
+        log.info("zero_hpz_partition_size %d covers all %d ranks: no second copy", hpz, world)
+        hpz = 1
     if hpz > 1:
         if world % hpz:
             raise ConfigError(

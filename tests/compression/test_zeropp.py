@@ -51,6 +51,7 @@ def test_zeropp_trains_like_plain_stage3_and_moves_fewer_bytes(runs: Any) -> Non
     qwz = runs("qwz", QWZ)
     qgz = runs("qgz", QGZ)
     every = runs("all", {**QWZ, **QGZ, **HPZ})
+    whole = runs("hpz-world", {**QWZ, "zero_hpz_partition_size": WORLD})
     for r in range(WORLD):
         # hpZ moves the same values by another route: training is identical, bit for bit
         assert hpz[r]["losses"] == base[r]["losses"]
@@ -71,6 +72,8 @@ def test_zeropp_trains_like_plain_stage3_and_moves_fewer_bytes(runs: Any) -> Non
         qwz_world, _ = world_and_node_bytes(qwz, step)
         # fp32 weights as 8-bit codes plus one fp32 scale per block: about a quarter
         assert qwz_world <= 0.26 * base_world
+        # hpZ over the whole world (one node) keeps no second copy: qwZ's gathers stay quantized
+        assert world_and_node_bytes(whole, step) == world_and_node_bytes(qwz, step)
 
 
 def test_zeropp_keys_are_fields_and_hpz_must_divide_the_world() -> None:
