@@ -98,10 +98,21 @@ def errors() -> dict[str, Any]:
     out["step_inside_no_sync"] = _error(step_inside)
 
     def plain_backward_then_step() -> None:
-        s0(x, y).backward()  # not engine.backward: its gradients stay on p.grad
+        # PyTorch-style backward through the engine's outputs: a backward of the engine
+        s0(x, y).backward()
         s0.step()
 
+    before = [p.detach().clone() for p in s0.parameters()]
     out["plain_backward"] = _error(plain_backward_then_step)
+    out["plain_backward_applied"] = any(
+        not torch.equal(a, p) for a, p in zip(before, s0.parameters(), strict=True)
+    )
+
+    def module_backward_then_step() -> None:
+        s0.module(x, y).backward()  # around the engine's forward: its gradients stay on p.grad
+        s0.step()
+
+    out["module_backward"] = _error(module_backward_then_step)
     s0.zero_grad()
     out["zero_grad_clears"] = all(p.grad is None for p in s0.parameters())
     # fp16.auto_cast: float inputs reach the fp16 model as float16
