@@ -195,8 +195,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
 
         # - gradient path and stage-3 gathering
         self.reducer = GradReducer(
-            # Backward produces gradients roughly in reverse order of registration.
-            list(reversed(self.units)),
+            placed.reduction_order(),
             self.mesh.dp_size,
             self.stage,
             self.gas,

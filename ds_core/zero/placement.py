@@ -138,6 +138,22 @@ class Placement:
                 units.append(FlatUnit(part, mode, self.device))
         return units
 
+    def reduction_order(self) -> list[FlatUnit]:
+        """The units in the order backward completes their gradients: the gradient reducer
+        issues one collective per unit in this order (the same on every rank).
+
+        Backward runs roughly in reverse registration order, so a unit completes when the
+        gradient of its earliest-registered parameter arrives; the unit whose first parameter
+        registered last goes first. A unit that spans the model (stage 3's persistent
+        parameters: every layer's biases and norms; a tied embedding) completes only at the end
+        of backward and goes last; issued earlier, it would make every later unit wait with its
+        gradients staged, one full-size staging buffer each (bench/README.md, memory_formula.py).
+        """
+        index = {id(zp): i for i, zp in enumerate(self.zparams.values())}
+        return sorted(
+            self.units, key=lambda u: min(index[id(zp)] for zp in u.zparams), reverse=True
+        )
+
     def _place(self, module: nn.Module) -> None:
         """Move the module onto the device one parameter at a time, equal on every rank
         (broadcast from rank 0; experts from the first rank of their group), keeping only

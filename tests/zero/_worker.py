@@ -707,6 +707,10 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         from tests.zero import _syncs
 
         return _syncs.jobs()
+    if suite == "peaks":
+        from tests.zero import _peaks
+
+        return _peaks.jobs()
     if suite == "api":
         return {"api": api_checks}
     if suite == "accounting":

@@ -282,7 +282,8 @@ void stream_wait(SimStream* waiter, SimStream* target, int64_t seq) {
 
 struct Block {
   void* ptr;
-  size_t size;
+  size_t size;  // the block's bytes (what goes back to the cache)
+  size_t used;  // the request rounded to kAlign (what counts as allocated)
   int device;
 };
 
@@ -308,7 +309,7 @@ void free_block(void* ctx) {
   Arena& a = arenas[b->device];
   {
     std::lock_guard<std::mutex> g(a.mu);
-    a.allocated -= b->size;
+    a.allocated -= b->used;
     a.frees += 1;
     a.cached.emplace(b->size, b->ptr);
   }
@@ -337,6 +338,7 @@ Block* alloc_block(int device, size_t nbytes) {
   check_index(device);
   size_t size = (nbytes + kAlign - 1) / kAlign * kAlign;
   if (size == 0) size = kAlign;
+  const size_t used = size;
   Arena& a = arenas[device];
   bool full;
   {
@@ -375,10 +377,13 @@ Block* alloc_block(int device, size_t nbytes) {
     a.segments += 1;
     a.peak_reserved = std::max(a.peak_reserved, a.reserved);
   }
-  a.allocated += size;
+  // A reused block may be up to twice the request; CUDA's allocator would split it and
+  // count only the part in use as allocated (the rest stays reserved), so allocated counts
+  // the rounded request here too: a 2 MiB shard in a cached 4 MiB block is 2 MiB allocated.
+  a.allocated += used;
   a.allocs += 1;
   a.peak_allocated = std::max(a.peak_allocated, a.allocated);
-  return new Block{ptr, size, device};
+  return new Block{ptr, size, used, device};
 }
 
 struct SimAllocator final : c10::Allocator {

@@ -1,0 +1,85 @@
+"""Device memory held between steps and peak device memory during one, per ZeRO stage at the
+default configuration, measured by the device's own allocator (tests/zero/test_zero_peak_memory.py).
+
+The model is a stack of ``Linear(WIDTH, WIDTH)`` layers with biases: at stage 3 the weights are
+partitioned (above the default ``stage3_param_persistence_threshold``) and the biases stay whole,
+in one unit spanning every layer, so a reducer that issued that unit before the layers' units
+would keep every layer's gradient staged until the end of backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.zero._common import on_device
+
+WIDTH = 512
+DEPTH = 6
+MICRO = 4
+LR = 1e-4
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def measure(stage: int) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        import ds_core
+
+        acc = ds_core.get_accelerator()
+        torch.manual_seed(0)
+        model = Stack()
+        # what a user passes: torch's Adam at its defaults (the foreach kernels)
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
+        engine, _, _, _ = ds_core.initialize(model=model, optimizer=opt, config=config)
+        gen = torch.Generator().manual_seed(1 + ds_core.comm.get_rank())
+        batches = [on_device(torch.randn(MICRO, WIDTH, generator=gen)) for _ in range(3)]
+        for x in batches[:2]:  # the first step records stage 3's trace and builds the state
+            engine.backward(engine(x))
+            engine.step()
+        acc.synchronize()
+        held = acc.memory_allocated()
+        acc.reset_peak_memory_stats()
+        engine.backward(engine(batches[2]))
+        engine.step()
+        acc.synchronize()
+        peak = acc.max_memory_allocated()
+        states = engine.model_state_bytes()
+        units = [u for u in engine.units if u.trainable]
+        out = {
+            "held": held,
+            "peak": peak,
+            "states": states["total"],
+            "staging": engine.reducer.staging_bytes(),
+            "largest_unit": max(u.padded for u in units) * 4,
+            "largest_param": max(zp.numel for zp in engine.zparams.values()) * 4,
+            "stepped": sum(
+                p.numel() * p.element_size()
+                for group in engine.optimizer.param_groups
+                for p in group["params"]
+            ),
+            "overlap": bool(engine.overlap_comm),
+            "n_params": sum(zp.numel for zp in engine.zparams.values()),
+        }
+        engine.destroy()
+        acc.empty_cache()
+        return out
+
+    return run
+
+
+def jobs() -> dict[str, Callable[[], dict[str, Any]]]:
+    return {f"s{stage}": measure(stage) for stage in range(4)}
