@@ -59,7 +59,7 @@ from ds_core.zero.precision import LossScaler, step_skips_on_device, step_with_f
 from ds_core.zero.reducer import GradReducer
 from ds_core.zero.stage3 import ParamCoordinator
 from ds_core.zero.steps import SkipTracker, StepBook, Verdict
-from ds_core.zero.torch_backward import TorchStyleBackward, explicit_backward
+from ds_core.zero.torch_backward import TorchStyleBackward, bind_zero_grad, explicit_backward
 from ds_core.zero.zeropp import configure_zeropp
 
 _COMM_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp16": torch.float16}
@@ -91,13 +91,14 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
     (``retain_graph``) count as several micro-batch backwards. Unlike DeepSpeed, stage 0 takes
     a plain ``loss.backward()`` too (DeepSpeed 0.19.8 refuses it there).
 
-    A backward through this engine's outputs is this engine's backward, except inside another
-    engine's ``backward(loss)``. So in a GAN whose generator loss is computed from the
-    discriminator *engine*'s output: ``G_engine.backward(errG)`` leaves the discriminator
-    alone (its gradients stay on ``p.grad``, as in plain PyTorch); a plain ``errG.backward()``
-    is a discriminator backward as well, as in DeepSpeed 0.19.8 at stages 1–3: the
-    discriminator counts the micro-batch, reduces the gradients into its window and divides
-    the gradient that flows on to the generator by its own ``gradient_accumulation_steps``.
+    A backward through this engine's outputs is this engine's backward, as in DeepSpeed 0.19.8
+    at stages 1–3. So in a GAN whose generator loss is computed from the discriminator
+    *engine*'s output, ``G_engine.backward(errG)`` and a plain ``errG.backward()`` are
+    discriminator backwards as well: the discriminator counts the micro-batch and reduces the
+    gradients into its window (``netD.zero_grad()`` does not discard them; the next update
+    applies them); in a plain ``errG.backward()`` it also divides the gradient that flows on
+    to the generator by its own ``gradient_accumulation_steps``. docs/from-deepspeed.md
+    "Gradients made outside engine.backward" has the table.
     """
 
     def __init__(
@@ -230,6 +231,8 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
 
         # - optimizer and schedule
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
+        if self.optimizer is not None:  # its zero_grad() clears the model's p.grad too
+            bind_zero_grad(self.optimizer, [zp.param for zp in self._trainable])
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         #: a non-finite step is skipped inside the optimizer, on the device; otherwise
         #: (offload, or an optimizer without ``found_inf``) the host reads the verdict.
@@ -362,13 +365,14 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         self._in_backward = True
         self._grads_seen = 0
 
-    def _end_backward(self, what: str) -> None:
+    def _end_backward(self, what: str, check: bool = True) -> None:
         """What every backward does last (after ``_in_backward`` is cleared).
 
-        :raises RuntimeError: the backward reached none of the model's trainable parameters.
+        :raises RuntimeError: ``check`` and the backward reached none of the model's trainable
+            parameters.
         """
         self.reducer.end_backward()
-        if self._grads_seen == 0:
+        if check and self._grads_seen == 0:
             raise RuntimeError(
                 f"{what}: the loss reached none of the model's trainable parameters; "
                 "compute it from this engine's forward (engine(inputs)), not another model's"

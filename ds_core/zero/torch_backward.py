@@ -17,12 +17,15 @@ from ds_core.zero.compat import guards as _guards
 from ds_core.zero.precision import LossScaler
 from ds_core.zero.stage3 import ParamCoordinator
 
-__all__ = ["TorchStyleBackward", "explicit_backward"]
+__all__ = ["TorchStyleBackward", "bind_zero_grad", "explicit_backward"]
 
 #: ``engine.backward(loss)`` calls in progress, over every engine of the process: an output
 #: hook firing inside another engine's explicit backward (a GAN's ``G_engine.backward(errG)``
-#: through the discriminator engine's outputs) leaves that backward alone. A counter, not a
-#: per-graph record: ds_core drives one backward at a time per process (no threads).
+#: through the discriminator engine's outputs) begins this engine's backward but leaves the
+#: gradient undivided, as DeepSpeed 0.19.8 does (``engine.py``: ``_backward_prologue`` runs
+#: from the output hook; ``_backward_prologue_per_tensor`` skips the division when
+#: ``_ENGINE_BACKWARD_GRAPH_TRACKER`` has the graph of any engine's ``backward``). A counter,
+#: not a per-graph record: ds_core drives one backward at a time per process (no threads).
 _explicit_backwards = 0
 
 
@@ -35,6 +38,29 @@ def explicit_backward() -> Iterator[None]:
         yield
     finally:
         _explicit_backwards -= 1
+
+
+def bind_zero_grad(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    """Make ``optimizer.zero_grad()`` also clear ``params``' gradients (the model's, which a
+    backward the engine did not run leaves on ``p.grad``), as the optimizer DeepSpeed 0.19.8's
+    ``initialize`` returns does: the client optimizer over the model's parameters at stage 0,
+    ``DeepSpeedZeroOptimizer.zero_grad`` (``runtime/zero/stage_1_and_2.py``) and
+    ``DeepSpeedZeroOptimizer_Stage3.zero_grad`` (``runtime/zero/stage3.py``) at stages 1-3.
+    ds_core's optimizer steps the fp32 masters, whose gradients its own ``zero_grad`` clears;
+    like DeepSpeed's at stages 1-2, neither touches what the engine has already reduced.
+    """
+    inner = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        inner(set_to_none)
+        for p in params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
 # [Note: PyTorch-style backward]
@@ -74,11 +100,13 @@ class TorchStyleBackward:
     _scaled_pending: bool
     _backward_kind: str | None
     _torch_task: int
+    #: the PyTorch-style backward in progress began inside another engine's backward(loss).
+    _torch_nested: bool = False
 
     if TYPE_CHECKING:  # the engine's; not defined here, so nothing shadows them in the MRO
 
         def _begin_backward(self) -> None: ...
-        def _end_backward(self, what: str) -> None: ...
+        def _end_backward(self, what: str, check: bool = True) -> None: ...
         def _add_loss(self, value: torch.Tensor) -> None: ...
         def _require_optimizer(self, what: str) -> None: ...
 
@@ -110,13 +138,14 @@ class TorchStyleBackward:
             return grad  # engine.backward began this backward and divided the loss
         task = int(torch._C._current_graph_task_id())
         if self._backward_kind != "torch" or task != self._torch_task:
-            if _explicit_backwards > 0:
-                # Another engine's backward(loss) (a GAN generator's loss through this
-                # discriminator): not this engine's backward, as before PyTorch-style
-                # backward existed; the gradients stay on p.grad (see _grad_hook).
-                return grad
             self._begin_torch_backward(task)
-        return grad if self.gas == 1 else grad / self.gas
+        if self.gas == 1 or _explicit_backwards > 0:
+            # Inside another engine's backward(loss) (a GAN generator's loss through this
+            # discriminator engine): this engine takes the gradients into its window, but
+            # that call already divided its loss by its own accumulation steps; DeepSpeed
+            # 0.19.8 divides no further (_backward_prologue_per_tensor).
+            return grad
+        return grad / self.gas
 
     def _begin_torch_backward(self, task: int) -> None:
         """The prologue of a PyTorch-style backward (see [Note: PyTorch-style backward]).
@@ -141,6 +170,7 @@ class TorchStyleBackward:
         self._begin_backward()
         self._backward_kind = "torch"
         self._torch_task = task
+        self._torch_nested = _explicit_backwards > 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_torch_backward)
 
     def _end_torch_backward(self) -> None:
@@ -153,7 +183,10 @@ class TorchStyleBackward:
         self._in_backward = False
         if self.coordinator is not None:
             self.coordinator.release_all()
-        self._end_backward("loss.backward()")
+        # Inside another engine's backward(loss) the loss is that engine's: passing through
+        # this engine's outputs without reaching a trainable parameter (a GAN discriminator
+        # frozen while the generator trains) is no error.
+        self._end_backward("loss.backward()", check=not self._torch_nested)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale, for ``engine.scale(loss).backward()`` (DeepSpeed
