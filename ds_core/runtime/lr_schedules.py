@@ -22,12 +22,39 @@ from ds_core.zero.compat.builders import (
 )
 
 __all__ = [
+    "COS_MIN_RATIO",
+    "CYCLE_FIRST_STAIR_COUNT",
+    "CYCLE_FIRST_STEP_SIZE",
+    "CYCLE_MAX_LR",
+    "CYCLE_MAX_MOM",
+    "CYCLE_MIN_LR",
+    "CYCLE_MIN_MOM",
+    "CYCLE_SECOND_STAIR_COUNT",
+    "CYCLE_SECOND_STEP_SIZE",
+    "DECAY_LR_RATE",
+    "DECAY_MOM_RATE",
+    "DECAY_STEP_SIZE",
+    "EDGE_VALUE",
     "LR_RANGE_TEST",
+    "LR_RANGE_TEST_MIN_LR",
+    "LR_RANGE_TEST_STAIRCASE",
+    "LR_RANGE_TEST_STEP_RATE",
+    "LR_RANGE_TEST_STEP_SIZE",
+    "LR_SCHEDULE",
+    "MID_VALUE",
     "ONE_CYCLE",
+    "TOTAL_NUM_STEPS",
     "VALID_LR_SCHEDULES",
     "WARMUP_COSINE_LR",
     "WARMUP_DECAY_LR",
+    "WARMUP_LINEAR_RATE",
+    "WARMUP_LOG_RATE",
     "WARMUP_LR",
+    "WARMUP_MAX_LR",
+    "WARMUP_MIN_LR",
+    "WARMUP_MIN_RATIO",
+    "WARMUP_NUM_STEPS",
+    "WARMUP_TYPE",
     "LRRangeTest",
     "OneCycle",
     "WarmupCosineLR",
@@ -44,6 +71,37 @@ WARMUP_DECAY_LR = "WarmupDecayLR"
 WARMUP_COSINE_LR = "WarmupCosineLR"
 #: DeepSpeed's schedule names, all importable from here.
 VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+
+#: DeepSpeed's names for the schedules' parameter keys and warm-up types (its
+#: ``deepspeed/runtime/lr_schedules.py`` constants), for code that builds ``scheduler`` params
+#: with them (DeepSpeed's own unit tests do).
+COS_MIN_RATIO = "cos_min_ratio"
+CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
+CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
+CYCLE_MAX_LR = "cycle_max_lr"
+CYCLE_MAX_MOM = "cycle_max_mom"
+CYCLE_MIN_LR = "cycle_min_lr"
+CYCLE_MIN_MOM = "cycle_min_mom"
+CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
+CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
+DECAY_LR_RATE = "decay_lr_rate"
+DECAY_MOM_RATE = "decay_mom_rate"
+DECAY_STEP_SIZE = "decay_step_size"
+EDGE_VALUE = "edge_value"
+LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
+LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
+LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
+LR_SCHEDULE = "lr_schedule"
+MID_VALUE = "mid_value"
+TOTAL_NUM_STEPS = "total_num_steps"
+WARMUP_LINEAR_RATE = "linear"
+WARMUP_LOG_RATE = "log"
+WARMUP_MAX_LR = "warmup_max_lr"
+WARMUP_MIN_LR = "warmup_min_lr"
+WARMUP_MIN_RATIO = "warmup_min_ratio"
+WARMUP_NUM_STEPS = "warmup_num_steps"
+WARMUP_TYPE = "warmup_type"
 
 #: the second Adam beta OneCycle sets while it cycles the first (DeepSpeed's constant).
 _BETA2 = 0.99

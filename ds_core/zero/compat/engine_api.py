@@ -354,6 +354,14 @@ class DeepSpeedEngineAPI:
             load_module_only,
         )
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's ``empty_partition_cache``: release every stage-3 parameter still
+        gathered (units kept for reuse or prefetched); nothing to release at stages 0-2, where
+        DeepSpeed's is a no-op too."""
+        coordinator = getattr(self, "coordinator", None)
+        if coordinator is not None:
+            coordinator.release_all()
+
     def save_16bit_model(
         self,
         save_dir: str,

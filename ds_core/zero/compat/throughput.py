@@ -42,6 +42,7 @@ class ThroughputTimer:
         self.start_step = start_step
         self.steps_per_output = steps_per_output
         self.synchronize = synchronize
+        self.epoch_count = 0
         self.micro_step_count = 0
         self.global_step_count = 0
         #: seconds of the counted windows, and of the current window so far.
@@ -81,6 +82,12 @@ class ThroughputTimer:
                     self.batch_size / self.step_elapsed_time,
                 )
             self.step_elapsed_time = 0.0
+
+    def update_epoch_count(self) -> None:
+        """An epoch ended (DeepSpeed's name, called by training loops such as DeepSpeed-Chat's):
+        ``epoch_count`` counts it and ``micro_step_count`` starts again from 0."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
 
     def avg_samples_per_sec(self) -> float:
         """Samples per second over the counted steps; ``-inf`` before any (DeepSpeed's)."""
