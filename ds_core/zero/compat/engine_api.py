@@ -61,6 +61,25 @@ class DeepSpeedEngineAPI:
     reducer: GradReducer
     _trainable: list[ZeroParam]
 
+    if not TYPE_CHECKING:  # at run time only: mypy keeps flagging unknown engine attributes
+
+        def __getattr__(self, name: str) -> Any:
+            """DeepSpeed's pass-through: an attribute the engine does not have is read from the
+            wrapped module (``engine.config`` of a Hugging Face model is the engine's own config,
+            as in DeepSpeed; ``engine.model``, ``engine.gradient_checkpointing_enable`` are the
+            module's). Unlike DeepSpeed, a name starting with ``_`` is never passed through, so the
+            engine's own optional private state cannot be answered by the module.
+
+            :raises AttributeError: when neither the engine nor its module has ``name``.
+            """
+            module = self.__dict__.get("module")
+            if module is not None and not name.startswith("_"):
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     def _settle(self) -> None:
         """Read the last step's skip verdict and take its host-side effects (the engine's)."""
         raise NotImplementedError
