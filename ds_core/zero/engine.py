@@ -620,10 +620,10 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
                     continue
                 assert zp.unit is not None
                 zp.unit.write_owned(zp, master.detach())
-            handles = [u.all_gather(self.overlap_comm) for u in self._gathered_after_step]
+            pending = FlatUnit.all_gather_each(self._gathered_after_step, self.overlap_comm)
             if self.param_swap is not None:
                 self.param_swap.flush()  # updated shards to their files, asynchronously
-            for h in handles:
+            for h in pending:
                 h.wait()
 
     def sync_params_from_masters(self) -> None:

@@ -19,6 +19,10 @@ Per stage, chosen once at construction (:class:`_Policy`):
 - stage 2, stage 3, and stage 1 without accumulation: every micro-batch reduce-scatters through
   one of a few reusable staging buffers (two with ``overlap_comm``, double-buffering), and the
   reduced range is added into a persistent fp32 accumulator of ``part`` elements per unit.
+  The staging buffers exist only while reductions are pending: taken from the allocator at a
+  backward's first gradient and handed back once every collective completed, so the optimizer
+  step (and everything between steps) runs without them (with a caching allocator the next
+  backward gets the same blocks back at no cost).
 
 Gradients are summed across ranks with DeepSpeed's scaling: ``prescale_gradients`` divides by the
 world size before the collective, else ``gradient_predivide_factor`` divides before and the
@@ -187,15 +191,12 @@ class GradReducer:
         else:
             for ug in self.units:
                 ug.reduced = torch.zeros(ug.unit.part, dtype=grad_dtype, device=self.device)
-        capacity = max((ug.unit.padded for ug in self.units), default=0)
-        self._capacity = capacity
+        self._capacity = max((ug.unit.padded for ug in self.units), default=0)
+        #: staging buffers to fill before waiting for the oldest collective.
+        self._depth = 2 if overlap else 1
+        #: every staging buffer taken from the allocator, and those not in use.
         self._pool: list[torch.Tensor] = []
-        if not self.policy.local_accumulation:
-            count = 2 if overlap else 1
-            self._pool = [
-                torch.empty(capacity, dtype=comm_dtype, device=self.device) for _ in range(count)
-            ]
-        self._free: deque[torch.Tensor] = deque(self._pool)
+        self._free: deque[torch.Tensor] = deque()
         #: collectives in flight, oldest first.
         self._inflight: deque[_Reduction] = deque()
         self._stream = acc.Stream() if overlap else None
@@ -282,15 +283,15 @@ class GradReducer:
             self._cursor += 1
 
     def _acquire(self) -> torch.Tensor:
-        while not self._free and self._inflight:
+        while not self._free and len(self._pool) >= self._depth and self._inflight:
             self._complete_oldest()
-        if not self._free:
-            # Every buffer is held by a unit waiting for an earlier one (gradients arriving
-            # out of the issue order): grow the pool rather than stall; it stays this size.
-            extra = torch.empty(self._capacity, dtype=self.comm_dtype, device=self.device)
-            self._pool.append(extra)
-            return extra
-        return self._free.popleft()
+        if self._free:
+            return self._free.popleft()
+        # Below the depth, or every buffer held by a unit waiting for an earlier one
+        # (gradients arriving out of the issue order): take one more rather than stall.
+        buf = torch.empty(self._capacity, dtype=self.comm_dtype, device=self.device)
+        self._pool.append(buf)
+        return buf
 
     def _issue(self, ug: _UnitGrads) -> None:
         unit = ug.unit
@@ -393,9 +394,13 @@ class GradReducer:
         return self._post_scale if self.communicate else 1.0
 
     def finish(self) -> None:
-        """Wait for every collective in flight and fold its result in; idempotent."""
+        """Wait for every collective in flight and fold its result in, then hand the staging
+        buffers back to the allocator unless a unit is still filling one; idempotent."""
         while self._inflight:
             self._complete_oldest()
+        if self._pool and all(ug.staging is None for ug in self.units):
+            self._pool.clear()
+            self._free.clear()
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -554,7 +559,8 @@ class GradReducer:
         return total
 
     def staging_bytes(self) -> int:
-        """Bytes of the reusable staging buffers (bounded by ``reduce_bucket_size``)."""
+        """Bytes of the staging buffers taken now (each one unit, at most
+        ``reduce_bucket_size`` elements or one parameter; none between steps)."""
         return sum(b.numel() * b.element_size() for b in self._pool)
 
     def release(self) -> None:

@@ -50,10 +50,12 @@ def test_gradient_memory_during_backward_is_bounded_by_buckets_not_the_model(
 ) -> None:
     for res in suite("resident", 2).ranks("grad_peak"):
         got = res[f"s{stage}"]
-        # autograd's gradient of the layer being reduced plus the next one's, and one bucket's
-        # reduce-scatter output; a path keeping full gradients until the end of backward would
-        # grow by at least psi (8 layers' worth here)
-        bound = 3 * got["largest"]
+        # the staging buffers, taken during backward (one bucket of two layers; at stage 3 a
+        # unit is one layer and overlap_comm, on by default there, double-buffers), autograd's
+        # gradient of the layer being staged and one reduce-scatter output; a path keeping
+        # full gradients until the end of backward would grow by at least psi (8 layers here)
+        staging = 2 * got["largest"]
+        bound = staging + 2 * got["largest"]
         if stage == 3:  # plus the layer gathered for its backward and the one prefetched
             bound += 2 * got["largest"]
         assert got["peak"] <= bound, (

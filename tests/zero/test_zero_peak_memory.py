@@ -3,14 +3,15 @@
 
 Two bounds, both derived from the engine's own buffers and the config, never from a timing:
 
-- **held** between steps ≤ the model states (``engine.model_state_bytes()``) plus the reducer's
-  staging buffers, which are at most one unit (two with ``overlap_comm``, where one is reduced
-  while the next fills) — no gathered stage-3 parameter, gradient or staging buffer survives a
-  step;
-- **peak** during a step ≤ held plus the step's transients: torch's foreach Adam makes one
-  temporary the size of the parameters it steps; autograd makes the full gradient of the
-  largest parameter before the engine takes it; stage 3 also holds the gathered unit being
-  computed and the one prefetched; activations are a few KiB here.
+- **held** between steps ≤ the model states (``engine.model_state_bytes()``): no gathered
+  stage-3 parameter, gradient or staging buffer survives a step; during backward the reducer
+  stages at most one unit (two with ``overlap_comm``, where one is reduced while the next
+  fills);
+- **peak** during a step ≤ held plus the larger of backward's and the optimizer's transients.
+  Backward: the staging buffers above, the full gradient autograd makes of the largest
+  parameter before the engine takes it and, at stage 3, the gathered unit being computed and
+  the one prefetched (activations are a few KiB here). The optimizer: torch's foreach Adam
+  makes one temporary the size of the parameters it steps; no staging buffer is held then.
 
 Run on 2 ranks (tests/zero/_peaks.py).
 """
@@ -27,12 +28,14 @@ pytestmark = pytest.mark.slow
 
 SIM = [b for b in BACKENDS if b.startswith("sim")]
 #: scalars (norms, flags, the loss), the batch and the allocator's 512-byte rounding
-SLACK = 256 << 10
+SLACK = 512 << 10
 
 
 def transient_bound(got: dict[str, Any], stage: int) -> int:
+    staging = (2 if got["overlap"] else 1) * got["largest_unit"] if stage > 0 else 0
     gathered = 2 * got["largest_unit"] if stage == 3 else 0
-    return got["stepped"] + got["largest_param"] + gathered + SLACK
+    backward = staging + got["largest_param"] + gathered
+    return max(backward, got["stepped"]) + SLACK
 
 
 @pytest.mark.skipif(not SIM, reason="device memory is measured by the sim backend's allocator")
@@ -41,13 +44,14 @@ def test_device_memory_stays_within_the_design(suite: SuiteGetter, stage: int) -
     for rank, got in enumerate(suite("peaks", 2, SIM[0]).ranks(f"s{stage}")):
         pool = (2 if got["overlap"] else 1) * got["largest_unit"]
         assert got["staging"] <= pool, (
-            f"rank {rank}: {got['staging']} bytes of gradient staging, at most {pool} "
-            f"({'two units' if got['overlap'] else 'one unit'} of {got['largest_unit']} bytes)"
+            f"rank {rank}: {got['staging']} bytes of gradient staging after backward, at most "
+            f"{pool} ({'two units' if got['overlap'] else 'one unit'} of {got['largest_unit']} bytes)"
         )
-        allowed = got["states"] + got["staging"] + SLACK
+        assert got["staging_between_steps"] == 0, got
+        allowed = got["states"] + SLACK
         assert got["held"] <= allowed, (
             f"rank {rank}, stage {stage}: {got['held']} bytes held between steps, but the model "
-            f"states are {got['states']} and staging {got['staging']} (allowed {allowed})"
+            f"states are {got['states']} (allowed {allowed})"
         )
         bound = got["held"] + transient_bound(got, stage)
         assert got["peak"] <= bound, (
