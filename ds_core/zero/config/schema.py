@@ -163,8 +163,11 @@ class ZeroConfig(BaseModel):
     stage: Int = Field(default=0, ge=0, le=3)
     """0 replicates everything (DDP); 1 partitions optimizer state; 2 also gradients; 3 also
     parameters. (Default: 0)"""
-    reduce_bucket_size: Int = Field(default=500_000_000, gt=0)
-    """Elements per gradient reduction bucket. (Default: 5e8)"""
+    reduce_bucket_size: Int = Field(default=5_000_000, gt=0)
+    """Elements per gradient reduction bucket: at stages 0-2 a unit of the shard layout, whose
+    staging buffer the reducer holds during backward (at stage 3 the most elements per unit).
+    (Default: 5e6; DeepSpeed's 5e8 makes a model under 5e8 parameters one bucket, so stages
+    1/2 stage a whole fp32 gradient and reduce only after backward: docs/from-deepspeed.md)"""
     allgather_bucket_size: Int = Field(default=500_000_000, gt=0)
     """Elements per parameter all-gather bucket (stages 1/2). (Default: 5e8)"""
     overlap_comm: Bool = False
