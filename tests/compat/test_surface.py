@@ -223,6 +223,10 @@ def test_init_accepts_deepspeeds_arguments() -> None:
         nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="mpu"):
         Init(mpu=object())
+    # deepspeed.zero.Init is the same class: transformers and Lightning call that path
+    import ds_core
+
+    assert ds_core.zero.Init is Init
 
 
 # -- lr schedules against DeepSpeed ---------------------------------------------------------
