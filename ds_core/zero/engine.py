@@ -214,6 +214,8 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         if self.offload is not None:
             # Stages 2/3 (and 1 without accumulation) sum each micro-batch on the host.
             self.reducer.attach_host(self.offload)
+            strict = self.stage in (1, 2) and not zcfg.ignore_unused_parameters
+            self.reducer.require_every_gradient = strict  # DeepSpeed checks it only here
         self._hooks: list[RemovableHandle] = [
             zp.param.register_post_accumulate_grad_hook(self._grad_hook(zp))  # type: ignore[no-untyped-call]
             for zp in self._trainable
@@ -475,6 +477,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
     def _boundary_step(self) -> None:
         self.book.settle()  # the previous step's verdict, long computed by now
         self.reducer.finish()
+        self.reducer.check_every_gradient_arrived()
         scale = self.loss_scaler.scale_tensor if self.loss_scaler is not None else 1.0
         # Sums over ranks become means; the loss scale comes off in the same multiply.
         coef = self.reducer.post_scale / scale

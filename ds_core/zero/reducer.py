@@ -214,6 +214,10 @@ class GradReducer:
         self.communicate = True
         #: the next unit index to issue in this backward.
         self._cursor = 0
+        #: ``ignore_unused_parameters: false``: :meth:`check_every_gradient_arrived` raises
+        #: at the step for a trainable parameter that got no gradient in the window.
+        self.require_every_gradient = False
+        self._arrived_in_window: set[int] = set()
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -243,6 +247,8 @@ class GradReducer:
         ug = self._of[id(zp)]
         unit = ug.unit
         src = grad.detach().reshape(-1)
+        if self.require_every_gradient:
+            self._arrived_in_window.add(id(zp))
         if self.policy.local_accumulation:
             assert ug.local is not None
             dst = ug.local[zp.offset : zp.offset + zp.numel]
@@ -529,9 +535,33 @@ class GradReducer:
                 continue
             ug.reduced.mul_(factor)
 
+    def check_every_gradient_arrived(self) -> None:
+        """With :attr:`require_every_gradient`, raise unless every trainable parameter got a
+        gradient in this window.
+
+        :raises RuntimeError: naming the parameters without one and the config key.
+        """
+        if not self.require_every_gradient:
+            return
+        missing = [
+            zp.name
+            for ug in self.units
+            for zp in ug.unit.trainable
+            if id(zp) not in self._arrived_in_window
+        ]
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} trainable parameter(s) got no gradient in this step "
+                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}), and "
+                "zero_optimization.ignore_unused_parameters is false: set it true (their "
+                "gradients then count as zeros), or make every trainable parameter take part "
+                "in the loss"
+            )
+
     def zero(self) -> None:
         """Drop every accumulated gradient (after a step, a skipped step, or ``zero_grad``)."""
         self.finish()
+        self._arrived_in_window.clear()
         if self.host is not None:
             self.host.zero()  # the next window starts from zeros on the host
             self._host_partials.clear()

@@ -190,6 +190,9 @@ ROWS: list[Row] = [
         f"{ZERO}.max_live_parameters"),
     Row("zero_optimization.stage3_max_reuse_distance", 1_000_000_000,
         f"{ZERO}.max_reuse_distance"),
+    Row("zero_optimization.ignore_unused_parameters", True, f"{ZERO}.ignore_unused_parameters",
+        note="false: a step with a trainable parameter that got no gradient raises, at stages "
+        "1/2 with optimizer offload (where DeepSpeed asserts)"),
     Row("zero_optimization.stage3_gather_16bit_weights_on_model_save", False,
         f"{ZERO}.gather_16bit_weights_on_model_save"),
     Row("zero_optimization.sub_group_size", 1_000_000_000, f"{ZERO}.sub_group_size"),

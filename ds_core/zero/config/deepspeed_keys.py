@@ -43,7 +43,6 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "allgather_partitions",
             "load_from_fp32_weights",
             "elastic_checkpoint",
-            "ignore_unused_parameters",
             "use_multi_rank_bucket_allreduce",
             "memory_efficient_linear",
             "stage3_module_granularity_threshold",

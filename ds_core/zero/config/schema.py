@@ -182,6 +182,11 @@ class ZeroConfig(BaseModel):
     stage3_max_reuse_distance: Int = Field(default=1_000_000_000, ge=0)
     """A stage-3 unit the forward uses again within this many elements is kept gathered
     instead of released and gathered again; 0 always releases. (Default: 1e9)"""
+    ignore_unused_parameters: Bool = True
+    """False: with optimizer offload at stages 1/2, a step in whose window a trainable parameter
+    got no gradient raises (DeepSpeed 0.19.8 asserts there, in
+    ``stage_1_and_2.py:complete_grad_norm_calculation_for_cpu_offload``); elsewhere, and when
+    true, a parameter without a gradient contributes zeros. (Default: true)"""
     stage3_gather_16bit_weights_on_model_save: Bool = False
     """Let ``engine.save_16bit_model`` gather stage-3 parameters into a consolidated file
     (DeepSpeed's legacy spelling ``stage3_gather_fp16_weights_on_model_save`` is read too).
