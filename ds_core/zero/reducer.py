@@ -543,12 +543,8 @@ class GradReducer:
         """
         if not self.require_every_gradient:
             return
-        missing = [
-            zp.name
-            for ug in self.units
-            for zp in ug.unit.trainable
-            if id(zp) not in self._arrived_in_window
-        ]
+        seen = self._arrived_in_window
+        missing = [zp.name for ug in self.units for zp in ug.unit.trainable if id(zp) not in seen]
         if missing:
             raise RuntimeError(
                 f"{len(missing)} trainable parameter(s) got no gradient in this step "
@@ -589,8 +585,7 @@ class GradReducer:
         return total
 
     def staging_bytes(self) -> int:
-        """Bytes of the staging buffers taken now (each one unit, at most
-        ``reduce_bucket_size`` elements or one parameter; none between steps)."""
+        """Bytes of the staging buffers taken now (one unit each; none between steps)."""
         return sum(b.numel() * b.element_size() for b in self._pool)
 
     def release(self) -> None:

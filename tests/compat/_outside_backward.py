@@ -38,31 +38,13 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.compat._loops import DIM, NZ, Discriminator, Generator
+
 WORLD = 2
 MICRO = 2
 ITERS = 3
-NZ, DIM, HIDDEN = 4, 6, 8
+HIDDEN = 8
 STAGES = (0, 1, 2, 3)
-
-
-class Generator(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.main = nn.Sequential(nn.Linear(NZ, 16), nn.ReLU(), nn.Linear(16, DIM), nn.Tanh())
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.main(z)
-
-
-class Discriminator(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.main = nn.Sequential(
-            nn.Linear(DIM, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1), nn.Sigmoid()
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.main(x).view(-1)
 
 
 class Net(nn.Module):
