@@ -82,7 +82,7 @@ def test_every_mesh_matches_the_documented_layout(rank_pools: Any) -> None:
 def test_sizes_that_do_not_divide_the_world_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("ds_core.comm.mesh.get_world_size", lambda: 4)
     monkeypatch.setattr("ds_core.comm.mesh.get_rank", lambda: 0)
-    with pytest.raises(ValueError, match="pipeline 3 × sequence 1 × tensor 1 .* world size 4"):
+    with pytest.raises(ValueError, match=r"pipeline 3 × sequence 1 × tensor 1 .* world size 4"):
         comm.device_mesh(1, 3, 1)
     with pytest.raises(ValueError, match="sp_size must be a positive int, got 0"):
         comm.device_mesh(1, 1, 0)
