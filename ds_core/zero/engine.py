@@ -136,7 +136,9 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         # The mesh: ZeRO partitions, reduces and averages over the data-parallel group only;
         # AutoTP splits the model over the tensor-parallel group first (see ds_core.parallel.tensor).
         tpcfg = config.tensor_parallel
-        self.mesh = comm.device_mesh(max(tpcfg.autotp_size, model_tp_size(model), 1))
+        self.mesh = comm.device_mesh(
+            max(tpcfg.autotp_size, model_tp_size(model), 1), 1, config.sequence_parallel_size
+        )
         if tpcfg.autotp_size > 1:
             if any(hasattr(p, INIT_ATTR) for p in model.parameters()):
                 raise ConfigError(

@@ -162,7 +162,6 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "zero_optimization.offload_param",
         "needs nvme_path",
     ),
-    ("pipeline", {"pipeline": {"stages": 2}}, "pipeline", "not supported yet"),
     (
         "OneCycle",
         {"scheduler": {"type": "OneCycle", "params": {}}},

@@ -816,3 +816,19 @@ def test_dsconfig_rejects_unknown_fields_when_built_directly() -> None:
             gradient_accumulation_steps=1,
             bogus=1,  # type: ignore[call-arg]
         )
+
+
+def test_sequence_parallel_ranks_read_one_batch() -> None:
+    # DeepSpeed's runtime/config.py divides the world by sequence_parallel_size (and AutoTP's).
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2}, 8)
+    assert cfg.train_batch_size == 2 * 4 and cfg.sequence_parallel_size == 2
+    both = {
+        "train_micro_batch_size_per_gpu": 1,
+        "sequence_parallel_size": 2,
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    assert load_config(both, 8).train_batch_size == 2
+    with pytest.raises(ConfigError, match="sequence_parallel_size: 3 does not divide the 8 ranks"):
+        load_config({"sequence_parallel_size": 3}, 8)
+    with pytest.raises(ConfigError, match="sequence_parallel_size"):
+        load_config({"sequence_parallel_size": 0}, 8)

@@ -86,6 +86,7 @@ OFF_PARAM = "runtime/zero/offload_config.py:DeepSpeedZeroOffloadParamConfig"
 AIO = "runtime/swap_tensor/constants.py"
 ACT = "runtime/activation_checkpointing/config.py"
 TP = "runtime/tensor_parallel/config.py:TPTrainingConfig"
+PIPE = "runtime/config.py:get_pipeline_config"
 AUTOTP = "module_inject/autotp_config.py:AutoTPConfig.from_dict"
 EP = "module_inject/auto_ep_config.py:parse_autoep_config"
 ADAM = "ops/adam/fused_adam.py:FusedAdam.__init__"
@@ -254,6 +255,15 @@ ROWS: list[Row] = [
         "runtime/config.py:get_lower_precision_safe_modules",
         reason="same value, other meaning: DeepSpeed then reduces Linear/Conv gradients in the "
         "autocast dtype; ds_core reduces every gradient in communication_data_type (fp32)"),
+    # ---- pipeline and sequence parallelism
+    Row("pipeline.stages", "auto", f"{PIPE}", note="auto: the PipelineModule's num_stages"),
+    Row("pipeline.partition", "best", f"{PIPE}"),
+    Row("pipeline.seed_layers", False, f"{PIPE}"),
+    Row("pipeline.activation_checkpoint_interval", 0, f"{PIPE}"),
+    Row("pipeline.pipe_partitioned", True, f"{PIPE}"),
+    Row("pipeline.grad_partitioned", True, f"{PIPE}"),
+    Row("sequence_parallel_size", 1, "runtime/config.py:DeepSpeedConfig.__init__",
+        note="absent: the world is not divided"),
     # ---- tensor_parallel (AutoTP)
     Row("tensor_parallel.autotp_size", 0, f"{TP}.autotp_size", note="0: off"),
     Row("tensor_parallel.partition_config", None, f"{TP}.partition_config"),

@@ -163,8 +163,8 @@ def initialize(
             make_dataloader(
                 training_data,
                 cfg.train_micro_batch_size_per_gpu,
-                engine.mesh.dp_size,  # a TP group's ranks read the same samples
-                engine.mesh.dp_rank,
+                engine.mesh.data_size,  # a TP or SP group's ranks read the same samples
+                engine.mesh.data_rank,
                 cfg.dataloader_drop_last,
                 collate_fn,
             ),

@@ -54,6 +54,7 @@ from ds_core.zero.config.optimizer import (
 from ds_core.zero.config.sections import (
     ActivationCheckpointingConfig,
     ExpertParallelConfig,
+    PipelineConfig,
     TensorParallelConfig,
     TorchAutocastConfig,
     accelerator_section_errors,
@@ -350,6 +351,12 @@ class DSConfig(BaseModel):
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     """AutoEP: spread each MoE block's experts over ``autoep_size`` ranks inside
     ``initialize()`` (see :mod:`ds_core.zero.autoep`)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """The pipeline engine's keys (see :mod:`ds_core.pipe`)."""
+    sequence_parallel_size: Int = Field(default=1, gt=0)
+    """Ranks each sequence is split over (Ulysses, :mod:`ds_core.sequence`); batch sizes then
+    count ``world / (sequence_parallel_size · autotp_size)`` data-parallel replicas, as in
+    DeepSpeed's ``runtime/config.py``. (Default: 1)"""
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous I/O of NVMe offload's swap files (see :mod:`ds_core.io`)."""
     dataloader_drop_last: Bool = False
@@ -581,9 +588,10 @@ def load_config(
     """Validate a DeepSpeed-style config for ``world_size`` data-parallel ranks.
 
     :param config: a dict, a path to a JSON file, or None (all defaults, micro-batch 1).
-    :param world_size: number of ranks (≥ 1), used to derive batch sizes: with
-        ``tensor_parallel.autotp_size`` T, batch sizes count ``world_size / T`` data-parallel
-        replicas (DeepSpeed's rule); otherwise every rank is one.
+    :param world_size: number of ranks (≥ 1) of one pipeline stage, used to derive batch
+        sizes: with ``tensor_parallel.autotp_size`` T and ``sequence_parallel_size`` S, batch
+        sizes count ``world_size / (T·S)`` data-parallel replicas (DeepSpeed's rule); otherwise
+        every rank is one.
     :returns: the frozen :class:`DSConfig`, with all three batch sizes filled in.
     :raises ConfigError: naming every offending field by its dotted path and why: unknown keys
         (with the closest known key), wrong types, out-of-range values, inconsistent batch
@@ -630,15 +638,20 @@ def load_config(
 
     tp_section = raw.get("tensor_parallel")
     tp = tp_section.get("autotp_size", 0) if isinstance(tp_section, dict) else 0
-    if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1:
-        # Batch sizes count data-parallel replicas: a TP group trains on one micro-batch.
-        if world_size % tp:
-            errors.append(
-                f"tensor_parallel.autotp_size: {tp} does not divide the world size "
-                f"{world_size}; choose a divisor of the number of ranks"
-            )
-        else:
-            world_size //= tp
+    # Batch sizes count data-parallel replicas: a TP group, and an SP group, trains on one
+    # micro-batch.
+    for key, size in (
+        ("tensor_parallel.autotp_size", tp),
+        ("sequence_parallel_size", raw.get("sequence_parallel_size", 1)),
+    ):
+        if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+            if world_size % size:
+                errors.append(
+                    f"{key}: {size} does not divide the {world_size} ranks left to split; "
+                    "choose a divisor of the number of ranks"
+                )
+            else:
+                world_size //= size
     try:
         tb, mb, gas = _batch_sizes(raw, world_size)
     except ConfigProblemsError as exc:

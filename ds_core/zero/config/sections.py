@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata as md
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ds_core.known_backends import KNOWN_BACKENDS
 from ds_core.plugins import BACKEND_GROUP
@@ -81,6 +81,29 @@ class ActivationCheckpointingConfig(BaseModel):
     cpu_checkpointing: Bool = False
     synchronize_checkpoint_boundary: Bool = False
     profile: Bool = False
+
+
+class PipelineConfig(BaseModel):
+    """``pipeline``: DeepSpeed's pipeline-engine keys (its ``runtime/config.py``
+    ``get_pipeline_config``), read when the model is a :class:`ds_core.pipe.PipelineModule`."""
+
+    model_config = _FROZEN
+
+    stages: Literal["auto"] | Int = "auto"
+    """Pipeline stages; ``"auto"`` takes ``num_stages`` from the ``PipelineModule``. (Default: auto)"""
+    partition: str = "best"
+    """How layers are split over stages when the module does not say (DeepSpeed's key, kept for
+    configs that carry it; the module's ``partition_method`` decides). (Default: best)"""
+    seed_layers: Bool = False
+    """Seed the RNG per layer while building it, so a layer's initial values do not depend on
+    the stage it lands on. (Default: false)"""
+    activation_checkpoint_interval: Int = Field(default=0, ge=0)
+    """Checkpoint activations every this many layers in a stage; 0 never. (Default: 0)"""
+    pipe_partitioned: Bool = True
+    """DeepSpeed partitions activations sent between stages over the tensor-parallel group;
+    accepted for configs that carry it. (Default: true)"""
+    grad_partitioned: Bool = True
+    """As ``pipe_partitioned``, for the gradients sent back. (Default: true)"""
 
 
 def accelerator_section_errors(section: Any) -> list[str]:
