@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -42,12 +45,25 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def causal_attention(
+    q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor
+) -> torch.Tensor:
+    """Causal softmax attention on batch-first ``(B, T, H, C/H)`` tensors, same layout out."""
+    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTHD, v_BTHD))  # (B, H, T, C/H)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention. ``attention`` is the hook point for parallel
+    attention: any callable ``(q, k, v) -> y`` on ``(B, T, H, C/H)`` tensors (default
+    :func:`causal_attention`); :func:`use_sequence_parallel` puts Ulysses' there."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.attention: Callable[..., torch.Tensor] = causal_attention
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTC.shape
@@ -55,10 +71,10 @@ class CausalSelfAttention(nn.Module):
         # this rank's slice of each of q, k, v and ``n_head`` is the local head count.
         q, k, v = self.qkv(x_BTC).chunk(3, dim=2)
         C = q.shape[-1]
-        # (B, T, C) -> (B, H, T, C/H)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        # (B, T, C) -> (B, T, H, C/H)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in (q, k, v))
+        y = self.attention(q, k, v)  # (B, T, H, C/H)
+        return self.proj(y.contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -136,14 +152,33 @@ class GPT(nn.Module):
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, idx_BT: torch.Tensor, targets_BT: torch.Tensor, pos_offset: int = 0
+    ) -> torch.Tensor:
+        """Mean cross-entropy of ``idx_BT``'s next tokens; ``pos_offset``: the position of its
+        first token (a sequence-parallel rank's shard starts inside the sequence)."""
         B, T = idx_BT.shape
-        pos = torch.arange(T, device=idx_BT.device)
+        pos = torch.arange(pos_offset, pos_offset + T, device=idx_BT.device)
         x_BTC = self.wte(idx_BT) + self.wpe(pos)
         for block in self.blocks:
             x_BTC = block(x_BTC)
         logits_BTV = self.lm_head(self.ln_f(x_BTC))
         return F.cross_entropy(logits_BTV.view(B * T, -1).float(), targets_BT.reshape(-1))
+
+
+def use_sequence_parallel(model: GPT, group: Any) -> None:
+    """Ulysses sequence parallelism over ``group`` (``engine.mesh.sp_group``): every block's
+    attention exchanges sequence shards for head shards around :func:`causal_attention`
+    (:class:`ds_core.sequence.layer.DistributedAttention`). Each rank then feeds its shard of
+    every sequence (``ds_core.parallel.sequence.shard_sequence``) with ``pos_offset`` its
+    first position (``shard_offset``); its loss is its shard's mean, which the engine averages
+    over the group. ``n_head`` must be a multiple of the group's size."""
+    from ds_core.sequence.layer import DistributedAttention
+
+    for block in model.blocks:
+        block.attn.attention = partial(
+            DistributedAttention(causal_attention, group), batch_dim_idx=0
+        )
 
 
 # ------------------------------------------------------------------------------------- data

@@ -56,8 +56,10 @@ REFUSED: dict[str, str] = {
     "ops.aio": "async I/O: ds_core.io",
     "ops.fp_quantizer": "CUDA-only quantizer kernels",
     "compression": "DeepSpeed-Compression is not part of ds_core",
-    "sequence": "Ulysses sequence parallelism: not implemented",
-    "runtime.sequence_parallel": "Ulysses sequence parallelism: not implemented",
+    "sequence": "of Ulysses, ds_core provides sequence.layer.DistributedAttention only",
+    "sequence.fpdt_layer": "FPDT (chunked Ulysses attention with offload): not implemented",
+    "runtime.sequence_parallel": "DeepSpeed's Hugging Face Ulysses integration: not "
+    "implemented (ds_core.sequence.layer.DistributedAttention is the layer)",
     "runtime.activation_checkpointing": "use ds_core.checkpointing (deepspeed.checkpointing's path)",
     "profiling": "DeepSpeed's flops profiler is not part of ds_core",
     "autotuning": "DeepSpeed's autotuner is not part of ds_core",

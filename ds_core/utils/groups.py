@@ -10,8 +10,11 @@ answered from ds_core's groups.
   (``ep_size_<E>``, see :mod:`ds_core.moe.layer`). Asking for a name whose groups were never
   created fails as in DeepSpeed (``AssertionError``). For ``ep_size`` 1 the expert-parallel
   group is ``None`` (one rank: nothing to exchange).
-- Sequence parallel: ds_core has none, so the answers are DeepSpeed's without it: world size 1,
-  rank 0, and no group (``KeyError``).
+- Sequence parallel (Ulysses, :mod:`ds_core.parallel.sequence`): the mesh's SP axis
+  (``sequence_parallel_size``). Without it the answers are DeepSpeed's: world size 1, rank 0,
+  and no group (``KeyError``). The sequence-data-parallel group is ZeRO's group, the SP ranks
+  included (DeepSpeed's ``seq_data_parallel``: the mesh's DP group, as for the data-parallel
+  getters above, which answer from the same group).
 
 Every getter but the sequence-parallel size and rank needs ``torch.distributed`` initialised.
 """
@@ -57,11 +60,12 @@ def _initialized() -> None:
 
 
 def _mesh_now() -> _mesh.Mesh:
-    """The engine's mesh: the one with tensor parallelism when one was made, else ``tp_size`` 1."""
+    """The engine's mesh: the one with tensor, pipeline or sequence parallelism when one was
+    made, else the plain data-parallel one."""
     _initialized()
     made = list(_mesh._meshes.values())
-    tp = [m for m in made if m.tp_size > 1]
-    return tp[0] if tp else _mesh.device_mesh(1)
+    split = [m for m in made if (m.tp_size, m.pp_size, m.sp_size) != (1, 1, 1)]
+    return split[0] if split else _mesh.device_mesh(1)
 
 
 # -- data and model parallel -----------------------------------------------------------------
@@ -155,29 +159,42 @@ def _get_expert_broadcast_src_rank(group_name: str) -> int:
     return _expert(group_name, "expert data parallel").edp_src
 
 
-# -- sequence parallel (none in ds_core) -----------------------------------------------------
+# -- sequence parallel ------------------------------------------------------------------------
 
 
 def _get_sequence_parallel_world_size() -> int:
-    _initialized()
-    return 1
+    """Ranks each sequence is split over (1 without sequence parallelism)."""
+    return _mesh_now().sp_size
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    """This rank's index in its sequence-parallel group (0 without sequence parallelism)."""
+    return _mesh_now().sp_rank if dist.is_initialized() else 0
 
 
 def _get_sequence_parallel_group() -> Any:
-    raise KeyError("No sequence parallel group found (ds_core has no sequence parallelism)")
+    """This rank's sequence-parallel group.
+
+    :raises KeyError: without sequence parallelism (``sequence_parallel_size`` 1), as DeepSpeed.
+    """
+    if not dist.is_initialized() or _mesh_now().sp_size == 1:
+        raise KeyError(
+            "No sequence parallel group found (sequence_parallel_size is 1; set it in the "
+            "config to split sequences over ranks)"
+        )
+    return _mesh_now().sp_group
 
 
 def _get_sequence_data_parallel_world_size() -> int:
-    return _get_data_parallel_world_size()
+    """Ranks ZeRO partitions and averages over: data replicas × sequence-parallel ranks."""
+    return _mesh_now().dp_size
 
 
 def _get_sequence_data_parallel_rank() -> int:
-    return _get_data_parallel_rank()
+    """This rank's index in the sequence-data-parallel group."""
+    return _mesh_now().dp_rank
 
 
 def _get_sequence_data_parallel_group() -> Any:
+    """The sequence-data-parallel group (ZeRO's; the world group when it is every rank)."""
     return _get_data_parallel_group()
