@@ -11,6 +11,12 @@
   batch.
 - Bad inputs: an SP size not dividing the heads or the sequence length.
 
+Parameters are compared with an absolute floor of LR·1e-3 (1e-5) instead of 1e-6: in the
+SP=2 × DP=2 batch, ``wte.weight[18, 7]``'s first gradient is -5.8e-6 against a row median of
+4.5e-2 (a cancellation, 1e4 × below), where AdamW (eps 1e-6) turns the fp32 rounding of the
+4-rank sum into a 4.2e-6 change of that weight (sim, stage 0); losses and norms still match to
+1e-5 relative.
+
 The multi-rank jobs run on the session's rank pools (tests/rankpool.py), once per installed
 backend of the engine's matrix; one job per world covers every case.
 """
@@ -32,6 +38,7 @@ from tests.zero._common import backend_env
 from tests.zero.conftest import BACKENDS
 
 RTOL, ATOL = 1e-5, 1e-6
+PARAM_ATOL = W.LR * 1e-3  # see the module docstring
 JOB = "tests.sequence._worker:job"
 
 
@@ -52,8 +59,8 @@ def run_job(pools: RankPools, backend: str, world: int, name: str) -> list[Any]:
     return _cache[key]
 
 
-def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+def close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = ATOL) -> None:
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 # --------------------------------------------------------------------------- attention
@@ -169,4 +176,4 @@ def test_gpt_matches_one_process(rank_pools: RankPools, backend: str, world: int
                 )
         for r, g in enumerate(got):
             for name, p in want["params"].items():
-                close(g["state"][name], p.detach(), f"stage {stage} rank {r} {name}")
+                close(g["state"][name], p.detach(), f"stage {stage} rank {r} {name}", PARAM_ATOL)
