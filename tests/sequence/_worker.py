@@ -64,7 +64,9 @@ def attention_job() -> dict[str, Any]:
     """SP=2 over the world: each layout's output shard and the gradients of ``q, k, v``'s
     shards; the loss helper's value and gradient; the exchange's round trip; the groups
     getters; the errors of bad inputs."""
+    import ds_core
     from ds_core import comm
+    from ds_core.comm.counting import CommCounter
     from ds_core.parallel.sequence import (
         seq_all_to_all,
         sequence_parallel_cross_entropy,
@@ -82,12 +84,20 @@ def attention_job() -> dict[str, Any]:
         shard = {n: on_device(shard_sequence(full[n], r, sp, seq_dim)) for n in "qkvw"}
         q, k, v = (shard[n].clone().requires_grad_(True) for n in "qkv")
         attn = DistributedAttention(local_attention(layout), group)
+        counter = CommCounter()  # the exchanges go through the comm hooks
+        ds_core.register_plugin(counter)
         if layout == "bthd":
             y = attn(q, k, v, 0)
         else:
             y = attn(q, k, v, 1, (on_device(full["cos"]), on_device(full["sin"])))
         (y * shard["w"]).sum().backward()
+        ds_core.unregister_plugin(counter)
         out[layout] = to_host({"y": y, "dq": q.grad, "dk": k.grad, "dv": v.grad})
+        out[layout]["comm"] = {
+            "calls": counter.calls_by_op(),
+            "bytes": counter.bytes_by_op(),
+            "shard_bytes": [t.numel() * t.element_size() for t in (q, k, v, y)],
+        }
 
     # the loss helper: ignored tokens unevenly spread over the two shards
     g = torch.Generator().manual_seed(3)

@@ -3,8 +3,9 @@
 
 - ``DistributedAttention`` on SP=2: each rank's output shard and the gradients of its
   ``q, k, v`` shards equal full attention in one process, batch first and sequence first
-  (grouped-query attention, rotary embedding); the exchange's round trip; the loss helper's
-  value and gradient with ignored tokens spread unevenly; the groups getters.
+  (grouped-query attention, rotary embedding), every exchange seen by the byte counter; the
+  exchange's round trip; the loss helper's value and gradient with ignored tokens spread
+  unevenly; the groups getters.
 - The example GPT (examples/gpt.py) with SP=2 and SP=2 × DP=2 at ZeRO stages 0-3 (stages 1
   and 3 with 2 accumulation steps): each step's loss averaged over the ranks, the global norm,
   and the final parameters equal one process training on the full sequences of the global
@@ -85,6 +86,10 @@ def test_attention_matches_full_attention(rank_pools: RankPools, backend: str) -
         want = attention_reference(layout)
         for res in ranks:
             r = res["sp_rank"]
+            # q, k, v and the output forward, their gradients backward: 1 x input each (§3.4)
+            comm = res[layout].pop("comm")
+            assert comm["calls"] == {"all_to_all": 8}
+            assert comm["bytes"] == {"all_to_all": 2 * sum(comm["shard_bytes"])}
             for name, tensor in want.items():
                 close(
                     res[layout][name],
