@@ -108,6 +108,8 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
         model_parameters: Iterable[Any] | None = None,
         lr_scheduler: Any = None,
+        *,
+        pp_size: int = 1,
     ) -> None:
         _guards.check_model(model, optimizer is not None or config.optimizer is not None)
         self.config = config
@@ -136,8 +138,10 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         # The mesh: ZeRO partitions, reduces and averages over the data-parallel group only;
         # AutoTP splits the model over the tensor-parallel group first (see ds_core.parallel.tensor).
         tpcfg = config.tensor_parallel
+        # ``pp_size``: ``model`` is one pipeline stage (ds_core.parallel.pipeline); ZeRO then
+        # runs over that stage's DP group.
         self.mesh = comm.device_mesh(
-            max(tpcfg.autotp_size, model_tp_size(model), 1), 1, config.sequence_parallel_size
+            max(tpcfg.autotp_size, model_tp_size(model), 1), pp_size, config.sequence_parallel_size
         )
         if tpcfg.autotp_size > 1:
             if any(hasattr(p, INIT_ATTR) for p in model.parameters()):
@@ -209,6 +213,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
             self.overlap_comm,
             tp_rank=self.mesh.tp_rank,
             tp_size=self.mesh.tp_size,
+            pp_size=self.mesh.pp_size,
             norm_dtype=self.norm_dtype,
             grad_dtype=self.master_dtype,
             qgz=qgz,
@@ -277,6 +282,9 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         self.training_dataloader: Any = None
         #: gradients this engine's current backward received (0 after it: not connected).
         self._grads_seen = 0
+        #: run at each update once the gradients are reduced, before the norm (a pipeline
+        #: sums tied weights' gradients over their stages here: ds_core.parallel.pipeline).
+        self.after_reduction: list[Callable[[], None]] = []
         _guards.claim(model, self.label)
 
     # ------------------------------------------------------------------ Initialization #
@@ -480,6 +488,8 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         self.book.settle()  # the previous step's verdict, long computed by now
         self.reducer.finish()
         self.reducer.check_every_gradient_arrived()
+        for fn in self.after_reduction:
+            fn()
         scale = self.loss_scaler.scale_tensor if self.loss_scaler is not None else 1.0
         # Sums over ranks become means; the loss scale comes off in the same multiply.
         coef = self.reducer.post_scale / scale
@@ -496,7 +506,8 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
             # Local gradients: every rank must skip together, or the optimizer's own
             # collectives would not match (DeepSpeed's CheckOverflow does the same).
             any_inf = found_inf.to(torch.float32)
-            self.acc.all_reduce(any_inf, "sum", self.mesh.dp_group)
+            group = self.mesh.dp_group if self.mesh.pp_size == 1 else None  # every stage too
+            self.acc.all_reduce(any_inf, "sum", group)
             found_inf = any_inf > 0
         step = self.global_steps + 1
         if found_inf is None:

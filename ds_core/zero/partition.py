@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 
 #: attribute set on each parameter an engine manages, holding its :class:`ZeroParam`.
 ZERO_PARAM_ATTR = "ds_zero_param"
+#: a pipeline tie's key on each parameter tied across stages (ds_core.parallel.pipeline): such
+#: parameters get units of their own, laid out alike on every stage holding the tie.
+PIPE_TIE_ATTR = "ds_pipe_tie"
+#: true on a tied parameter's copies outside the tie's first stage: DeepSpeed's name; the
+#: gradient norm counts the first stage's copy only.
+PIPE_REPLICATED_ATTR = "ds_pipe_replicated"
 
 
 def zero_param_of(param: torch.Tensor) -> ZeroParam | None:
@@ -503,13 +509,13 @@ class FlatUnit:
 
 
 def bucketize(zparams: list[ZeroParam], limit_numel: int) -> list[list[ZeroParam]]:
-    """Split ``zparams`` (in order) into buckets of one group and dtype, each up to
-    ``limit_numel`` elements; a larger parameter gets a bucket of its own."""
+    """Split ``zparams`` (in order) into buckets of one group, dtype and pipeline tie, each up
+    to ``limit_numel`` elements; a larger parameter gets a bucket of its own."""
     buckets: list[list[ZeroParam]] = []
-    open_: dict[tuple[int, torch.dtype, bool], int] = {}
+    open_: dict[tuple[int, torch.dtype, bool, str | None], int] = {}
     sizes: dict[int, int] = {}
     for zp in zparams:
-        key = (id(zp.group), zp.dtype, zp.tp_sharded)
+        key = (id(zp.group), zp.dtype, zp.tp_sharded, getattr(zp.param, PIPE_TIE_ATTR, None))
         idx = open_.get(key)
         if idx is None or sizes[idx] + zp.numel > limit_numel:
             buckets.append([])

@@ -81,7 +81,8 @@ class Placement:
             groups = expert_groups(ep, self.mesh.tp_size)
             group, gworld = groups.edp_group, groups.edp_world
             grank = comm.get_rank(group) if group is not None else self.rank
-        elif self.mesh.tp_size > 1:
+        elif self.mesh.dp_group is not None:
+            # With TP or pipeline stages the DP group is part of the world (a stage's ranks).
             group, gworld, grank = self.mesh.dp_group, self.mesh.dp_size, self.mesh.dp_rank
         else:
             group, gworld, grank = None, self.world, self.rank
@@ -193,6 +194,12 @@ class Placement:
             # A TP shard is equal across its DP group only (from the group's first rank).
             if self.mesh.dp_size > 1:
                 self.acc.broadcast(t, self.mesh.dp_src, self.mesh.dp_group)
+        elif self.mesh.pp_size > 1:
+            # Each pipeline stage holds other layers: equal within the stage only.
+            if self.mesh.dp_size > 1:
+                self.acc.broadcast(t, self.mesh.dp_src, self.mesh.dp_group)
+            if self.mesh.tp_size > 1:
+                self.acc.broadcast(t, self.mesh.tp_src, self.mesh.tp_group)
         else:
             self.acc.broadcast(t, 0, None)
 

@@ -42,7 +42,7 @@ import torch
 from ds_core.accelerator import Accelerator
 from ds_core.comm.quantized import NodeGroups, quantized_reduce_scatter
 from ds_core.types import Work
-from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
+from ds_core.zero.partition import PIPE_REPLICATED_ATTR, FlatUnit, Mode, ZeroParam
 
 #: elements per fp32 partial norm in :func:`_sum_of_squares`.
 _NORM_CHUNK = 1 << 16
@@ -137,7 +137,9 @@ class GradReducer:
     :param overlap: ``overlap_comm``: asynchronous collectives on a side stream.
     :param tp_rank: this rank's tensor-parallel rank: units of TP-replicated parameters count
         in the global norm on TP rank 0 only (their gradients are equal across the TP group).
-    :param tp_size: ranks of the TP group (the norm sums over ``world × tp_size`` ranks).
+    :param tp_size: ranks of the TP group.
+    :param pp_size: pipeline stages (the norm sums over ``world × tp_size × pp_size`` ranks:
+        every stage's gradients, as DeepSpeed's pipeline clips).
     :param norm_dtype: dtype the global norm is accumulated in.
     :param grad_dtype: dtype of the accumulators and the reduced ranges the optimizer reads:
         fp32, or bf16 with ``bf16.bf16_master_weights_and_grads`` (the norm stays in
@@ -160,6 +162,7 @@ class GradReducer:
         overlap: bool,
         tp_rank: int = 0,
         tp_size: int = 1,
+        pp_size: int = 1,
         norm_dtype: torch.dtype = torch.float32,
         grad_dtype: torch.dtype = torch.float32,
         qgz: NodeGroups | None = None,
@@ -172,6 +175,8 @@ class GradReducer:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.world = world
+        #: ranks the global norm sums over (the whole mesh).
+        self._norm_ranks = world * tp_size * pp_size
         self.acc = acc
         self.device = acc.device()
         self.comm_dtype = comm_dtype
@@ -179,6 +184,13 @@ class GradReducer:
         self.units = [_UnitGrads(u) for u in units if u.trainable]
         self._of: dict[int, _UnitGrads] = {
             id(zp): ug for ug in self.units for zp in ug.unit.trainable
+        }
+        #: units another pipeline stage counts in the norm (a tied weight's copy; see
+        #: ds_core.parallel.pipeline): left out of the norm as TP replicas are.
+        self._pipe_replicas = {
+            id(ug)
+            for ug in self.units
+            if all(getattr(zp.param, PIPE_REPLICATED_ATTR, False) for zp in ug.unit.zparams)
         }
         #: multiplier applied before the collective, and the one the step applies after.
         self.pre_scale = 1.0 / world if prescale else 1.0 / predivide
@@ -376,7 +388,7 @@ class GradReducer:
             return
         if self.host is not None:  # optimizer offload: the window sums on the host
             if first:
-                counts = ug.unit.tp_sharded or self.tp_rank == 0
+                counts = not self._norm_replica(ug)
                 part = _sum_of_squares(
                     out if out.dtype == torch.float32 else out.float(), self.norm_dtype
                 )
@@ -427,22 +439,25 @@ class GradReducer:
         on TP rank 0, so each element counts once in the world."""
         if self.host is not None:
             for ug in self.units:
-                if ug.unit.tp_sharded or self.tp_rank == 0:
+                if not self._norm_replica(ug):
                     yield self.host.buffer(ug.unit)
             return
         for ug in self.units:
-            if not ug.unit.tp_sharded and self.tp_rank != 0:
+            if self._norm_replica(ug):
                 continue
             if ug.reduced is not None and (not self.policy.all_reduce or ug.unit.group_rank == 0):
                 yield ug.reduced
 
+    def _norm_replica(self, ug: _UnitGrads) -> bool:
+        """Whether another rank counts ``ug`` in the norm: a TP replica off TP rank 0, or a
+        tied weight's copy off the tie's first pipeline stage."""
+        return id(ug) in self._pipe_replicas or (not ug.unit.tp_sharded and self.tp_rank != 0)
+
     def _tp_replica_buffers(self) -> Iterator[torch.Tensor]:
-        """The reduced gradients :meth:`reduced_buffers` leaves out on a TP rank other than 0
-        (their TP rank 0 counts them)."""
-        if self.tp_rank == 0:
-            return
+        """The reduced gradients :meth:`reduced_buffers` leaves out as replicas (their TP rank
+        0, or their tie's first stage, counts them)."""
         for ug in self.units:
-            if ug.unit.tp_sharded:
+            if not self._norm_replica(ug):
                 continue
             if self.host is not None:
                 yield self.host.buffer(ug.unit)
@@ -465,7 +480,7 @@ class GradReducer:
             # Offload, one contribution per unit this window: the device saw every gradient.
             for part in self._host_partials:
                 total += part
-            if self.world * self.tp_size > 1:
+            if self._norm_ranks > 1:
                 self.acc.all_reduce(total, "sum", None)
             return total.sqrt()
         if self.host is not None:
@@ -476,7 +491,7 @@ class GradReducer:
             # Counted on TP rank 0, but an inf/NaN here (0 × inf is NaN) must still reach the
             # norm, so every rank of the mesh skips the step and clips alike.
             total += _sum_of_squares(buf, dtype) * 0
-        if self.world * self.tp_size > 1:
+        if self._norm_ranks > 1:
             # Every range and expert is held by exactly one rank (replicas are counted on the
             # group's first rank only, TP replicas on TP rank 0), so the sum over the world
             # counts each once.
@@ -499,7 +514,7 @@ class GradReducer:
             local = self.acc.pin_memory(local)
         total = torch.empty((), dtype=dtype, device=self.device)
         total.copy_(local, non_blocking=pinned)
-        if self.world * self.tp_size > 1:
+        if self._norm_ranks > 1:
             self.acc.all_reduce(total, "sum", None)
         return total.sqrt()
 
