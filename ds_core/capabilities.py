@@ -31,6 +31,11 @@ CAPABILITIES: Final[dict[str, tuple[str, str]]] = {
     ),
     "graph_capture": ("graph", "ds_graph_create returns a capturable, replayable graph"),
     "determinism": ("determinism", "ds_determinism_apply makes repeated runs bitwise equal"),
+    "p2p": (
+        "comm",
+        "point-to-point: ds_comm_send, ds_comm_recv and ds_comm_batch_isend_irecv reach a "
+        "peer (hook version 2); without it pipeline parallelism is refused",
+    ),
     # DeepSpeed's execution-model flags, for asynchronous devices whose runtime does the work
     # itself (Gaudi's graph compiler does both). A synchronous device implies both.
     "resolves_data_dependency": (
@@ -57,6 +62,25 @@ GATED_HOOKS: Final[dict[str, str]] = {
     "ds_memory_alloc_pinned": "pinned_memory",
     "ds_memory_free_pinned": "pinned_memory",
 }
+
+
+#: Hooks the core's default plugin implements over ``torch.distributed`` but that callers
+#: reach only when the backend declares the capability (its process-group library may lack
+#: them): a backend declaring it may rely on the default or implement its own.
+DEFAULTED_GATED_HOOKS: Final[dict[str, str]] = {
+    "ds_comm_send": "p2p",
+    "ds_comm_recv": "p2p",
+    "ds_comm_batch_isend_irecv": "p2p",
+}
+
+#: The hook version (``ds_core.HOOKSPEC_VERSION``) that introduced a capability; a backend
+#: written for an older version may not declare it (it reports the capability absent).
+SINCE_VERSION: Final[dict[str, int]] = {"p2p": 2}
+
+
+def gate_of(hook: str) -> str | None:
+    """The capability a hook is gated by, or ``None``."""
+    return GATED_HOOKS.get(hook) or DEFAULTED_GATED_HOOKS.get(hook)
 
 
 def check_declared(declared: frozenset[str]) -> list[str]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ds_core.comm_staging import require_contiguous
 from ds_core.errors import DSCoreError
 from ds_core.hookspecs._markers import hookimpl
-from ds_core.types import COMPLETED, REDUCE_OPS, Work
+from ds_core.types import COMPLETED, REDUCE_OPS, P2POp, Work
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -61,6 +61,14 @@ def _finish(work: Any, async_op: bool) -> Work:
         handle: Work = work
         return handle
     return COMPLETED
+
+
+def _member(work: Any, what: str) -> Work:
+    """``work``, or an error when torch returned none: this rank is not in the group."""
+    if work is None:
+        raise ValueError(f"{what}: this rank is not a member of the group it passed")
+    handle: Work = work
+    return handle
 
 
 def _check_numel(what: str, got: int, expected: int) -> None:
@@ -150,6 +158,44 @@ class DefaultCollectives:
     def ds_comm_barrier(self, group: Any) -> bool:
         dist.barrier(group=group)
         return True
+
+    @hookimpl(trylast=True)
+    def ds_comm_send(
+        self, tensor: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool
+    ) -> Work:
+        require_contiguous("send", tensor=tensor)
+        if async_op:
+            return _member(dist.isend(tensor, dst, group=group, tag=tag), "send")
+        dist.send(tensor, dst, group=group, tag=tag)
+        return COMPLETED
+
+    @hookimpl(trylast=True)
+    def ds_comm_recv(
+        self, tensor: torch.Tensor, src: int, group: Any, tag: int, async_op: bool
+    ) -> Work:
+        require_contiguous("recv", tensor=tensor)
+        if async_op:
+            return _member(dist.irecv(tensor, src, group=group, tag=tag), "recv")
+        dist.recv(tensor, src, group=group, tag=tag)
+        return COMPLETED
+
+    @hookimpl(trylast=True)
+    def ds_comm_batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:
+        for op in ops:
+            require_contiguous(f"batch_isend_irecv {op.op}", tensor=op.tensor)
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(
+                    dist.isend if op.op == "send" else dist.irecv,
+                    op.tensor,
+                    op.peer,
+                    op.group,
+                    op.tag,
+                )
+                for op in ops
+            ]
+        )
+        return [_member(w, "batch_isend_irecv") for w in works]
 
 
 class DefaultProfiler:

@@ -34,6 +34,7 @@ from ds_core.types import (
     Graph,
     MemoryInfo,
     OpProvider,
+    P2POp,
     ProbeResult,
     Work,
 )
@@ -194,7 +195,7 @@ class Accelerator:
                 setattr(self, attr, _with_defaults(getattr(self._h, hook), hook, defaults))
 
     def _resolve(self, hook: str) -> Callable[..., Any]:
-        gate = caps.GATED_HOOKS.get(hook)
+        gate = caps.gate_of(hook)
         if gate is not None and gate not in self._declared:
             return _absent(gate, self.name, hook)
         caller = getattr(self._pm.hook, hook)
@@ -505,6 +506,84 @@ class Accelerator:
         """Block until every rank of the group arrives."""
         return bool(self._h.ds_comm_barrier(group))
 
+    # -- point-to-point (capability "p2p"; contract in ds_core/hookspecs/comm.py) -------------
+
+    def send(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        group: Any = None,
+        tag: int = 0,
+        async_op: bool = False,
+    ) -> Work:
+        """Send ``tensor`` to global rank ``dst``; ``isend`` is ``send(..., async_op=True)``.
+
+        :raises NotSupportedError: when the backend lacks ``p2p``.
+        :raises ValueError: when ``dst`` is this rank or not a rank of the world.
+        :raises RuntimeError: naming ``dst`` when it has exited.
+        """
+        self.require("p2p", "send")
+        what = f"send to rank {_peer(dst, 'dst')}"
+        staged = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = _naming_peer(what, self._h.ds_comm_send, staged, dst, group, tag, async_op)
+        return _PeerWork(work, what, keep=staged) if async_op else work
+
+    def recv(
+        self,
+        tensor: torch.Tensor,
+        src: int,
+        group: Any = None,
+        tag: int = 0,
+        async_op: bool = False,
+    ) -> Work:
+        """Receive into ``tensor`` from global rank ``src``; ``irecv`` is the asynchronous form.
+
+        :raises NotSupportedError: when the backend lacks ``p2p``.
+        :raises ValueError: when ``src`` is this rank or not a rank of the world, or ``tensor``
+            is non-contiguous with elements that may share memory.
+        :raises RuntimeError: naming ``src`` when it has exited.
+        """
+        self.require("p2p", "recv")
+        what = f"recv from rank {_peer(src, 'src')}"
+        stage = Staging()
+        out = stage.output(tensor, "recv tensor")
+        work = _naming_peer(what, self._h.ds_comm_recv, out, src, group, tag, True)
+        return stage.finish(_PeerWork(work, what), async_op)
+
+    def batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:
+        """Start every send and receive of ``ops`` before waiting for any.
+
+        :returns: a handle per op, in order.
+        :raises NotSupportedError: when the backend lacks ``p2p``.
+        :raises ValueError: when ``ops`` is empty, mixes groups, or names this rank as a peer.
+        :raises RuntimeError: naming the peer when one has exited.
+        """
+        self.require("p2p", "batch_isend_irecv")
+        if not ops:
+            raise ValueError("batch_isend_irecv needs at least one P2POp")
+        if any(op.group is not ops[0].group for op in ops):
+            raise ValueError("batch_isend_irecv: every P2POp must name the same group")
+        stages, staged = [], []
+        for op in ops:
+            _peer(op.peer, "P2POp.peer")
+            stage = Staging()
+            if op.op == "send":
+                t = stage.input(op.tensor)
+            else:
+                t = stage.output(op.tensor, "P2POp tensor")
+            stages.append(stage)
+            staged.append(P2POp(op.op, t, op.peer, op.group, op.tag))
+        what = ", ".join(
+            f"{op.op} {'to' if op.op == 'send' else 'from'} rank {op.peer}" for op in ops
+        )
+        works = _naming_peer(what, self._h.ds_comm_batch_isend_irecv, staged)
+        return [
+            stage.finish(
+                _PeerWork(w, f"{op.op} {'to' if op.op == 'send' else 'from'} rank {op.peer}"), True
+            )
+            for stage, w, op in zip(stages, works, ops, strict=True)
+        ]
+
     # -- ops, determinism, launcher -----------------------------------------------------------
 
     def op_providers(self) -> list[OpProvider]:
@@ -593,6 +672,54 @@ def _router(caller: Any, argnames: tuple[str, ...]) -> Callable[..., Any]:
 
     call._ds_routed = True  # type: ignore[attr-defined]
     return call
+
+
+def _peer(rank: int, what: str) -> int:
+    """``rank`` checked as a peer: an int, another rank of the world (when it is up).
+
+    :raises ValueError: naming ``what`` and the world size.
+    """
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise ValueError(f"{what} must be a global rank (an int), got {rank!r}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world, me = dist.get_world_size(), dist.get_rank()
+        if not 0 <= rank < world:
+            raise ValueError(f"{what}={rank} is not a rank of the world (0..{world - 1})")
+        if rank == me:
+            raise ValueError(f"{what}={rank} is this rank; a point-to-point peer is another rank")
+    return rank
+
+
+def _naming_peer(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a point-to-point hook; a library error names the peer and the operation."""
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{what} failed: {exc}") from exc
+
+
+class _PeerWork:
+    """A point-to-point handle whose ``wait()`` names the peer when the library fails, and
+    keeps a staged send buffer alive until then (``ds_core/hookspecs/comm.py``: buffers are
+    the caller's until ``wait()`` returns)."""
+
+    __slots__ = ("_keep", "_what", "_work")
+
+    def __init__(self, work: Work, what: str, keep: torch.Tensor | None = None) -> None:
+        self._work: Work | None = work
+        self._what = what
+        self._keep = keep
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise RuntimeError(f"{self._what} failed: {exc}") from exc
+            self._work, self._keep = None, None
+        return True
 
 
 def _absent(capability: str, backend: str, hook: str) -> Callable[..., Any]:

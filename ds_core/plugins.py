@@ -23,6 +23,7 @@ from ds_core import capabilities as caps
 from ds_core.errors import BackendSelectionError, BackendValidationError
 from ds_core.hookspecs import (
     HOOKSPEC_VERSION,
+    MIN_HOOKSPEC_VERSION,
     SPEC_MODULES,
     all_hook_names,
     required_hook_names,
@@ -219,10 +220,11 @@ def validate_backend(name: str, plugin: Any) -> tuple[BackendInfo, frozenset[str
     declared: frozenset[str] = frozenset()
     if "ds_backend_info" in implemented:
         info = plugin.ds_backend_info()
-        if info.hookspec_version != HOOKSPEC_VERSION:
+        if not MIN_HOOKSPEC_VERSION <= info.hookspec_version <= HOOKSPEC_VERSION:
             problems.append(
                 f"targets HOOKSPEC_VERSION {info.hookspec_version}, but this ds_core has "
-                f"{HOOKSPEC_VERSION}; install a backend release built for hook version "
+                f"{HOOKSPEC_VERSION} (and registers backends built for {MIN_HOOKSPEC_VERSION} "
+                f"to {HOOKSPEC_VERSION}); install a backend release built for hook version "
                 f"{HOOKSPEC_VERSION}, or a ds-core that provides version {info.hookspec_version}"
             )
         if info.name != name:
@@ -233,6 +235,14 @@ def validate_backend(name: str, plugin: Any) -> tuple[BackendInfo, frozenset[str
     if "ds_backend_capabilities" in implemented:
         declared = frozenset(plugin.ds_backend_capabilities())
         problems.extend(caps.check_declared(declared))
+        if info is not None:
+            for cap in sorted(declared):
+                since = caps.SINCE_VERSION.get(cap, MIN_HOOKSPEC_VERSION)
+                if since > info.hookspec_version:
+                    problems.append(
+                        f"declares '{cap}', which hook version {since} introduced, but targets "
+                        f"version {info.hookspec_version}; target version {since} or later"
+                    )
         for hook, cap in caps.GATED_HOOKS.items():
             if cap in declared and hook not in implemented:
                 problems.append(f"declares '{cap}' but does not implement '{hook}'")

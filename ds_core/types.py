@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 ReduceOp = Literal["sum", "avg", "max", "min", "product"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "product")
@@ -131,6 +134,35 @@ class SimpleOpProvider:
         if not ok:
             raise RuntimeError(f"op '{self.name}' is not compatible here: {reason}")
         return self.loader()
+
+
+@dataclass(frozen=True, slots=True)
+class P2POp:
+    """One operation of a batched point-to-point exchange
+    (:func:`ds_core.comm.batch_isend_irecv`).
+
+    :param op: ``"send"`` or ``"recv"``.
+    :param tensor: the data sent, or the buffer received into.
+    :param peer: the other side's global rank.
+    :param group: a process group from ``ds_core.comm.new_group``, or ``None`` for the world.
+    :param tag: matched with the peer's (see ``ds_core/hookspecs/comm.py``, Point-to-point).
+    :raises ValueError: when ``op`` is neither ``"send"`` nor ``"recv"``, or ``peer`` or
+        ``tag`` is not an int.
+    """
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+    group: Any = None
+    tag: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in ("send", "recv"):
+            raise ValueError(f"P2POp.op must be 'send' or 'recv', got {self.op!r}")
+        for name in ("peer", "tag"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"P2POp.{name} must be an int, got {value!r}")
 
 
 @runtime_checkable

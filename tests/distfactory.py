@@ -12,6 +12,8 @@ import textwrap
 import uuid
 from pathlib import Path
 
+from ds_core.hookspecs import HOOKSPEC_VERSION
+
 # A module body that reuses the CPU backend's hooks and re-identifies itself. Tests append
 # overrides after it.
 CPU_CLONE = """
@@ -42,7 +44,7 @@ def make_backend(
     priority: int = 0,
     available: bool = True,
     reason: str = "test backend present",
-    hookspec_version: int = 1,
+    hookspec_version: int = HOOKSPEC_VERSION,
     extra: str = "",
     body: str | None = None,
 ) -> str:

@@ -9,7 +9,13 @@ from ds_backend_cpu import plugin as cpu
 
 from ds_core import hookimpl
 from ds_core.errors import BackendValidationError
-from ds_core.hookspecs import HOOKSPEC_VERSION, OPTIONAL_HOOKS, all_hook_names, required_hook_names
+from ds_core.hookspecs import (
+    HOOKSPEC_VERSION,
+    MIN_HOOKSPEC_VERSION,
+    OPTIONAL_HOOKS,
+    all_hook_names,
+    required_hook_names,
+)
 from ds_core.plugins import validate_backend
 from ds_core.types import BackendInfo
 
@@ -89,6 +95,76 @@ def test_hookspec_version_mismatch_names_both_versions() -> None:
         f"targets HOOKSPEC_VERSION {HOOKSPEC_VERSION + 1}, but this ds_core has {HOOKSPEC_VERSION}"
         in msg
     )
+    info0 = BackendInfo("cpu", "cpu", 0, MIN_HOOKSPEC_VERSION - 1)
+    msg = rejection(clone(ds_backend_info=hookimpl(lambda: info0)))
+    assert f"targets HOOKSPEC_VERSION {MIN_HOOKSPEC_VERSION - 1}" in msg
+
+
+def version_1_backend(capabilities: frozenset[str]) -> types.ModuleType:
+    """The CPU backend's hooks, as a backend written for hook version 1 would declare them."""
+
+    @hookimpl
+    def ds_backend_info() -> BackendInfo:
+        return BackendInfo("cpu", "cpu", 0, 1)
+
+    @hookimpl
+    def ds_backend_capabilities() -> frozenset[str]:
+        return capabilities
+
+    return clone(ds_backend_info=ds_backend_info, ds_backend_capabilities=ds_backend_capabilities)
+
+
+def test_a_backend_for_an_older_hook_version_registers_without_what_later_versions_added() -> None:
+    # docs/architecture.md §2.3: version 1 registers; point-to-point (version 2) is absent
+    # for it, and every p2p call refuses naming the capability and the backend.
+    import torch
+
+    from ds_core.accelerator import build_accelerator
+    from ds_core.errors import NotSupportedError
+    from ds_core.plugins import BackendEntry
+    from ds_core.types import P2POp
+
+    assert MIN_HOOKSPEC_VERSION == 1 < HOOKSPEC_VERSION
+    old = version_1_backend(frozenset({"memory_limits", "determinism"}))
+    info, declared = validate_backend("cpu", old)
+    assert info.hookspec_version == 1 and "p2p" not in declared
+    acc = build_accelerator(BackendEntry("cpu", "ds-core-cpu", "0", "x", plugin=old))
+    assert not acc.has("p2p")
+    t = torch.zeros(3)
+    for call in (
+        lambda: acc.send(t, 1),
+        lambda: acc.recv(t, 1),
+        lambda: acc.batch_isend_irecv([P2POp("send", t, 1)]),
+    ):
+        with pytest.raises(NotSupportedError, match="p2p") as absent:
+            call()
+        assert "cpu" in str(absent.value)
+
+
+def test_a_version_1_backend_may_not_declare_a_version_2_capability() -> None:
+    msg = rejection(version_1_backend(frozenset({"p2p"})))
+    assert "declares 'p2p', which hook version 2 introduced, but targets version 1" in msg
+
+
+def test_the_current_backend_gets_point_to_point_from_the_default_plugin() -> None:
+    from ds_core.accelerator import build_accelerator
+    from ds_core.plugins import BackendEntry
+
+    assert not hasattr(cpu, "ds_comm_send")  # the CPU backend relies on the core's default
+    acc = build_accelerator(BackendEntry("cpu", "ds-core-cpu", "0", "x", plugin=cpu))
+    assert acc.has("p2p")
+    assert acc.binding()["ds_comm_send"] == "direct"
+
+
+def test_point_to_point_arguments_are_checked_before_any_communication() -> None:
+    import torch
+
+    from ds_core.types import P2POp
+
+    with pytest.raises(ValueError, match=r"P2POp\.op must be 'send' or 'recv', got 'put'"):
+        P2POp("put", torch.zeros(1), 1)
+    with pytest.raises(ValueError, match=r"P2POp\.peer must be an int, got '1'"):
+        P2POp("send", torch.zeros(1), "1")  # type: ignore[arg-type]
 
 
 def test_entry_point_name_must_match_info_name() -> None:

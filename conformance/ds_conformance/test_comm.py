@@ -64,6 +64,11 @@ def test_all_to_all(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
 
+@hooks("ds_comm_send", "ds_comm_recv", "ds_comm_batch_isend_irecv")
+def test_p2p(acc: Any, rank_groups: RankGroups, case: Case) -> None:
+    _result(acc, rank_groups, case)
+
+
 @hooks("ds_comm_barrier")
 def test_barrier(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)

@@ -10,7 +10,18 @@ backends have always imported them from); byte counting in :mod:`ds_core.comm.co
 
 from __future__ import annotations
 
-from ds_core.comm.collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
+from ds_core.comm.collectives import (
+    all_gather,
+    all_reduce,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    irecv,
+    isend,
+    recv,
+    reduce_scatter,
+    send,
+)
 from ds_core.comm.compat import ReduceOp, get_local_rank, init_distributed, is_initialized
 from ds_core.comm.groups import (
     ExpertGroups,
@@ -24,6 +35,7 @@ from ds_core.comm.groups import (
 )
 from ds_core.comm.mesh import Mesh, device_mesh, reset_device_mesh
 from ds_core.default_plugin import DefaultCollectives, torch_reduce_op
+from ds_core.types import P2POp
 
 __all__ = [
     "all_gather",
@@ -31,6 +43,12 @@ __all__ = [
     "barrier",
     "broadcast",
     "reduce_scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "P2POp",
     "ReduceOp",
     "DefaultCollectives",
     "ExpertGroups",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ds_core.accelerator import get_accelerator
-from ds_core.types import Work
+from ds_core.types import P2POp, Work
 
 
 def all_reduce(
@@ -62,3 +62,46 @@ def broadcast(
 def barrier(group: Any = None) -> bool:
     """Block until every rank of ``group`` arrives."""
     return get_accelerator().barrier(group)
+
+
+# -- point-to-point: backends declaring "p2p" (ds_core/hookspecs/comm.py, Point-to-point) ------
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+    """Send ``tensor`` to global rank ``dst``; may return before ``dst`` received it.
+
+    :raises NotSupportedError: when the backend lacks ``p2p``.
+    :raises ValueError: when ``dst`` is this rank or not a rank of the world.
+    :raises RuntimeError: naming ``dst`` when it has exited.
+    """
+    get_accelerator().send(tensor, dst, group, tag, False)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> None:
+    """Receive into ``tensor`` what global rank ``src`` sends (its size and dtype).
+
+    :raises NotSupportedError: when the backend lacks ``p2p``.
+    :raises ValueError: when ``src`` is this rank or not a rank of the world.
+    :raises RuntimeError: naming ``src`` when it has exited.
+    """
+    get_accelerator().recv(tensor, src, group, tag, False)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Work:
+    """Start sending ``tensor`` to ``dst``; keep it unmodified until the handle's ``wait()``."""
+    return get_accelerator().send(tensor, dst, group, tag, True)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> Work:
+    """Start receiving into ``tensor`` from ``src``; ``wait()`` makes the data visible."""
+    return get_accelerator().recv(tensor, src, group, tag, True)
+
+
+def batch_isend_irecv(ops: list[P2POp]) -> list[Work]:
+    """Start every operation of ``ops`` (:class:`~ds_core.types.P2POp`) before waiting for
+    any; a handle per op, in order. Use it whenever two ranks both send and receive.
+
+    :raises NotSupportedError: when the backend lacks ``p2p``.
+    :raises ValueError: when ``ops`` is empty, mixes groups or names this rank as a peer.
+    """
+    return get_accelerator().batch_isend_irecv(ops)

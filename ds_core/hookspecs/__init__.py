@@ -38,8 +38,14 @@ from ds_core.hookspecs import (
 )
 from ds_core.hookspecs._markers import hookimpl, hookspec
 
-#: Bumped on every incompatible change to a hook's name, arguments or meaning.
-HOOKSPEC_VERSION: Final[int] = 1
+#: The contract's version: bumped when a hook is added, renamed, or changes its arguments or
+#: meaning. Version 2 added point-to-point (``ds_comm_send``, ``ds_comm_recv``,
+#: ``ds_comm_batch_isend_irecv``, capability ``p2p``).
+HOOKSPEC_VERSION: Final[int] = 2
+
+#: The oldest version a backend may target and still register: what later versions added is
+#: absent for it (docs/architecture.md §2.3).
+MIN_HOOKSPEC_VERSION: Final[int] = 1
 
 #: Every hook spec module, in the order reports and docs list them.
 SPEC_MODULES: Final[tuple[ModuleType, ...]] = (
@@ -69,6 +75,9 @@ OPTIONAL_HOOKS: Final[dict[str, str]] = {
     "ds_comm_broadcast": "the core's default plugin implements it over torch.distributed",
     "ds_comm_all_to_all": "the core's default plugin implements it over torch.distributed",
     "ds_comm_barrier": "the core's default plugin implements it over torch.distributed",
+    "ds_comm_send": "the core's default plugin implements it; reached only with 'p2p'",
+    "ds_comm_recv": "the core's default plugin implements it; reached only with 'p2p'",
+    "ds_comm_batch_isend_irecv": "the core's default plugin implements it; reached only with 'p2p'",
     "ds_op_providers": "a backend without ops contributes none",
     "ds_launcher_env_prefixes": "a backend with nothing to forward contributes none",
     "ds_profiler_range_push": "the core's default plugin opens a torch.profiler range",
@@ -93,6 +102,7 @@ def required_hook_names() -> list[str]:
 
 __all__ = [
     "HOOKSPEC_VERSION",
+    "MIN_HOOKSPEC_VERSION",
     "OPTIONAL_HOOKS",
     "SPEC_MODULES",
     "all_hook_names",

@@ -32,6 +32,24 @@ Ordering and ownership (the stream contract of every collective hook below):
   backend may keep references to them, use them as scratch where a hook says so, and write
   the outputs at any time before ``wait()`` returns.
 
+Point-to-point (``ds_comm_send``, ``ds_comm_recv``, ``ds_comm_batch_isend_irecv``; since
+hook version 2, gated by the ``p2p`` capability) follows the same ordering, ownership and
+layout rules, with these differences:
+
+- **Peers are global ranks**, members of ``group`` (``None`` = the world), never this rank.
+- **Matching is per ordered pair, in issue order.** The n-th send from rank *a* to rank *b*
+  on a group is received by the n-th receive *b* posts from *a* on that group; both name the
+  same ``tag`` (a library without tags, as NCCL, ignores it: callers never rely on a tag to
+  reorder messages). Sizes and dtypes match on both sides.
+- **Blocking.** A synchronous send may return before the peer received (the library may
+  buffer it) or only once it did; a synchronous receive returns once the data is in the
+  buffer (or, with ``async_streams``, ordered before later work on the current stream). So a
+  pair of ranks that both send before they receive must use the batched hook, which starts
+  every operation of the list before waiting for any.
+- **A dead peer is an error, not a hang.** When the peer's process has exited, the call (or
+  the handle's ``wait()``) raises ``RuntimeError`` once the library notices; through the
+  facade the message names the peer's rank and the operation.
+
 Layout (the non-contiguous rule of every collective hook below):
 
 - **Hooks receive contiguous tensors only**, and an implementation may rely on it: a
@@ -61,7 +79,7 @@ from typing import Any
 import torch
 
 from ds_core.hookspecs._markers import hookspec
-from ds_core.types import Work
+from ds_core.types import P2POp, Work
 
 
 @hookspec(firstresult=True)
@@ -194,4 +212,69 @@ def ds_comm_barrier(group: Any) -> bool:
     Device context: uses the existing one (the process group already made it).
 
     Use in backends: optional (core default). Facade: ``barrier``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_send(tensor: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool) -> Work:
+    """Send ``tensor`` to global rank ``dst``, which receives it with ``ds_comm_recv``.
+
+    :param tensor: the data, read (after the work queued on the current stream, as for the
+        collectives above) and not modified; contiguous (the facade stages a view).
+    :param dst: the receiver's global rank; a member of ``group``, not this rank.
+    :param group: a process group from ``ds_core.comm.new_group``, or ``None`` for the world.
+    :param tag: matches the receiver's ``tag`` (see Point-to-point above); ``0`` by default
+        in the facade.
+    :param async_op: return before the data left; the caller keeps ``tensor`` unmodified
+        until the handle's ``wait()`` returns.
+    :raises RuntimeError: when ``dst`` has exited (through the facade, naming ``dst``).
+    :raises ValueError: through the facade, when ``dst`` is this rank or outside the world.
+
+    Device context: uses the existing one (the process group already made it).
+
+    Use in backends: gated by ``p2p`` (core default over ``torch.distributed``). Facade:
+    ``send``, ``isend``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_recv(tensor: torch.Tensor, src: int, group: Any, tag: int, async_op: bool) -> Work:
+    """Receive into ``tensor`` what global rank ``src`` sends with ``ds_comm_send``.
+
+    :param tensor: the buffer, overwritten; the sender's size and dtype; contiguous (the
+        facade stages a view).
+    :param src: the sender's global rank; a member of ``group``, not this rank.
+    :param group: as for ``ds_comm_send``.
+    :param tag: the sender's ``tag``.
+    :param async_op: return before the data arrived; ``wait()`` makes it visible (see the
+        ordering rules above).
+    :raises RuntimeError: when ``src`` has exited (through the facade, naming ``src``).
+    :raises ValueError: through the facade, when ``src`` is this rank or outside the world,
+        or ``tensor`` is non-contiguous with elements that may share memory.
+
+    Device context: uses the existing one (the process group already made it).
+
+    Use in backends: gated by ``p2p`` (core default over ``torch.distributed``). Facade:
+    ``recv``, ``irecv``.
+    """
+
+
+@hookspec(firstresult=True)
+def ds_comm_batch_isend_irecv(ops: list[P2POp]) -> list[Work]:
+    """Start every send and receive of ``ops`` before waiting for any; one handle per op.
+
+    Two ranks that exchange (each sends to the other and receives from it), or a ring of
+    ranks, issue their operations in one batch: an implementation must not let any of them
+    wait for one issued later in the list. Every op of the list names the same group.
+
+    :param ops: :class:`ds_core.types.P2POp` records (``"send"`` or ``"recv"``, tensor, global
+        peer, group, tag), contiguous tensors (the facade stages views).
+    :returns: a handle per op, in the order of ``ops``; each ``wait()`` as for an
+        asynchronous ``ds_comm_send`` / ``ds_comm_recv``.
+    :raises RuntimeError: when a peer has exited (through the facade, naming it).
+
+    Device context: uses the existing one (the process group already made it).
+
+    Use in backends: gated by ``p2p`` (core default over ``torch.distributed``). Facade:
+    ``batch_isend_irecv``.
     """

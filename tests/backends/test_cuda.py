@@ -226,6 +226,7 @@ def test_registration_validation_passes(gpu: FakeCuda) -> None:
         "async_streams",
         "device_timing",
         "pinned_memory",
+        "p2p",
         "determinism",
         "graph_capture",
     }

@@ -134,6 +134,7 @@ def test_registration_passes_and_graphs_need_lazy_mode(
         "async_streams",
         "device_timing",
         "pinned_memory",
+        "p2p",
         "resolves_data_dependency",
         "handles_memory_backpressure",
     }

@@ -154,6 +154,7 @@ def test_registration_passes_with_determinism_and_npugraph(
         "async_streams",
         "device_timing",
         "pinned_memory",
+        "p2p",
         "determinism",
         "graph_capture",
     }

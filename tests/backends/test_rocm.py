@@ -101,7 +101,7 @@ def test_probe_with_no_gpu_names_the_masks(amd: FakeCuda, monkeypatch: pytest.Mo
 def test_registration_validation_passes(amd: FakeCuda) -> None:
     info, declared = validate_backend("rocm", plugin.hooks)
     assert (info.name, info.device_type, info.vendor_version) == ("rocm", "cuda", HIP)
-    assert {"async_streams", "device_timing", "pinned_memory", "graph_capture"} <= declared
+    assert {"async_streams", "device_timing", "pinned_memory", "graph_capture", "p2p"} <= declared
 
 
 # --------------------------------------------------------------------------- hooks

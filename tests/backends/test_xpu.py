@@ -128,6 +128,7 @@ def test_registration_passes_and_capabilities_follow_the_torch_build(make_fake: 
         "async_streams",
         "device_timing",
         "pinned_memory",
+        "p2p",
         "memory_limits",
         "graph_capture",
     }

@@ -47,7 +47,7 @@ def ds_backend_info() -> BackendInfo:
         name=NAME,
         device_type="cpu",
         priority=0,
-        hookspec_version=1,
+        hookspec_version=2,
         vendor_version=md.version("torch"),
         description="host CPU; collectives over shared memory within a host, gloo across hosts",
     )
@@ -66,7 +66,7 @@ def ds_backend_probe() -> ProbeResult:
 
 @hookimpl
 def ds_backend_capabilities() -> frozenset[str]:
-    return frozenset({"memory_limits", "determinism", "graph_capture"})
+    return frozenset({"memory_limits", "determinism", "graph_capture", "p2p"})
 
 
 @hookimpl

@@ -257,7 +257,7 @@ class CudaHooks(TorchStyleHooks):
             name=NAME,
             device_type="cuda",
             priority=100,
-            hookspec_version=1,
+            hookspec_version=2,
             vendor_version=torch.version.cuda or "",
             description="NVIDIA GPUs through torch.cuda; collectives over NCCL",
         )
@@ -268,7 +268,8 @@ class CudaHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_backend_capabilities(self) -> frozenset[str]:
-        caps = {"async_streams", "device_timing", "pinned_memory", "determinism"}
+        # p2p: NCCL's send/recv behind torch.distributed (the core's default hooks).
+        caps = {"async_streams", "device_timing", "pinned_memory", "determinism", "p2p"}
         if hasattr(torch.cuda, "get_per_process_memory_fraction"):
             caps.add("memory_limits")
         if hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"):

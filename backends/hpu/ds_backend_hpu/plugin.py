@@ -201,7 +201,7 @@ class HpuHooks(TorchStyleHooks):
             name=NAME,
             device_type=DEVICE_TYPE,
             priority=100,
-            hookspec_version=1,
+            hookspec_version=2,
             vendor_version=dist_version(*VENDOR_DISTRIBUTIONS),
             description="Intel Gaudi through habana_frameworks.torch; collectives over HCCL",
         )
@@ -216,7 +216,9 @@ class HpuHooks(TorchStyleHooks):
         # platform says pinning is unsupported (UNCONFIRMED which holds). "determinism" and
         # "memory_limits" are not declared: no HCCL determinism knob and no per-process limit
         # getter are documented.
-        caps = {"async_streams", "device_timing", "pinned_memory"}
+        # p2p: Gaudi's HCCL send/recv behind torch.distributed (DeepSpeed's pipeline engine runs
+        # on it).
+        caps = {"async_streams", "device_timing", "pinned_memory", "p2p"}
         # The bridge's graph compiler orders work and throttles allocation itself: DeepSpeed's
         # HPU accelerator answers True to both flags while its device is asynchronous.
         caps |= {"resolves_data_dependency", "handles_memory_backpressure"}

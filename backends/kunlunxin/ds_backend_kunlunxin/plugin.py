@@ -150,7 +150,7 @@ class KunlunxinHooks(TorchStyleHooks):
             name=NAME,
             device_type="cuda",
             priority=100,
-            hookspec_version=1,
+            hookspec_version=2,
             vendor_version=dist_version(*VENDOR_DISTRIBUTIONS),
             description=(
                 "Baidu Kunlunxin XPUs through torch_xmlir (torch.cuda); collectives over BKCL"
@@ -166,6 +166,8 @@ class KunlunxinHooks(TorchStyleHooks):
         # UNCONFIRMED on hardware: that torch.cuda streams overlap and pin_memory page-locks on
         # Kunlunxin as they do on CUDA (DeepSpeed's KLXPU accelerator inherits both unchanged).
         caps = {"async_streams", "pinned_memory"}
+        # Not declared: "p2p" (BKCL send/recv through torch_xmlir's process group is
+        # UNCONFIRMED), so pipeline parallelism refuses here by name.
         if not self.host_timers:
             caps.add("device_timing")
         if os.environ.get(GRAPH_ENV) == "1" and hasattr(torch.cuda, "CUDAGraph"):

@@ -143,7 +143,7 @@ class NpuHooks(TorchStyleHooks):
             name=NAME,
             device_type=DEVICE_TYPE,
             priority=100,
-            hookspec_version=1,
+            hookspec_version=2,
             vendor_version=dist_version(*VENDOR_DISTRIBUTIONS),
             description="Huawei Ascend NPUs through torch_npu; collectives over HCCL",
         )
@@ -154,7 +154,8 @@ class NpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_backend_capabilities(self) -> frozenset[str]:
-        caps = {"async_streams", "device_timing", "pinned_memory", "determinism"}
+        # p2p: HCCL's send/recv through torch_npu's process group (the core's default hooks).
+        caps = {"async_streams", "device_timing", "pinned_memory", "determinism", "p2p"}
         if _graph_capture_available():
             caps.add("graph_capture")
         return frozenset(caps)

@@ -145,7 +145,7 @@ class RocmHooks(TorchStyleHooks):
             name=NAME,
             device_type="cuda",
             priority=100,
-            hookspec_version=1,
+            hookspec_version=2,
             vendor_version=getattr(torch.version, "hip", None) or "",
             description="AMD GPUs through a ROCm build of torch; collectives over RCCL (nccl)",
         )
@@ -156,7 +156,8 @@ class RocmHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_backend_capabilities(self) -> frozenset[str]:
-        caps = {"async_streams", "device_timing", "pinned_memory", "determinism"}
+        # p2p: RCCL's send/recv behind torch.distributed (the core's default hooks).
+        caps = {"async_streams", "device_timing", "pinned_memory", "determinism", "p2p"}
         if hasattr(torch.cuda, "get_per_process_memory_fraction"):
             caps.add("memory_limits")
         # hipGraph backs torch.cuda.CUDAGraph on ROCm builds (pytorch/pytorch#88202).

@@ -82,7 +82,8 @@ def wire_bytes(collective: str, nbytes: int, world: int) -> int:
     """Bytes one rank sends for ``collective`` over a ring of ``world`` ranks.
 
     ``nbytes`` is the size of the full buffer: the all-reduced tensor, the gathered output,
-    the reduce-scattered input, the broadcast tensor, or the all-to-all input.
+    the reduce-scattered input, the broadcast tensor, the all-to-all input, or the bytes a
+    point-to-point batch sends (``"p2p"``: all of them go on the wire, whatever the world).
 
     :raises ValueError: an unknown collective or a world below 1.
     """
@@ -95,7 +96,7 @@ def wire_bytes(collective: str, nbytes: int, world: int) -> int:
         return 2 * share
     if collective in ("all_gather", "reduce_scatter", "all_to_all"):
         return share
-    if collective in ("broadcast", "reduce"):
+    if collective in ("broadcast", "reduce", "p2p"):
         return nbytes
     if collective == "barrier":
         return 0
@@ -509,6 +510,45 @@ class SimProcessGroup(dist.ProcessGroup):
         if numel != expected:
             return f"reduce_scatter input has {numel} elements, expected {expected}"
         return ""
+
+    # -- point-to-point ----------------------------------------------------------------------
+
+    def p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> Any:
+        """Start every ``(kind, tensor, peer, tag)`` of ``ops`` ("send"/"recv", a contiguous
+        tensor, the peer's rank *in this group*) in one queued body, then wait for them all.
+
+        One body, because a gloo send of more than its socket buffers returns only once the
+        peer received: two ranks that both send before they receive would block their
+        streams for good if each operation were a body of its own. Returns one work for the
+        whole batch (``wait()`` covers every op).
+        """
+        tensors = [t for _, t, _, _ in ops]
+        specs = [(kind, peer, tag) for kind, _, peer, tag in ops]
+        for kind, peer, _ in specs:
+            if not 0 <= peer < self._size or peer == self._rank:
+                raise ValueError(f"simccl {kind}: peer {peer} is not another rank of the group")
+
+        def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
+            started = []
+            for (kind, peer, tag), t in zip(specs, mem, strict=True):
+                flat = t.view(-1)  # a host view of the device memory; gloo reads or fills it
+                if kind == "send":
+                    started.append(gloo.send([flat], peer, tag))
+                else:
+                    started.append(gloo.recv([flat], peer, tag))
+            for work in started:
+                work.wait()
+
+        nbytes = sum(_nbytes(t) for kind, t, _, _ in ops if kind == "send")
+        return self._run("p2p", tensors, nbytes, body)
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Any:  # noqa: N803 - c10d's name
+        (tensor,) = tensors
+        return self.p2p([("send", tensor, dstRank, tag)])
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Any:  # noqa: N803 - c10d's name
+        (tensor,) = tensors
+        return self.p2p([("recv", tensor, srcRank, tag)])
 
     def barrier(self, opts: Any = None) -> Any:
         # As c10d's device barriers do: the host returns once this device's queued work and

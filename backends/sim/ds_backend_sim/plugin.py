@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ds_backend_sim import collectives, device
 from ds_core import hookimpl
@@ -28,9 +29,10 @@ from ds_core.backend_kit import (
     dtype_set,
     torch_deterministic_algorithms,
 )
+from ds_core.comm_staging import require_contiguous
 from ds_core.errors import ConfigError
 from ds_core.ops import compiler_path
-from ds_core.types import BackendInfo, DeviceProperties, ProbeResult
+from ds_core.types import COMPLETED, BackendInfo, DeviceProperties, P2POp, ProbeResult, Work
 
 NAME = "sim"
 
@@ -82,7 +84,7 @@ class SimHooks(TorchStyleHooks):
             name=NAME,
             device_type=device.DEVICE_TYPE,
             priority=-10,
-            hookspec_version=1,
+            hookspec_version=2,
             vendor_version=torch.__version__,
             description="simulated accelerator: own memory, asynchronous streams, simccl",
         )
@@ -93,7 +95,7 @@ class SimHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_backend_capabilities(self) -> frozenset[str]:
-        return frozenset({"async_streams", "device_timing", "pinned_memory", "determinism"})
+        return frozenset({"async_streams", "device_timing", "pinned_memory", "determinism", "p2p"})
 
     @hookimpl
     def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
@@ -125,6 +127,46 @@ class SimHooks(TorchStyleHooks):
     def ds_comm_prepare(self) -> bool:
         device.init()  # registers simccl with torch.distributed
         return True
+
+    @hookimpl
+    def ds_comm_send(
+        self, tensor: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool
+    ) -> Work:
+        return self._p2p([P2POp("send", tensor, dst, group, tag)], async_op)[0]
+
+    @hookimpl
+    def ds_comm_recv(
+        self, tensor: torch.Tensor, src: int, group: Any, tag: int, async_op: bool
+    ) -> Work:
+        return self._p2p([P2POp("recv", tensor, src, group, tag)], async_op)[0]
+
+    @hookimpl
+    def ds_comm_batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:
+        return self._p2p(ops, True)
+
+    def _p2p(self, ops: list[P2POp], async_op: bool) -> list[Work]:
+        """The batch as one queued simccl body (see ``SimProcessGroup.p2p``); every op of the
+        batch gets the batch's work."""
+        group = ops[0].group
+        pg = group if group is not None else dist.group.WORLD
+        if pg is None:
+            raise RuntimeError("sim point-to-point before init_distributed()")
+        backend = pg._get_backend(torch.device(device.DEVICE_TYPE))
+        if not isinstance(backend, collectives.SimProcessGroup):
+            raise RuntimeError(
+                f"sim point-to-point needs a {collectives.NAME} process group; this group's "
+                f"backend is {type(backend).__name__}"
+            )
+        batch = []
+        for op in ops:
+            require_contiguous(op.op, tensor=op.tensor)
+            peer = op.peer if group is None else dist.get_group_rank(group, op.peer)
+            batch.append((op.op, op.tensor, peer, op.tag))
+        work = backend.p2p(batch)
+        if not async_op:
+            work.wait()
+            return [COMPLETED] * len(ops)
+        return [work] * len(ops)
 
     # -- launcher ------------------------------------------------------------------------------
 

@@ -164,7 +164,7 @@ class XpuHooks(TorchStyleHooks):
             name=NAME,
             device_type=DEVICE_TYPE,
             priority=100,
-            hookspec_version=1,
+            hookspec_version=2,
             vendor_version=dist_version("torch"),
             description="Intel GPUs through torch.xpu; collectives over XCCL",
         )
@@ -175,7 +175,8 @@ class XpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_backend_capabilities(self) -> frozenset[str]:
-        caps = {"async_streams", "device_timing", "pinned_memory"}
+        # p2p: XCCL's send/recv (ProcessGroupXCCL) behind torch.distributed.
+        caps = {"async_streams", "device_timing", "pinned_memory", "p2p"}
         if hasattr(torch.xpu, "get_per_process_memory_fraction"):
             caps.add("memory_limits")
         if _graph_capture_available():
