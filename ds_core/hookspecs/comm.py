@@ -46,9 +46,11 @@ layout rules, with these differences:
   buffer (or, with ``async_streams``, ordered before later work on the current stream). So a
   pair of ranks that both send before they receive must use the batched hook, which starts
   every operation of the list before waiting for any.
-- **A dead peer is an error, not a hang.** When the peer's process has exited, the call (or
-  the handle's ``wait()``) raises ``RuntimeError`` once the library notices; through the
-  facade the message names the peer's rank and the operation.
+- **A dead peer is an error, not a hang.** When the peer's process has exited, a
+  ``RuntimeError`` naming the peer's global rank and the operation is raised once the library
+  notices: by the call or the handle's ``wait()`` (the facade adds the names to a library
+  error), or, with ``async_streams``, where the operation runs on the stream, by the next
+  synchronisation that waits for that stream's work (the backend names the peer itself).
 
 Layout (the non-contiguous rule of every collective hook below):
 

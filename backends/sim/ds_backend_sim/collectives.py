@@ -513,9 +513,13 @@ class SimProcessGroup(dist.ProcessGroup):
 
     # -- point-to-point ----------------------------------------------------------------------
 
-    def p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> Any:
+    def p2p(
+        self, ops: Sequence[tuple[str, torch.Tensor, int, int]], names: Sequence[int] = ()
+    ) -> Any:
         """Start every ``(kind, tensor, peer, tag)`` of ``ops`` ("send"/"recv", a contiguous
         tensor, the peer's rank *in this group*) in one queued body, then wait for them all.
+        ``names``: the peers' global ranks, for the error when one has died (the error
+        surfaces where the stream's work is waited for, as on a device).
 
         One body, because a gloo send of more than its socket buffers returns only once the
         peer received: two ranks that both send before they receive would block their
@@ -528,16 +532,28 @@ class SimProcessGroup(dist.ProcessGroup):
             if not 0 <= peer < self._size or peer == self._rank:
                 raise ValueError(f"simccl {kind}: peer {peer} is not another rank of the group")
 
+        def named(i: int, exc: RuntimeError) -> RuntimeError:
+            kind, peer, _ = specs[i]
+            where = "to" if kind == "send" else "from"
+            who = names[i] if names else peer
+            return RuntimeError(f"simccl {kind} {where} rank {who} failed: {exc}")
+
         def body(gloo: Any, mem: list[torch.Tensor], transport: Any) -> None:
             started = []
-            for (kind, peer, tag), t in zip(specs, mem, strict=True):
+            for i, ((kind, peer, tag), t) in enumerate(zip(specs, mem, strict=True)):
                 flat = t.view(-1)  # a host view of the device memory; gloo reads or fills it
-                if kind == "send":
-                    started.append(gloo.send([flat], peer, tag))
-                else:
-                    started.append(gloo.recv([flat], peer, tag))
-            for work in started:
-                work.wait()
+                try:
+                    if kind == "send":
+                        started.append(gloo.send([flat], peer, tag))
+                    else:
+                        started.append(gloo.recv([flat], peer, tag))
+                except RuntimeError as exc:
+                    raise named(i, exc) from exc
+            for i, work in enumerate(started):
+                try:
+                    work.wait()
+                except RuntimeError as exc:
+                    raise named(i, exc) from exc
 
         nbytes = sum(_nbytes(t) for kind, t, _, _ in ops if kind == "send")
         return self._run("p2p", tensors, nbytes, body)

@@ -162,7 +162,7 @@ class SimHooks(TorchStyleHooks):
             require_contiguous(op.op, tensor=op.tensor)
             peer = op.peer if group is None else dist.get_group_rank(group, op.peer)
             batch.append((op.op, op.tensor, peer, op.tag))
-        work = backend.p2p(batch)
+        work = backend.p2p(batch, [op.peer for op in ops])
         if not async_op:
             work.wait()
             return [COMPLETED] * len(ops)

@@ -1,0 +1,92 @@
+"""A point-to-point peer that dies: the survivor's receive raises naming the peer
+(``ds_core/hookspecs/comm.py``, Point-to-point: a dead peer is an error, not a hang).
+
+Two real processes per backend: rank 1 joins the process group and exits without sending;
+rank 0's receive (synchronous, and asynchronous through ``wait()``) must fail with an error
+that names rank 1, well before the process group's timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.rankpool import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300  # the process group's timeout; the error must come long before it
+
+RANK_SCRIPT = """
+import os, sys, time
+import torch
+import ds_core
+from ds_core import comm
+
+ds_core.init_distributed(timeout={timeout})
+acc = ds_core.get_accelerator()
+comm.barrier()
+if comm.get_rank() == 1:
+    os._exit(0)  # dies without sending
+time.sleep(0.5)
+buf = torch.empty(1 << 16, device=acc.device())
+started = time.monotonic()
+try:
+    if sys.argv[1] == "sync":
+        comm.recv(buf, 1)
+    else:
+        comm.irecv(buf, 1).wait()
+    acc.synchronize()
+except RuntimeError as exc:
+    print("RAISED", round(time.monotonic() - started, 1), str(exc).splitlines()[0][:300])
+    os._exit(0)
+print("NO ERROR")
+os._exit(1)
+"""
+
+
+def _launch(backend: str, mode: str) -> str:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            DS_ACCELERATOR=backend,
+            OMP_NUM_THREADS="1",
+        )
+        code = RANK_SCRIPT.format(timeout=TIMEOUT_S)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code, mode],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    out, _ = procs[0].communicate(timeout=TIMEOUT_S)
+    procs[1].wait(timeout=60)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+def test_a_receive_from_a_dead_peer_raises_naming_it(backend: str, mode: str) -> None:
+    started = time.monotonic()
+    out = _launch(backend, mode)
+    lines = [line for line in out.splitlines() if line.startswith(("RAISED", "NO ERROR"))]
+    assert lines and lines[-1].startswith("RAISED"), out[-3000:]
+    assert "recv from rank 1" in lines[-1], lines[-1]
+    # Named long before the group's timeout (the library notices the closed connection).
+    assert time.monotonic() - started < TIMEOUT_S / 2, out[-3000:]
