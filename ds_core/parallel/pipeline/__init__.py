@@ -4,11 +4,14 @@
   :class:`PipelineModule` and the partition of layers over stages;
 - :mod:`~ds_core.parallel.pipeline.schedule`: the 1F1B training schedule and the inference
   schedule (DeepSpeed's ``TrainSchedule`` and ``InferenceSchedule``);
+- :mod:`~ds_core.parallel.pipeline.engine`: :class:`PipelineEngine`, a ZeRO engine per stage
+  over the stage's data-parallel group, exchanging activations and gradients point-to-point.
 
-The pipeline engine (a ZeRO engine per stage, activations and gradients point-to-point) comes
-with ds_core's point-to-point API.
+``ds_core.initialize(model=PipelineModule(...), config=...)`` returns the engine; DeepSpeed's
+import path is :mod:`ds_core.pipe`. docs/architecture.md §10 describes the design.
 """
 
+from ds_core.parallel.pipeline.engine import PipelineEngine, PipelineError
 from ds_core.parallel.pipeline.module import (
     LayerSpec,
     PipelineModule,
@@ -22,6 +25,8 @@ __all__ = [
     "InferenceSchedule",
     "LayerSpec",
     "PipeSchedule",
+    "PipelineEngine",
+    "PipelineError",
     "PipelineModule",
     "TiedLayerSpec",
     "TrainSchedule",

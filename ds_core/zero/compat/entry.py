@@ -19,6 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ds_core import comm
 from ds_core.checkpoint.loader import ResumableLoader
 from ds_core.errors import ConfigError
+from ds_core.parallel.pipeline import PipelineEngine, PipelineModule
 from ds_core.parallel.tensor import model_tp_size
 from ds_core.zero.autoep import apply_autoep
 from ds_core.zero.compat.guards import check_model
@@ -127,7 +128,10 @@ def initialize(
     :param collate_fn: the loader's ``collate_fn``.
     :param config: a dict, a JSON/hjson file path, or a loaded ``DSConfig``.
     :param config_params: DeepSpeed's older name for ``config``.
-    :returns: ``(engine, optimizer, dataloader or None, lr_scheduler or None)``.
+    :returns: ``(engine, optimizer, dataloader or None, lr_scheduler or None)``; for a
+        :class:`ds_core.pipe.PipelineModule` the engine is a
+        :class:`~ds_core.parallel.pipeline.PipelineEngine` (``train_batch``/``eval_batch``)
+        and batch sizes count ``world / num_stages`` replicas.
     :raises ds_core.ConfigError: no config or two configs, an invalid config, or an
         optimizer that needs whole gradients with stages 1-3.
     :raises ds_core.ConfigError: ``model`` is not an ``nn.Module``, already belongs to a live
@@ -142,12 +146,14 @@ def initialize(
         raise ConfigError(
             "initialize(mpu=...): an external model-parallel unit is not supported; use "
             "tensor_parallel.autotp_size in the config (AutoTP) or ds_core.tp_model_init, "
-            "or keep DeepSpeed for pipeline-parallel models"
+            "and ds_core.pipe.PipelineModule for pipeline parallelism"
         )
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     cfg_src = _config_from(args, config, config_params)
     world = comm.get_world_size()
-    cfg = cfg_src if isinstance(cfg_src, DSConfig) else load_config(cfg_src, world)
+    # A pipeline's batch sizes count the replicas of one stage (world / stages).
+    stages = model.num_stages if isinstance(model, PipelineModule) else 1
+    cfg = cfg_src if isinstance(cfg_src, DSConfig) else load_config(cfg_src, world // stages)
     split = model_tp_size(model)
     if split > 1 and cfg.tensor_parallel.autotp_size <= 1 and not isinstance(cfg_src, DSConfig):
         # Split by tp_model_init beforehand: batch sizes count data-parallel replicas.
@@ -155,7 +161,11 @@ def initialize(
     if cfg.expert_parallel.enabled:
         # Before the engine: it partitions and reduces the marked experts over their groups.
         apply_autoep(model, cfg.expert_parallel, max(cfg.tensor_parallel.autotp_size, split, 1))
-    engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
+    engine: ZeroEngine
+    if isinstance(model, PipelineModule):
+        engine = PipelineEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
+    else:
+        engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
     loader = None
     if training_data is not None:
         # A loader that knows its position, so checkpoints resume mid-epoch.
