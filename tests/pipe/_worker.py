@@ -32,8 +32,8 @@ def _head(emb: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def layers(kind: str) -> list[Any]:
-    """``mlp``: Linear/Tanh layers on float inputs; ``tied``: an embedding whose weight is also
-    the LM head's (int64 tokens in, logits out)."""
+    """``mlp``: Linear/Tanh layers on float inputs; ``deep``: the same with four Linear layers;
+    ``tied``: an embedding whose weight is also the LM head's (int64 tokens in, logits out)."""
     if kind == "tied":
         return [
             TiedLayerSpec("emb", nn.Embedding, VOCAB, HID),
@@ -41,6 +41,15 @@ def layers(kind: str) -> list[Any]:
             torch.tanh,
             LayerSpec(nn.Linear, HID, HID),
             TiedLayerSpec("emb", nn.Embedding, VOCAB, HID, forward_fn=_head),
+        ]
+    if kind == "deep":  # four layers with parameters: one per stage at PP=4
+        return [
+            LayerSpec(nn.Linear, HID, 12),
+            torch.tanh,
+            LayerSpec(nn.Linear, 12, 12),
+            LayerSpec(nn.Tanh),
+            LayerSpec(nn.Linear, 12, 12),
+            LayerSpec(nn.Linear, 12, 4),
         ]
     return [
         LayerSpec(nn.Linear, HID, 12),

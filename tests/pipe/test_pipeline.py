@@ -77,16 +77,18 @@ def test_pp2_matches_single_process(run_ranks: RunJob) -> None:
 
 
 @pytest.mark.slow
-def test_pp2_dp2_matches_single_process(run_ranks: RunJob) -> None:
-    """PP=2 × DP=2 on 4 ranks at ZeRO 0, 1 and 2 (a tie and checkpointing among them)."""
+def test_pp2_dp2_and_pp4_match_single_process(run_ranks: RunJob) -> None:
+    """PP=2 × DP=2 on 4 ranks at ZeRO 0, 1 and 2 (a tie and checkpointing among them), and
+    PP=4, whose middle stages both receive and send activations and gradients."""
     cases = [
         (2, 0, "tied", 2, 0, STEPS),
         (2, 1, "mlp", 2, 1, STEPS),
         (2, 2, "tied", 3, 1, STEPS),
+        (4, 1, "deep", 5, 0, 2),
     ]
     per_rank = run_ranks(4, "train_cases", cases)
     for i, case in enumerate(cases):
-        _check_training([r[i] for r in per_rank], 2, case)
+        _check_training([r[i] for r in per_rank], case[0], case)
 
 
 @pytest.mark.slow
