@@ -159,6 +159,22 @@ class SimWork(dist.Work):
     def synchronize(self) -> None:
         self.wait()
 
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        """A future of the outputs, stream-ordered as NCCL's: it is complete at once, and a
+        ``wait()`` or ``then()`` callback orders the caller's current stream after the
+        collective, never the host. DDP's reducer reads every bucket's all-reduce through it.
+
+        torch's device-aware future (``devices=``) records an event on the current stream
+        when the result is set and makes waiters' streams wait for it; the current stream is
+        ordered after the collective first (:meth:`wait`)."""
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
+            devices=[torch.device(device.DEVICE_TYPE, self.index)]
+        )
+        self.wait()
+        future.set_result(list(self.outputs))
+        return future
+
+
 
 class SimProcessGroup(dist.ProcessGroup):
     """The simccl process group (see the module docstring).

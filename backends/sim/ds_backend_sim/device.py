@@ -282,6 +282,16 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
 
 
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """The dtypes ``torch.autocast(device_type="sim")`` may cast to: none. torch asks the
+    device module before it builds any autocast context, enabled or not (DeepSpeed's ZeRO-3
+    linear layer opens a disabled one in backward), but the extension registers no autocast
+    kernels (torch's AutocastPrivateUse1 key), so an enabled context is one torch itself
+    disables with its warning that the dtype is not supported, rather than one that fails at
+    the first operator."""
+    return []
+
+
 # -- RNG: one host-kernel generator per device, separate from the host's
 
 
@@ -468,7 +478,8 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 module = ModuleType("torch.sim", "The ds_core simulated accelerator (ds_backend_sim.device).")
 for _name in (
     "is_available is_initialized device_count current_device set_device device synchronize "
-    "get_device_name get_device_properties is_bf16_supported default_generators _is_in_bad_fork "
+    "get_device_name get_device_properties is_bf16_supported get_amp_supported_dtype "
+    "default_generators _is_in_bad_fork "
     "manual_seed "
     "manual_seed_all seed initial_seed get_rng_state set_rng_state get_rng_state_all "
     "set_rng_state_all Stream Event current_stream default_stream set_stream stream "

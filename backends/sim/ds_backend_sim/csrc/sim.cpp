@@ -12,6 +12,7 @@
 #include <ATen/ops/view_native.h>
 #include <ATen/core/op_registration/op_registration.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
 
@@ -285,17 +286,59 @@ struct Block {
   size_t size;  // the block's bytes (what goes back to the cache)
   size_t used;  // the request rounded to kAlign (what counts as allocated)
   int device;
+  std::vector<SimStream*> uses;  // streams record_stream named (under the arena's lock)
+};
+
+// A block freed while a stream that record_stream named still had work queued: it goes
+// back to the cache only once each such stream has passed the point it had reached at the
+// free, as CUDA's caching allocator holds such a block until its events complete. Until
+// then it still counts as allocated, as there.
+struct PendingFree {
+  Block* block;
+  std::vector<std::pair<SimStream*, int64_t>> marks;
 };
 
 struct Arena {
   std::mutex mu;
   size_t allocated = 0, peak_allocated = 0, reserved = 0, peak_reserved = 0;
   int64_t allocs = 0, frees = 0, ooms = 0, cache_hits = 0, segments = 0;
+  int64_t allocated_total = 0, freed_total = 0;  // bytes, since the last accumulated reset
+  int64_t live = 0;                              // blocks held by tensors
   std::multimap<size_t, void*> cached;  // size -> free block
+  std::vector<PendingFree> pending;     // freed, waiting for recorded streams
 };
 Arena* arenas = new Arena[kMaxDevices];
 
+// Hands a freed block to the cache; call with the arena's lock held.
+void cache_block(Arena& a, Block* b) {
+  a.allocated -= b->used;
+  a.frees += 1;
+  a.live -= 1;
+  a.freed_total += static_cast<int64_t>(b->used);
+  a.cached.emplace(b->size, b->ptr);
+  delete b;
+}
+
+// Caches the pending blocks whose recorded streams have all passed their marks; call with
+// the arena's lock held (stream locks are taken inside it, never the other way round: a
+// stream item drops what it captured before it takes its stream's lock).
+void sweep_pending(Arena& a) {
+  auto keep = a.pending.begin();
+  for (auto it = a.pending.begin(); it != a.pending.end(); ++it) {
+    bool done = true;
+    for (auto& [st, seq] : it->marks) done = done && stream_reached(st, seq);
+    if (done) {
+      cache_block(a, it->block);
+    } else {
+      if (keep != it) *keep = std::move(*it);
+      ++keep;
+    }
+  }
+  a.pending.erase(keep, a.pending.end());
+}
+
 void release_cached(Arena& a) {
+  sweep_pending(a);
   for (auto& [size, ptr] : a.cached) {
     c10::free_cpu(ptr);
     a.reserved -= size;
@@ -307,13 +350,33 @@ void release_cached(Arena& a) {
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
   Arena& a = arenas[b->device];
-  {
-    std::lock_guard<std::mutex> g(a.mu);
-    a.allocated -= b->used;
-    a.frees += 1;
-    a.cached.emplace(b->size, b->ptr);
+  std::lock_guard<std::mutex> g(a.mu);
+  std::vector<std::pair<SimStream*, int64_t>> marks;
+  for (SimStream* s : b->uses) {
+    std::lock_guard<std::mutex> sg(s->mu);
+    if (s->done < s->enqueued) marks.emplace_back(s, s->enqueued);
   }
-  delete b;
+  if (marks.empty()) {
+    cache_block(a, b);
+  } else {
+    a.pending.push_back(PendingFree{b, std::move(marks)});
+  }
+}
+
+// record_stream: `stream` uses the block behind `ptr`, so a free must not hand the block to
+// another allocation before the work `stream` has queued by then ran.
+void record_block_stream(const c10::DataPtr& ptr, const c10::Stream& stream) {
+  if (ptr.get_deleter() != &free_block) return;  // a zero-byte tensor owns no block
+  TORCH_CHECK(stream.device_type() == c10::DeviceType::PrivateUse1,
+              "record_stream on a sim tensor takes a sim stream, got one of ",
+              stream.device_type());
+  auto* b = static_cast<Block*>(ptr.get_context());
+  SimStream* s = get_stream(stream.device_index(), stream.id());
+  std::lock_guard<std::mutex> g(arenas[b->device].mu);
+  for (SimStream* u : b->uses) {
+    if (u == s) return;
+  }
+  b->uses.push_back(s);
 }
 
 std::string mib(size_t bytes) {
@@ -343,11 +406,12 @@ Block* alloc_block(int device, size_t nbytes) {
   bool full;
   {
     std::lock_guard<std::mutex> g(a.mu);
-    full = a.reserved + size > cfg.capacity && !a.cached.empty();
+    full = a.reserved + size > cfg.capacity && (!a.cached.empty() || !a.pending.empty());
   }
   // Stream work never drains (it may be the work being waited for).
   if (full && !in_stream_item) drain_device(device);
   std::lock_guard<std::mutex> g(a.mu);
+  sweep_pending(a);
   void* ptr = nullptr;
   // Reuse a cached block no more than twice the request, so small tensors do not pin
   // large blocks.
@@ -382,11 +446,26 @@ Block* alloc_block(int device, size_t nbytes) {
   // the rounded request here too: a 2 MiB shard in a cached 4 MiB block is 2 MiB allocated.
   a.allocated += used;
   a.allocs += 1;
+  a.live += 1;
+  a.allocated_total += static_cast<int64_t>(used);
   a.peak_allocated = std::max(a.peak_allocated, a.allocated);
-  return new Block{ptr, size, used, device};
+  return new Block{ptr, size, used, device, {}};
 }
 
-struct SimAllocator final : c10::Allocator {
+// torch's DeviceAllocator, so torch's device-generic memory API (torch.accelerator's
+// memory_stats, empty_cache, ..., and Tensor.record_stream) reaches this allocator as it
+// reaches CUDA's: torch 2.13 asserts that interface for the current accelerator
+// (c10::getDeviceAllocator), and Accelerate empties the cache through it.
+struct SimAllocator final : c10::DeviceAllocator {
+  bool initialized() override { return cfg.devices > 0; }
+  void emptyCache(c10::MempoolId_t mempool_id) override;
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    record_block_stream(ptr, stream);
+  }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override;
+  void resetAccumulatedStats(c10::DeviceIndex device) override;
+  void resetPeakStats(c10::DeviceIndex device) override;
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override;
   c10::DataPtr allocate(size_t nbytes) override {
     int device = current_device();
     if (nbytes == 0) {
@@ -1054,6 +1133,63 @@ void empty_cache() {
     release_cached(arenas[i]);
   }
 }
+
+void SimAllocator::emptyCache(c10::MempoolId_t mempool_id) {
+  TORCH_CHECK(mempool_id.first == 0 && mempool_id.second == 0,
+              "the sim allocator has no private memory pools (they come with graph capture, "
+              "which the sim backend does not declare)");
+  empty_cache();
+}
+
+c10::CachingDeviceAllocator::DeviceStats SimAllocator::getDeviceStats(c10::DeviceIndex device) {
+  check_index(device);
+  Arena& a = arenas[device];
+  std::lock_guard<std::mutex> g(a.mu);
+  c10::CachingDeviceAllocator::DeviceStats st;
+  // One pool: everything is the aggregate (index 0), as the Python memory_stats reports.
+  constexpr auto kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  auto& allocated = st.allocated_bytes[kAll];
+  allocated.current = static_cast<int64_t>(a.allocated);
+  allocated.peak = static_cast<int64_t>(a.peak_allocated);
+  allocated.allocated = a.allocated_total;
+  allocated.freed = a.freed_total;
+  // Requested and active bytes are the allocated ones: blocks are not split.
+  st.requested_bytes[kAll] = allocated;
+  st.active_bytes[kAll] = allocated;
+  auto& reserved = st.reserved_bytes[kAll];
+  reserved.current = static_cast<int64_t>(a.reserved);
+  reserved.peak = static_cast<int64_t>(a.peak_reserved);
+  st.allocation[kAll].current = a.live;
+  st.allocation[kAll].allocated = a.allocs;
+  st.allocation[kAll].freed = a.frees;
+  st.segment[kAll].current = a.segments;
+  st.num_ooms = a.ooms;
+  return st;
+}
+
+void SimAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
+  check_index(device);
+  Arena& a = arenas[device];
+  std::lock_guard<std::mutex> g(a.mu);
+  a.allocated_total = a.freed_total = 0;
+  a.allocs = a.frees = a.ooms = a.cache_hits = 0;
+}
+
+void SimAllocator::resetPeakStats(c10::DeviceIndex device) { reset_peak(device); }
+
+std::pair<size_t, size_t> SimAllocator::getMemoryInfo(c10::DeviceIndex device) {
+  check_index(device);
+  Arena& a = arenas[device];
+  std::lock_guard<std::mutex> g(a.mu);
+  return {cfg.capacity - a.reserved, cfg.capacity};  // as torch.sim.mem_get_info
+}
+
+// Tensor.record_stream on a sim tensor, through the allocator as CUDA's kernel does.
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  allocator.recordStream(self.storage().data_ptr(), stream);
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) { m.impl("record_stream", record_stream); }
 
 void enqueue_python(int device, int64_t stream_id, py::function fn) {
   SimStream* s = get_stream(device, stream_id);

@@ -1,0 +1,92 @@
+"""The sim device through torch's device-generic API (issue 27): its allocator is torch's
+``c10::DeviceAllocator`` (``torch.accelerator``'s memory calls, ``Tensor.record_stream``), its
+module answers ``get_amp_supported_dtype`` and simccl's work answers ``get_future``; the
+frameworks in docs/interop.md call each of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.backends.test_sim import MODES, run
+
+pytest.importorskip("ds_backend_sim")
+
+
+def test_torch_accelerator_memory_calls_reach_the_sim_allocator() -> None:
+    r = run(
+        """
+        sim = device.init()
+        x = torch.empty(1000, device="sim:1")  # 4000 B, rounded to 4096
+        acc = torch.accelerator
+        allocated = [acc.memory_allocated(1), sim.memory_allocated(1)]
+        stats = acc.memory_stats(1)
+        free, total = acc.get_memory_info(1)
+        del x
+        acc.empty_cache()
+        out(allocated=allocated, peak=acc.max_memory_allocated(1),
+            stats=[stats["allocated_bytes.all.current"], stats["allocation.all.current"]],
+            info=[free, total, sim.mem_get_info(1)[1]], reserved=acc.memory_reserved(1),
+            after=acc.memory_allocated(1))
+        """
+    )
+    assert r["allocated"] == [4096, 4096]
+    assert r["peak"] == 4096
+    assert r["stats"] == [4096, 1]
+    assert r["info"][1] == r["info"][2] and r["info"][0] <= r["info"][1] - 4096
+    assert r["reserved"] == 0 and r["after"] == 0  # empty_cache released the block
+
+
+def test_record_stream_holds_a_freed_block_until_the_stream_ran_its_work() -> None:
+    # lazy mode: queued work runs only when waited for, so the side stream's copy is still
+    # pending at the free
+    r = run(
+        """
+        sim = device.init()
+        side = sim.Stream()
+        src = torch.ones(1024).pin_memory()
+        seen = {}
+        for recorded in (False, True):
+            x = torch.empty(1024, device="sim")
+            with sim.stream(side):
+                x.copy_(src, non_blocking=True)  # queued on side, still pending
+            if recorded:
+                x.record_stream(side)
+            del x
+            seen[str(recorded)] = sim.memory_allocated()
+            side.synchronize()
+            torch.empty(1, device="sim")  # an allocation hands finished frees back
+            seen[str(recorded) + "_after"] = sim.memory_allocated()
+        try:
+            torch.empty(4, device="sim").record_stream(torch.Stream(device="cpu"))
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+        out(refused=refused, **seen)
+        """,
+        "lazy",
+    )
+    assert r["False"] == 0  # not recorded: back to the cache at once
+    assert r["True"] == 4096  # recorded: held while the side stream's copy is pending
+    assert r["True_after"] == 0  # the temporary (512 B) died too
+    assert "takes a sim stream" in r["refused"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_autocast_contexts_open_and_torch_disables_an_enabled_one(mode: str) -> None:
+    r = run(
+        """
+        import warnings
+        sim = device.init()
+        a = torch.ones(2, 2, device="sim")
+        with torch.autocast(device_type="sim", enabled=False):
+            off = str((a @ a).dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autocast(device_type="sim", dtype=torch.bfloat16):
+                on = str((a @ a).dtype)
+        out(dtypes=[str(d) for d in torch.sim.get_amp_supported_dtype()], off=off, on=on,
+            warned=any("not supported" in str(w.message) for w in caught))
+        """,
+        mode,
+    )
+    assert r["dtypes"] == [] and r["off"] == r["on"] == "torch.float32" and r["warned"]
