@@ -237,9 +237,10 @@ def _message(fn: Any) -> str:
     return "no error"
 
 
-def bad_inputs() -> dict[str, str]:
-    """Each refusal's message on this rank (2 ranks, 2 stages)."""
-    out: dict[str, str] = {}
+def bad_inputs() -> dict[str, Any]:
+    """Each refusal's message on this rank (2 ranks, 2 stages), and the losses of training
+    from ``initialize(training_data=...)``."""
+    out: dict[str, Any] = {}
     out["few_layers"] = _message(lambda: PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=2))
     out["bad_stages"] = _message(lambda: PipelineModule(layers("mlp"), num_stages=3))
 
@@ -272,6 +273,21 @@ def bad_inputs() -> dict[str, str]:
         # the engine still trains after the refusal
         two = data("mlp", 1, 1, 2)[0][0]
         out["after"] = repr(float(engine.train_batch(_iter(two))))
+    finally:
+        engine.destroy()
+
+    # initialize(training_data=...): train_batch() reads its loader, restarted at its end
+    module = PipelineModule(layers("mlp"), num_stages=2, loss_fn=F.mse_loss)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    dataset = torch.utils.data.TensorDataset(torch.randn(6, HID), torch.randn(6, 4))
+    engine = cast(
+        PipelineEngine,
+        ds_core.initialize(
+            model=module, optimizer=opt, config=_config(0, 2, 0.0), training_data=dataset
+        )[0],
+    )
+    try:  # 3 batches of 2 samples per epoch; a train batch takes 2 of them
+        out["loader"] = [float(engine.train_batch()) for _ in range(3)]
     finally:
         engine.destroy()
     return out

@@ -107,6 +107,7 @@ def test_bad_inputs_are_named(run_ranks: RunJob) -> None:
         assert "PipelineError" in msgs["forward"]
         assert "save_checkpoint" in msgs["checkpoint"] and "not supported" in msgs["checkpoint"]
         assert float(msgs["after"]) > 0
+        assert len(msgs["loader"]) == 3 and all(v > 0 for v in msgs["loader"])
 
 
 # -- one process ----------------------------------------------------------------------------
