@@ -175,7 +175,6 @@ class SimWork(dist.Work):
         return future
 
 
-
 class SimProcessGroup(dist.ProcessGroup):
     """The simccl process group (see the module docstring).
 
