@@ -263,8 +263,8 @@ class PipelineEngine(ZeroEngine):
         self._load_batches(data_iter, self.gas, "train_batch")
         self._losses, self._backwards, self._buffers = [], 0, {}
         schedule = sched.TrainSchedule(self.gas, self.num_stages, self.stage_id)
-        self._execute(schedule)
-        self.agg_train_loss = self._aggregate(self.gas)
+        self._execute(schedule)  # its last instruction, the update, sets agg_train_loss
+        assert self.agg_train_loss is not None
         return self.agg_train_loss
 
     def eval_batch(
@@ -445,6 +445,10 @@ class PipelineEngine(ZeroEngine):
         self._buf("inputs").pop(b, None)
 
     def _exec_step(self) -> None:
+        # The batch's mean loss first, so the update's log line reports it on every stage
+        # (DeepSpeed's train_batch log); the engine's own count would know it only on the last.
+        self.agg_train_loss = self._aggregate(self.gas)
+        self._loss_sum, self._loss_known = self.agg_train_loss.clone(), 1
         self.set_gradient_accumulation_boundary(True)
         self.micro_steps += self.gas - 1  # DeepSpeed counts every micro-batch
         ZeroEngine.step(self)
