@@ -137,6 +137,8 @@ class GPT(nn.Module):
         # Not tied to wte: ZeRO partitions by parameter, and a tied weight would be the one
         # parameter two modules share, a special case this example does not need.
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        #: the sequence-parallel group the loss spans (:func:`use_sequence_parallel`), or None.
+        self.sp_group: Any = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
@@ -155,14 +157,20 @@ class GPT(nn.Module):
     def forward(
         self, idx_BT: torch.Tensor, targets_BT: torch.Tensor, pos_offset: int = 0
     ) -> torch.Tensor:
-        """Mean cross-entropy of ``idx_BT``'s next tokens; ``pos_offset``: the position of its
-        first token (a sequence-parallel rank's shard starts inside the sequence)."""
+        """Mean cross-entropy (nats per token) of ``idx_BT``'s next tokens; ``pos_offset``: the
+        position of its first token (a sequence-parallel rank's shard starts inside the
+        sequence). Under :func:`use_sequence_parallel` the mean is over the full sequences of
+        the SP group, the same on every SP rank, as DeepSpeed expects."""
         B, T = idx_BT.shape
         pos = torch.arange(pos_offset, pos_offset + T, device=idx_BT.device)
         x_BTC = self.wte(idx_BT) + self.wpe(pos)
         for block in self.blocks:
             x_BTC = block(x_BTC)
         logits_BTV = self.lm_head(self.ln_f(x_BTC))
+        if self.sp_group is not None:
+            from ds_core.parallel.sequence import sequence_parallel_cross_entropy
+
+            return sequence_parallel_cross_entropy(logits_BTV, targets_BT, self.sp_group)
         return F.cross_entropy(logits_BTV.view(B * T, -1).float(), targets_BT.reshape(-1))
 
 
@@ -171,9 +179,16 @@ def use_sequence_parallel(model: GPT, group: Any) -> None:
     attention exchanges sequence shards for head shards around :func:`causal_attention`
     (:class:`ds_core.sequence.layer.DistributedAttention`). Each rank then feeds its shard of
     every sequence (``ds_core.parallel.sequence.shard_sequence``) with ``pos_offset`` its
-    first position (``shard_offset``); its loss is its shard's mean, which the engine averages
-    over the group. ``n_head`` must be a multiple of the group's size."""
+    first position (``shard_offset``); its loss is the mean over the full sequences
+    (``sequence_parallel_cross_entropy``), whose gradient reaches only its own shard's logits,
+    so the engine's sum over the SP ranks is the full batch's gradient (DeepSpeed's
+    convention). ``n_head`` must be a multiple of the group's size; ``group`` ``None`` (SP size
+    1) leaves the model as it is."""
     from ds_core.sequence.layer import DistributedAttention
+
+    if group is None:  # the mesh's group at SP size 1; as a group, None would be the world
+        return
+    model.sp_group = group
 
     for block in model.blocks:
         block.attn.attention = partial(

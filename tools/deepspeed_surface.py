@@ -56,7 +56,8 @@ REFUSED: dict[str, str] = {
     "ops.aio": "async I/O: ds_core.io",
     "ops.fp_quantizer": "CUDA-only quantizer kernels",
     "compression": "DeepSpeed-Compression is not part of ds_core",
-    "sequence": "of Ulysses, ds_core provides sequence.layer.DistributedAttention only",
+    "sequence": "of Ulysses, ds_core provides sequence.layer.DistributedAttention and "
+    "sequence.cross_entropy's vocab_(sequence_)parallel_cross_entropy only",
     "sequence.fpdt_layer": "FPDT (chunked Ulysses attention with offload): not implemented",
     "runtime.sequence_parallel": "DeepSpeed's Hugging Face Ulysses integration: not "
     "implemented (ds_core.sequence.layer.DistributedAttention is the layer)",

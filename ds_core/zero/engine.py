@@ -214,6 +214,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
             tp_rank=self.mesh.tp_rank,
             tp_size=self.mesh.tp_size,
             pp_size=self.mesh.pp_size,
+            sp_size=self.mesh.sp_size,
             norm_dtype=self.norm_dtype,
             grad_dtype=self.master_dtype,
             qgz=qgz,

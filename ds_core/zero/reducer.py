@@ -25,9 +25,11 @@ Per stage, chosen once at construction (:class:`_Policy`):
   backward gets the same blocks back at no cost).
 
 Gradients are summed across ranks with DeepSpeed's scaling: ``prescale_gradients`` divides by the
-world size before the collective, else ``gradient_predivide_factor`` divides before and the
-engine multiplies by ``factor / world`` at the step (:attr:`GradReducer.post_scale`), so the
-optimizer sees the mean.
+number of data replicas (``world / sp_size``) before the collective, else
+``gradient_predivide_factor`` divides before and the engine multiplies by ``factor / replicas``
+at the step (:attr:`GradReducer.post_scale`), so the optimizer sees the mean over data replicas
+of the sum over each replica's sequence-parallel ranks (DeepSpeed 0.19.8's
+``runtime/zero/stage_1_and_2.py`` and ``stage3.py``: ``world / sequence_parallel_size``).
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ class GradReducer:
     """Owns every gradient buffer and collective of the engine's backward.
 
     :param units: the units holding trainable parameters, in the fixed issue order.
-    :param world: data-parallel world size: gradients are averaged over it (experts too, so
-        every token of the global batch weighs the same).
+    :param world: ranks of ZeRO's group (data × sequence parallel): gradients are summed over
+        it and divided by ``world // sp_size``, the data replicas (experts too, so every token of
+        the global batch weighs the same).
     :param stage: ZeRO stage (0-3).
     :param gas: gradient accumulation steps.
     :param acc: the accelerator (collectives, streams, events).
@@ -140,6 +143,9 @@ class GradReducer:
     :param tp_size: ranks of the TP group.
     :param pp_size: pipeline stages (the norm sums over ``world × tp_size × pp_size`` ranks:
         every stage's gradients, as DeepSpeed's pipeline clips).
+    :param sp_size: sequence-parallel ranks within ``world``; they hold shards of the same
+        sequences, so their gradients are summed, not averaged, as DeepSpeed does (each SP
+        rank's loss is the full sequence's, docs/architecture.md §10). Must divide ``world``.
     :param norm_dtype: dtype the global norm is accumulated in.
     :param grad_dtype: dtype of the accumulators and the reduced ranges the optimizer reads:
         fp32, or bf16 with ``bf16.bf16_master_weights_and_grads`` (the norm stays in
@@ -163,6 +169,7 @@ class GradReducer:
         tp_rank: int = 0,
         tp_size: int = 1,
         pp_size: int = 1,
+        sp_size: int = 1,
         norm_dtype: torch.dtype = torch.float32,
         grad_dtype: torch.dtype = torch.float32,
         qgz: NodeGroups | None = None,
@@ -192,9 +199,13 @@ class GradReducer:
             for ug in self.units
             if all(getattr(zp.param, PIPE_REPLICATED_ATTR, False) for zp in ug.unit.zparams)
         }
+        if sp_size < 1 or world % sp_size:
+            raise ValueError(f"sp_size {sp_size} must be positive and divide the world {world}")
+        #: data replicas: the divisor that turns the sum over the group into their mean.
+        replicas = world // sp_size
         #: multiplier applied before the collective, and the one the step applies after.
-        self.pre_scale = 1.0 / world if prescale else 1.0 / predivide
-        self._post_scale = 1.0 if prescale else predivide / world
+        self.pre_scale = 1.0 / replicas if prescale else 1.0 / predivide
+        self._post_scale = 1.0 if prescale else predivide / replicas
         if self.policy.local_accumulation:
             for ug in self.units:
                 ug.local = torch.zeros(ug.unit.padded, dtype=grad_dtype, device=self.device)

@@ -110,6 +110,7 @@ def attention_job() -> dict[str, Any]:
     loss = sequence_parallel_cross_entropy(lg, on_device(shard_sequence(targets, r, sp)), group)
     loss.backward()
     out["ce"] = to_host({"loss": loss, "grad": lg.grad, "logits": logits, "targets": targets})
+    out["ds_ce"] = deepspeed_loss_cases(logits, targets, r, sp, group)
 
     x = on_device(torch.arange(2 * 4 * 6, dtype=torch.float32).view(2, 4, 6))
     there = seq_all_to_all(x, group, 2, 1)
@@ -145,6 +146,39 @@ def attention_job() -> dict[str, Any]:
         "batch_dim": error(lambda: ident(three, three, three, 2)),
     }
     return out
+
+
+def deepspeed_loss_cases(
+    logits: torch.Tensor, targets: torch.Tensor, r: int, sp: int, group: Any
+) -> dict[str, Any]:
+    """DeepSpeed's loss functions on SP=2 (sequence first, as DeepSpeed gathers along dim 0):
+    the gathered per-token losses and the gradient of their sum over the counted tokens; the
+    ``reduction="mean"`` form; and the vocabulary split over the same two ranks as a TP
+    group (each rank the whole sequence, half the logits)."""
+    from ds_core.parallel.sequence import shard_sequence
+    from ds_core.sequence.cross_entropy import (
+        vocab_parallel_cross_entropy,
+        vocab_sequence_parallel_cross_entropy,
+    )
+
+    seq_first, tgt = logits.transpose(0, 1), targets.transpose(0, 1)  # [T, B, V], [T, B]
+    mine = on_device(shard_sequence(tgt, r, sp, 0))
+    counted = int((targets != -100).sum())
+    out: dict[str, Any] = {}
+    lg = on_device(shard_sequence(seq_first, r, sp, 0)).requires_grad_(True)
+    per_token = vocab_sequence_parallel_cross_entropy(lg, mine, group)
+    (per_token.sum() / counted).backward()
+    out["gathered"] = {"losses": per_token, "grad": lg.grad}
+    lg = on_device(shard_sequence(seq_first, r, sp, 0)).requires_grad_(True)
+    mean = vocab_parallel_cross_entropy(lg, mine, sp_group=group)
+    mean.backward()
+    out["mean"] = {"loss": mean, "grad": lg.grad}
+    v = VOCAB // sp
+    lg = on_device(seq_first[..., r * v : (r + 1) * v].contiguous()).requires_grad_(True)
+    tp_mean = vocab_parallel_cross_entropy(lg, on_device(tgt), tp_group=group)
+    tp_mean.backward()
+    out["tp"] = {"loss": tp_mean, "grad": lg.grad}
+    return to_host(out)  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- the GPT example
@@ -247,9 +281,76 @@ def gpt_job() -> dict[str, Any]:
             "norms": norms,
             "state": to_host(engine.gathered_state_dict()),
             "train_batch_size": engine.train_batch_size(),
+            "data_rank": mesh.data_rank,
         }
         engine.destroy()
+        results[f"ds{stage}"] = deepspeed_script_step(stage)
     return results
+
+
+# ------------------------------------------------- a DeepSpeed Ulysses script's loss, one step
+
+
+def token_model() -> torch.nn.Module:
+    """A per-token model (embedding, linear head): under SP each rank's tokens are independent,
+    so one step isolates the loss and gradient convention from attention."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB))
+
+
+#: clipping threshold far above the norms: the engine computes the norm but never clips.
+NO_CLIP = 1e3
+
+
+def token_reference(data_size: int) -> dict[str, Any]:
+    """One process, one SGD step on the full global batch: loss, norm, parameters after."""
+    model = token_model()
+    idx, tgt = gpt_batches(data_size, 1)[0][0]
+    logits = model(idx)
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tgt.reshape(-1))
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), NO_CLIP))
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return {"loss": loss.item(), "norm": norm, "params": dict(model.named_parameters())}
+
+
+def deepspeed_script_step(stage: int) -> dict[str, Any]:
+    """One SGD step written as for DeepSpeed: each SP rank's loss is the mean of DeepSpeed's
+    ``vocab_sequence_parallel_cross_entropy`` (the full sequences' per-token losses); the
+    engine's norm and the parameters after the step must be the single-process ones (with
+    gradients averaged over the SP ranks instead of summed, they are half)."""
+    import ds_core
+    from ds_core.parallel.sequence import shard_sequence
+    from ds_core.sequence.cross_entropy import vocab_sequence_parallel_cross_entropy
+
+    model = token_model()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": NO_CLIP,
+        "sequence_parallel_size": 2,
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, _, _, _ = ds_core.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config
+    )
+    mesh = engine.mesh
+    idx, tgt = gpt_batches(mesh.data_size, 1)[0][0]
+    rows = slice(mesh.data_rank * MICRO, (mesh.data_rank + 1) * MICRO)
+    x, y = (on_device(shard_sequence(t[rows], mesh.sp_rank, mesh.sp_size)) for t in (idx, tgt))
+    logits = engine(x)  # [B, T/P, V]; DeepSpeed's function gathers sequence-first
+    loss = vocab_sequence_parallel_cross_entropy(
+        logits.transpose(0, 1), y.transpose(0, 1), mesh.sp_group
+    ).mean()
+    engine.backward(loss)
+    engine.step()
+    out = {
+        "loss": loss.item(),
+        "norm": float(engine.last_grad_norm),
+        "state": to_host(engine.gathered_state_dict()),
+    }
+    engine.destroy()
+    return out
 
 
 def job(name: str) -> dict[str, Any]:

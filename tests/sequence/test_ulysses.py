@@ -4,12 +4,19 @@
 - ``DistributedAttention`` on SP=2: each rank's output shard and the gradients of its
   ``q, k, v`` shards equal full attention in one process, batch first and sequence first
   (grouped-query attention, rotary embedding), every exchange seen by the byte counter; the
-  exchange's round trip; the loss helper's value and gradient with ignored tokens spread
-  unevenly; the groups getters.
+  exchange's round trip; the loss helpers' values and gradients with ignored tokens spread
+  unevenly (ds_core's ``sequence_parallel_cross_entropy`` and DeepSpeed's
+  ``vocab_sequence_parallel_cross_entropy`` / ``vocab_parallel_cross_entropy``, the latter
+  also with the vocabulary split over a TP group): the full mean on every rank, and each
+  rank's gradient that mean's gradient for its own logits; the groups getters.
 - The example GPT (examples/gpt.py) with SP=2 and SP=2 × DP=2 at ZeRO stages 0-3 (stages 1
-  and 3 with 2 accumulation steps): each step's loss averaged over the ranks, the global norm,
-  and the final parameters equal one process training on the full sequences of the global
-  batch.
+  and 3 with 2 accumulation steps): each rank's loss is its data replica's full-sequence mean
+  (DeepSpeed's convention: the engine sums over SP ranks), and each step's losses, the global
+  norm and the final parameters equal one process training on the full sequences of the
+  global batch.
+- A DeepSpeed Ulysses script's loss (the mean of ``vocab_sequence_parallel_cross_entropy``) at
+  stages 0-3: one SGD step's global norm and parameters equal one process's. Under the old
+  convention (gradients averaged over the SP ranks) both are off by the SP size.
 - Bad inputs: an SP size not dividing the heads or the sequence length.
 
 Parameters are compared with an absolute floor of LR·1e-3 (1e-5) instead of 1e-6: in the
@@ -111,14 +118,29 @@ def test_exchange_groups_and_loss_helper(rank_pools: RankPools, backend: str) ->
             "sdp_world": 2,
             "sdp_rank": r,
         }
-        # value: the full mean on every rank; gradient: P x this shard's share, so the engine's
-        # average over the SP group is the full gradient
+        # value: the full mean on every rank; gradient: the full mean's for this rank's logits
+        # only, so the engine's sum over the SP group is the full gradient
         ce = res["ce"]
         logits = ce["logits"].clone().requires_grad_(True)
-        want = F.cross_entropy(logits.reshape(-1, W.VOCAB), ce["targets"].reshape(-1))
+        flat_targets = ce["targets"].reshape(-1)
+        want = F.cross_entropy(logits.reshape(-1, W.VOCAB), flat_targets)
         want.backward()
+        grad: torch.Tensor = logits.grad
         close(ce["loss"], want.detach(), "loss")
-        close(ce["grad"] / 2, shard_sequence(logits.grad, r, 2), "gradient")  # type: ignore[arg-type]
+        close(ce["grad"], shard_sequence(grad, r, 2), "gradient")
+        # DeepSpeed's functions, sequence first ([T, B, V]): the same loss and gradients
+        per_token = F.cross_entropy(
+            ce["logits"].reshape(-1, W.VOCAB), flat_targets, reduction="none"
+        ).view(2, W.SEQ)
+        grad_tbv = grad.transpose(0, 1)
+        ds = res["ds_ce"]
+        close(ds["gathered"]["losses"], per_token.transpose(0, 1), "gathered per-token losses")
+        close(ds["gathered"]["grad"], shard_sequence(grad_tbv, r, 2, 0), "gathered gradient")
+        close(ds["mean"]["loss"], want.detach(), "mean loss")
+        close(ds["mean"]["grad"], shard_sequence(grad_tbv, r, 2, 0), "mean gradient")
+        v = W.VOCAB // 2
+        close(ds["tp"]["loss"], want.detach(), "vocabulary-parallel loss")
+        close(ds["tp"]["grad"], grad_tbv[..., r * v : (r + 1) * v], "vocabulary-parallel grad")
 
 
 @pytest.mark.slow
@@ -170,8 +192,15 @@ def test_gpt_matches_one_process(rank_pools: RankPools, backend: str, world: int
         got = [res[f"s{stage}"] for res in ranks]
         assert got[0]["train_batch_size"] == W.MICRO * gas * data_size
         for step in range(W.STEPS):
-            # each rank's loss is its shard's mean; equal shards: their mean is the full mean
+            # each rank's loss is its data replica's full-sequence mean: equal on its SP ranks
             per_rank = [g["losses"][step * gas : (step + 1) * gas] for g in got]
+            replicas: dict[int, list[list[float]]] = {}
+            for g, losses in zip(got, per_rank, strict=True):
+                replicas.setdefault(g["data_rank"], []).append(losses)
+            assert all(len(sp_ranks) == 2 for sp_ranks in replicas.values()), replicas
+            for first, second in replicas.values():
+                for a, b in zip(first, second, strict=True):
+                    assert math.isclose(a, b, rel_tol=RTOL), (stage, step, a, b)
             mean = sum(map(sum, per_rank)) / (len(per_rank) * gas)
             assert math.isclose(mean, want["losses"][step], rel_tol=RTOL), (stage, step)
             for g in got:
@@ -182,3 +211,26 @@ def test_gpt_matches_one_process(rank_pools: RankPools, backend: str, world: int
         for r, g in enumerate(got):
             for name, p in want["params"].items():
                 close(g["state"][name], p.detach(), f"stage {stage} rank {r} {name}", PARAM_ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_deepspeed_loss_convention(rank_pools: RankPools, backend: str, world: int) -> None:
+    """A DeepSpeed Ulysses user's loss (the full-sequence mean on every SP rank) trains as one
+    process does: the engine sums gradients over the SP ranks and averages over the data
+    replicas only, as DeepSpeed 0.19.8 (``world / sequence_parallel_size``,
+    runtime/zero/stage_1_and_2.py). Averaging over SP ranks too would halve the norm here."""
+    ranks = run_job(rank_pools, backend, world, "gpt")
+    want = W.token_reference(world // 2)
+    for stage in W.GAS:
+        # every rank of a data replica reports its replica's full mean; over the replicas
+        # their mean is the global batch's
+        mean = sum(res[f"ds{stage}"]["loss"] for res in ranks) / len(ranks)
+        assert math.isclose(mean, want["loss"], rel_tol=RTOL), (stage, mean, want["loss"])
+        for r, res in enumerate(ranks):
+            got = res[f"ds{stage}"]
+            assert math.isclose(got["norm"], want["norm"], rel_tol=RTOL), (
+                f"stage {stage} rank {r}: norm {got['norm']} != {want['norm']} (one process)"
+            )
+            for name, p in want["params"].items():
+                close(got["state"][name], p.detach(), f"stage {stage} rank {r} {name}")

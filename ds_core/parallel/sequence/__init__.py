@@ -5,7 +5,9 @@ batch its group reads; attention exchanges sequence shards for head shards and b
 (:class:`DistributedAttention`, DeepSpeed 0.19.8's ``sequence/layer.py``); everything else in
 the model is per token and runs on the shard unchanged. The SP group comes from the engine's
 mesh (``sequence_parallel_size`` in the config; ``engine.mesh.sp_group``), and ZeRO partitions
-and averages gradients over the SP × data-parallel group.
+over the SP × data-parallel group and, as DeepSpeed, sums gradients over the SP ranks and
+averages over data replicas: each SP rank's loss is the full sequences' mean
+(:func:`sequence_parallel_cross_entropy`).
 
 - :mod:`ds_core.parallel.sequence.layer`: :class:`DistributedAttention`, :func:`seq_all_to_all`;
 - :mod:`ds_core.parallel.sequence.data`: :func:`shard_sequence`, :func:`shard_offset`,

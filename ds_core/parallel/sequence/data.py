@@ -5,13 +5,17 @@ Under Ulysses sequence parallelism the ranks of one SP group read the same batch
 ``[r·T/P, (r+1)·T/P)`` of every sequence, ``r`` its SP rank (:func:`shard_sequence`). Positions
 then start at ``r·T/P`` (:func:`shard_offset`), not at 0.
 
-The loss: the engine averages gradients over the SP × data-parallel group (ZeRO's group, see
-:mod:`ds_core.comm.mesh`), so each SP rank's loss should be its share of the full-sequence
-mean scaled by ``P``. With equal shards and every token counted, that is simply the mean over
-the rank's own tokens (``F.cross_entropy`` on the shard): the average over the group of equal
-shards' means is the full mean. When tokens are ignored (padding, ``ignore_index``) shards
-count different numbers of tokens, and :func:`sequence_parallel_cross_entropy` weights them
-correctly.
+The loss, as in DeepSpeed 0.19.8: the engine sums gradients over the SP ranks of a data
+replica and averages over the replicas (``world / sp_size``, DeepSpeed's
+``runtime/zero/stage_1_and_2.py``; ds_core's :class:`~ds_core.zero.reducer.GradReducer`), so
+each SP rank's loss must be the full sequences' loss (the mean over every counted token of the
+replica's batch, the same value on every SP rank) whose gradient reaches only this rank's
+logits: the SP ranks' gradients then add up to the full batch's. The mean over the rank's
+own tokens (``F.cross_entropy`` on the shard) is wrong here: it gives ``P`` times the
+gradient with equal shards and mis-weights shards that ignore different numbers of tokens.
+:func:`sequence_parallel_cross_entropy` computes the right loss, and
+:func:`ds_core.sequence.cross_entropy.vocab_sequence_parallel_cross_entropy` is DeepSpeed's
+function for it (per-token losses gathered over the group; take their mean).
 """
 
 from __future__ import annotations
@@ -68,22 +72,23 @@ def shard_offset(seq_len: int, sp_rank: int, sp_size: int) -> int:
 def sequence_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, group: Any, ignore_index: int = -100
 ) -> torch.Tensor:
-    """Cross entropy of the full sequence from this rank's shard, for ds_core's engine.
+    """Cross entropy of the full sequences from this rank's shard (the loss each SP rank
+    hands the engine, see the module docstring).
 
-    The value is the mean over every counted token of the SP group's sequences (the same on
-    every rank, for logging); the gradient is that of ``P · (this shard's loss sum) / (tokens
-    counted in the group)``, so the engine's average over the SP group gives exactly the
-    gradient of the full-sequence mean, however many tokens each shard ignores.
-
-    Not DeepSpeed's ``vocab_sequence_parallel_cross_entropy``: DeepSpeed 0.19.8's engine sums
-    gradients over SP ranks where ds_core averages them (docs/from-deepspeed.md, "Sequence
-    parallelism"), and the vocabulary is not sharded here.
+    The value is the mean over every counted token of the SP group's sequences, the same on
+    every rank; the gradient is exactly that mean's gradient with respect to this rank's
+    ``logits`` (``(this shard's loss sum) / (tokens counted in the group)``), so the engine's
+    sum over the SP group is the full-sequence mean's gradient, however many tokens each
+    shard ignores. DeepSpeed 0.19.8's ``vocab_parallel_cross_entropy(..., sp_group=group,
+    reduction="mean")`` (``sequence/cross_entropy.py``) has the same value and gradient; it is
+    also :func:`ds_core.sequence.cross_entropy.vocab_sequence_parallel_cross_entropy` followed
+    by the mean over counted tokens.
 
     :param logits: ``[..., vocab]`` for this rank's tokens (any float dtype; computed in fp32).
     :param targets: ``[...]`` class indices, ``ignore_index`` for tokens not counted.
     :param group: the SP group (``engine.mesh.sp_group``; ``None`` is every rank).
     :param ignore_index: the target value of uncounted tokens.
-    :returns: a 0-d fp32 tensor.
+    :returns: a 0-d fp32 tensor (nats per token); 0 when no token of the group is counted.
     :raises ValueError: when ``logits`` and ``targets`` disagree in shape.
     """
     if logits.shape[:-1] != targets.shape:
@@ -103,5 +108,5 @@ def sequence_parallel_cross_entropy(
     if size > 1:
         get_accelerator().all_reduce(totals, "sum", group, False)
     n = totals[1].clamp_min(1.0)
-    share = local_sum * size / n
+    share = local_sum / n  # this rank's part of the full mean: its gradient is the full one's
     return share + (totals[0] / n - share).detach()
