@@ -37,6 +37,15 @@ def ds_config(stage: int) -> dict[str, Any]:
     }
 
 
+def _accelerate_lacks_backend() -> bool:
+    """Whether Accelerate has no process-group backend for the current accelerator."""
+    import torch.accelerator
+    from accelerate.utils import get_distributed_backend
+
+    current = torch.accelerator.current_accelerator()
+    return current is not None and get_distributed_backend(current.type) is None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--accelerator", choices=["ds_core", "deepspeed"], default="ds_core")
@@ -59,14 +68,46 @@ def main() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     torch.manual_seed(0)  # every rank builds the same model
+    # No dropout: its masks come from the device's generator, so runs on different devices
+    # (sim, cpu) would draw different ones and their losses could not be compared.
     model = GPT2LMHeadModel(
-        GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ)
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     )
+    # On the device before the Trainer hands it to deepspeed.initialize: DeepSpeed keys
+    # parameter names by Parameter object before it moves the module, and torch replaces
+    # (rather than refills) host Parameters moved to a PrivateUse1 device such as sim
+    # (docs/interop.md). A no-op on cpu.
+    accelerator = deepspeed.get_accelerator()
+    accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # as DeepSpeed's scripts do
+    model.to(accelerator.current_device_name())
+    model.tie_weights()  # the move replaced lm_head's and wte's shared Parameter by two
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens = torch.randint(
         0, VOCAB, (args.steps * MICRO * world, SEQ), generator=torch.Generator().manual_seed(1)
     )
     dataset = [{"input_ids": row, "labels": row} for row in tokens]
+    accelerator_config = None
+    if world > 1 and accelerator.device_name() != "cpu" and _accelerate_lacks_backend():
+        # Accelerate knows a process-group backend only for the device types it lists
+        # (accelerate 1.16's utils/constants.py, TORCH_DISTRIBUTED_BACKENDS); for any other it
+        # takes the run for one process and hands every rank the whole batch. Configure its
+        # state with the backend's comm backend first, as DeepSpeed runs (the variable is the
+        # one `accelerate launch --use_deepspeed` sets), and let the Trainer use that state.
+        from accelerate import PartialState
+
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend=accelerator.communication_backend_name())
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        accelerator_config = {"use_configured_state": True}
     training = TrainingArguments(
         output_dir=str(args.out or Path("hf_trainer_out")),
         per_device_train_batch_size=MICRO,
@@ -79,8 +120,12 @@ def main() -> None:
         disable_tqdm=True,
         use_cpu=deepspeed.get_accelerator().device_name() == "cpu",
         deepspeed=ds_config(args.stage),
+        accelerator_config=accelerator_config,
         seed=0,
         data_seed=0,
+        # In order: a shuffling sampler seeds itself from the host generator, whose state at
+        # that point differs between devices (on sim, device work draws from sim's own).
+        train_sampling_strategy="sequential",
     )
     trainer = Trainer(model=model, args=training, train_dataset=dataset)
     trainer.train()

@@ -5,8 +5,8 @@ Importing this module registers ``ds_core`` in Lightning 2.6's two accelerator r
 ``lightning.pytorch.accelerators.AcceleratorRegistry``) when Lightning is installed, so
 
     import ds_core.interop.lightning
-    Fabric(accelerator="ds_core", devices=2, strategy="ddp")
-    Trainer(accelerator="ds_core", devices=2)
+    Fabric(accelerator="ds_core", devices=2, strategy="ds_core_ddp")
+    Trainer(accelerator="ds_core", devices=2, strategy="ds_core_ddp")
 
 run on whatever backend ``ds_core.get_accelerator()`` selects (``DS_ACCELERATOR``). Lightning is
 imported only here, and only when it is installed: without it this module still imports, and
@@ -14,7 +14,11 @@ imported only here, and only when it is installed: without it this module still 
 
 The accelerator classes are assembled on first use from :class:`LightningMethods` and
 Lightning's abstract bases (:func:`fabric_accelerator_class`, :func:`trainer_accelerator_class`),
-as :mod:`ds_core.interop.deepspeed` does with DeepSpeed's. What a backend lacks is refused,
+as :mod:`ds_core.interop.deepspeed` does with DeepSpeed's. So are the DDP strategies registered
+as ``ds_core_ddp`` (:func:`fabric_ddp_strategy_class`, :func:`trainer_ddp_strategy_class`):
+Lightning's own DDP strategies build ``DistributedDataParallel`` inside a CUDA stream on any
+device with an index, and Lightning leaves other devices to strategy subclasses (as its XLA
+strategies and lightning-habana's HPU DDP strategy are). What a backend lacks is refused,
 never faked: an unavailable backend is a :class:`ds_core.errors.BackendSelectionError` naming
 it, and a Trainer precision the backend's dtypes do not cover is a
 :class:`ds_core.NotSupportedError` naming the capability and the backend.
@@ -33,17 +37,23 @@ from ds_core.errors import BackendSelectionError, DSCoreError, NotSupportedError
 from ds_core.facade import Accelerator
 
 __all__ = [
+    "DDP_STRATEGY",
     "NAME",
     "PRECISION_CAPABILITIES",
     "LightningMethods",
     "fabric_accelerator_class",
+    "fabric_ddp_strategy_class",
     "process_group_backend",
     "register",
     "trainer_accelerator_class",
+    "trainer_ddp_strategy_class",
 ]
 
 #: The name ``accelerator=`` takes in ``Fabric`` and ``Trainer``.
 NAME = "ds_core"
+
+#: The name ``strategy=`` takes for DDP on a ds_core backend (Fabric and Trainer).
+DDP_STRATEGY = "ds_core_ddp"
 
 #: Trainer precision -> the ds_core capability it needs (checked in ``setup(trainer)``).
 PRECISION_CAPABILITIES: dict[str, str] = {
@@ -280,6 +290,95 @@ def _assemble(key: str, base_module: str, class_name: str) -> type[LightningMeth
     return _CLASSES[key]
 
 
+# --------------------------------------------------------------------------- DDP strategies
+
+
+def _wrap_ddp(module: torch.nn.Module, device_ids: list[int] | None, kwargs: Any) -> Any:
+    """``DistributedDataParallel(module)`` as Lightning 2.6's DDP strategies build it, on the
+    current stream of the backend's device instead of a new CUDA stream.
+
+    Lightning builds DDP inside ``torch.cuda.stream(torch.cuda.Stream())`` whenever the device
+    has an index (lightning 2.6's ``fabric/strategies/ddp.py``, ``setup_module``), which no
+    device but CUDA can enter. No stream of ours replaces it: torch 2.13's autograd keeps the
+    stream DDP was built on for each parameter's gradient accumulation and warns when later
+    backward passes run on another (``input_buffer.cpp``: "ensure that DDP initialization is
+    performed under the same stream as subsequent forwards"), and building on the current
+    stream also orders DDP's parameter broadcast after the writes that made the parameters.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module=module, device_ids=device_ids, **kwargs)
+
+
+def _fabric_setup_module(self: Any, module: torch.nn.Module) -> Any:
+    """Fabric's ``DDPStrategy.setup_module`` on the current stream (:func:`_wrap_ddp`)."""
+    return _wrap_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
+
+
+def _trainer_setup_model(self: Any, model: torch.nn.Module) -> Any:
+    """The Trainer's ``DDPStrategy._setup_model`` on the current stream (:func:`_wrap_ddp`)."""
+    return _wrap_ddp(model, self.determine_ddp_device_ids(), self._ddp_kwargs)
+
+
+def _register_ddp(cls: type, strategy_registry: Any) -> None:
+    """Register ``cls`` as :data:`DDP_STRATEGY` (``start_method="popen"``, as Lightning's
+    ``ddp``); registering it again is a no-op, another strategy under the name is refused."""
+    if DDP_STRATEGY in strategy_registry:
+        existing = strategy_registry[DDP_STRATEGY]["strategy"]
+        if existing is cls:
+            return
+        if getattr(existing, "__module__", None) != __name__:
+            raise DSCoreError(
+                f"Lightning's strategy registry already holds '{DDP_STRATEGY}' for {existing!r}"
+            )
+    strategy_registry.register(
+        DDP_STRATEGY,
+        cls,
+        description="DDP on the selected ds_core backend's device and streams",
+        override=True,
+        start_method="popen",
+    )
+
+
+_STRATEGIES: dict[str, type] = {}
+
+
+def _assemble_strategy(key: str, base_module: str, class_name: str, method: str) -> type:
+    if key not in _STRATEGIES:
+        if importlib.util.find_spec("lightning") is None:
+            raise ImportError(f"Lightning is not installed: {_EXTRA}")
+        base = importlib.import_module(base_module).DDPStrategy
+        setup = _fabric_setup_module if method == "setup_module" else _trainer_setup_model
+        _STRATEGIES[key] = type(
+            class_name,
+            (base,),
+            {
+                "__module__": __name__,
+                "__doc__": f"Lightning's DDPStrategy ({base_module}) on a ds_core backend: "
+                f"{method} builds DistributedDataParallel on the current stream.",
+                method: setup,
+                "register_strategies": classmethod(_register_ddp),
+            },
+        )
+    return _STRATEGIES[key]
+
+
+def fabric_ddp_strategy_class() -> type:
+    """``DSCoreFabricDDPStrategy``: Fabric's ``DDPStrategy`` whose ``setup_module`` needs no
+    CUDA stream (registered as :data:`DDP_STRATEGY`)."""
+    return _assemble_strategy(
+        "fabric", "lightning.fabric.strategies", "DSCoreFabricDDPStrategy", "setup_module"
+    )
+
+
+def trainer_ddp_strategy_class() -> type:
+    """``DSCoreDDPStrategy``: the Trainer's ``DDPStrategy`` whose ``_setup_model`` needs no
+    CUDA stream (registered as :data:`DDP_STRATEGY`)."""
+    return _assemble_strategy(
+        "trainer", "lightning.pytorch.strategies", "DSCoreDDPStrategy", "_setup_model"
+    )
+
+
 def fabric_accelerator_class() -> type[LightningMethods]:
     """``DSCoreFabricAccelerator``: :class:`LightningMethods` + Fabric's ``Accelerator``."""
     return _assemble("fabric", "lightning.fabric.accelerators", "DSCoreFabricAccelerator")
@@ -291,7 +390,8 @@ def trainer_accelerator_class() -> type[LightningMethods]:
 
 
 def register() -> None:
-    """Register ``ds_core`` with Fabric's and the Trainer's accelerator registries (idempotent).
+    """Register ``ds_core`` with Fabric's and the Trainer's accelerator registries, and
+    :data:`DDP_STRATEGY` with their strategy registries (idempotent).
 
     :raises ImportError: when Lightning is not installed.
     """
@@ -301,6 +401,12 @@ def register() -> None:
     trainer = importlib.import_module("lightning.pytorch.accelerators")
     fabric_class.register_accelerators(fabric.ACCELERATOR_REGISTRY)
     trainer_class.register_accelerators(trainer.AcceleratorRegistry)
+    fabric_ddp_strategy_class().register_strategies(  # type: ignore[attr-defined]
+        importlib.import_module("lightning.fabric.strategies").STRATEGY_REGISTRY
+    )
+    trainer_ddp_strategy_class().register_strategies(  # type: ignore[attr-defined]
+        importlib.import_module("lightning.pytorch.strategies").StrategyRegistry
+    )
 
 
 if importlib.util.find_spec("lightning") is not None:

@@ -7,8 +7,8 @@ already created. Each rank writes ``OUTDIR/rank<r>.json``.
 
 KIND ``cpu``: Fabric and Trainer on ``accelerator="cpu"`` and on ``accelerator="ds_core"``
 (``DS_ACCELERATOR=cpu``), in one pair of processes. KIND ``sim`` (``DS_ACCELERATOR=sim``):
-Fabric's DDP on ``ds_core`` up to its process group (backend, one all-reduce, and where
-``setup`` stops), then each rank trains the whole batch on its own sim device with
+Fabric and Trainer DDP on ``ds_core`` with ``strategy="ds_core_ddp"`` (one sim device per
+rank), then each rank trains the whole batch on its own sim device with
 ``SingleDeviceStrategy``.
 """
 
@@ -94,7 +94,7 @@ def fabric_run(accelerator: str, strategy: Any = "ddp", devices: int = WORLD) ->
     return result
 
 
-def trainer_run(accelerator: str) -> dict[str, Any]:
+def trainer_run(accelerator: str, strategy: str = "ddp") -> dict[str, Any]:
     """``Trainer(devices=2, max_steps=STEPS)`` on a LightningModule with the same model."""
     import lightning.pytorch as pl
 
@@ -124,7 +124,7 @@ def trainer_run(accelerator: str) -> dict[str, Any]:
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=WORLD,
-        strategy="ddp",
+        strategy=strategy,
         max_steps=STEPS,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -144,26 +144,14 @@ def trainer_run(accelerator: str) -> dict[str, Any]:
 
 
 def sim_runs() -> dict[str, Any]:
-    from lightning.fabric import Fabric
     from lightning.fabric.strategies import SingleDeviceStrategy
 
-    fabric = Fabric(accelerator="ds_core", devices=WORLD, strategy="ddp")
-    fabric.launch()
-    total = fabric.all_reduce(torch.ones(2, device=fabric.device), reduce_op="sum")
-    ddp: dict[str, Any] = {
-        "device": str(fabric.device),
-        "process_group": _pg_backend(),
-        "all_reduce": total.cpu().tolist(),
-    }
-    try:
-        fabric.setup(make_model())
-        ddp["setup_error"] = None
-    except RuntimeError as error:  # docs/interop.md: Lightning's DDP asks for a CUDA stream
-        ddp["setup_error"] = str(error)
-    _done()
+    # the first Fabric launches rank 1 (Lightning's own launcher)
+    fabric = fabric_run("ds_core", strategy="ds_core_ddp")
+    trainer = trainer_run("ds_core", strategy="ds_core_ddp")
     device = f"sim:{os.environ['LOCAL_RANK']}"
     single = fabric_run("ds_core", strategy=SingleDeviceStrategy(device=device), devices=1)
-    return {"ddp": ddp, "single": single}
+    return {"fabric": fabric, "trainer": trainer, "single": single}
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
 """examples/hf_trainer.py: transformers.Trainer with a DeepSpeed config through ds_core's adapter.
 
-Two torchrun launches of two CPU ranks, ZeRO stage 2: one with ``ds_core.interop.deepspeed``
-installed, one on DeepSpeed's own CPU accelerator; the losses the Trainer logs must agree.
+Torchrun launches of two ranks: ZeRO stage 2 on CPU with ``ds_core.interop.deepspeed``
+installed and on DeepSpeed's own CPU accelerator, and ZeRO stages 2 and 3 on ``sim`` through
+the adapter against DeepSpeed's CPU accelerator at the same stage; the losses the Trainer logs
+must agree.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _train(out: Path, accelerator: str, stage: int) -> list[dict[str, Any]]:
+def _train(out: Path, accelerator: str, stage: int, backend: str = "cpu") -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS_SIM_")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(DS_ACCELERATOR=backend, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if backend == "sim":
+        env["DS_SIM_DEVICES"] = "2"
     command = [
         sys.executable,
         "-m",
@@ -65,4 +69,19 @@ def test_hf_trainer_zero2_through_the_adapter_matches_deepspeeds_cpu_accelerator
         assert len(mine["losses"]) == len(reference["losses"]) == 3
         torch.testing.assert_close(
             torch.tensor(mine["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=1e-6
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_trainer_on_sim_matches_deepspeeds_cpu_accelerator(tmp_path: Path, stage: int) -> None:
+    pytest.importorskip("ds_backend_sim")
+    ours = _train(tmp_path / "sim", "ds_core", stage, backend="sim")
+    theirs = _train(tmp_path / "deepspeed", "deepspeed", stage)
+    for rank, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
+        assert mine["device"] == f"sim:{rank}"
+        assert reference["accelerator"] == "CPU_Accelerator"
+        assert len(mine["losses"]) == len(reference["losses"]) == 3
+        torch.testing.assert_close(
+            torch.tensor(mine["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=1e-5
         )

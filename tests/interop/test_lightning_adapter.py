@@ -50,6 +50,32 @@ def test_every_abstract_method_is_implemented(kind: str, name: str) -> None:
     assert owner is li.LightningMethods, f"{name} is answered by {owner.__qualname__}"
 
 
+@pytest.mark.parametrize(
+    ("registry_module", "make", "method"),
+    [
+        ("lightning.fabric.strategies", li.fabric_ddp_strategy_class, "setup_module"),
+        ("lightning.pytorch.strategies", li.trainer_ddp_strategy_class, "_setup_model"),
+    ],
+)
+def test_ds_core_ddp_is_lightnings_ddp_strategy_with_one_method_replaced(
+    registry_module: str, make: Any, method: str
+) -> None:
+    import importlib
+
+    module = importlib.import_module(registry_module)
+    registry = getattr(module, "STRATEGY_REGISTRY", None) or module.StrategyRegistry
+    entry = registry[li.DDP_STRATEGY]
+    cls = make()
+    assert entry["strategy"] is cls and entry["init_params"] == {"start_method": "popen"}
+    assert cls.__bases__ == (module.DDPStrategy,)
+    # only the method that enters a CUDA stream, and the registration, are ours
+    assert sorted(k for k in vars(cls) if not k.startswith(("__", "_abc_"))) == sorted(
+        [method, "register_strategies"]
+    )
+    li.register()  # idempotent
+    assert registry[li.DDP_STRATEGY]["strategy"] is cls
+
+
 def test_ds_core_is_registered_with_both_registries() -> None:
     fabric_entry = fabric_accelerators.ACCELERATOR_REGISTRY[li.NAME]
     trainer_entry = trainer_accelerators.AcceleratorRegistry[li.NAME]
@@ -186,7 +212,7 @@ def test_ddp_on_ds_core_matches_lightnings_cpu_accelerator(
 
 
 @pytest.mark.slow
-def test_sim_uses_simccl_and_trains_like_cpu(
+def test_sim_ddp_and_single_device_match_the_cpu_runs(
     tmp_path: Path, cpu_runs: list[dict[str, Any]]
 ) -> None:
     pytest.importorskip("ds_backend_sim")
@@ -201,10 +227,11 @@ def test_sim_uses_simccl_and_trains_like_cpu(
         )
     ]
     for rank, result in enumerate(sim):
-        ddp = result["ddp"]
-        assert ddp["device"] == f"sim:{rank}" and ddp["process_group"] == "simccl"
-        assert ddp["all_reduce"] == [2.0, 2.0]
-        # docs/interop.md: Lightning's DDP setup asks for a CUDA stream on any indexed device
-        assert "torch.cuda.Stream" in (ddp["setup_error"] or "")
+        # DDP with strategy="ds_core_ddp": each rank's losses are Lightning's own CPU run's
+        for api in ("fabric", "trainer"):
+            ours, theirs = result[api], cpu_runs[rank][f"{api}_cpu"]
+            assert ours["accelerator"] in ("DSCoreFabricAccelerator", "DSCoreAccelerator")
+            assert ours["device"] == f"sim:{rank}" and ours["process_group"] == "simccl"
+            _close(ours["losses"], theirs["losses"], atol=1e-6)
         assert result["single"]["device"] == f"sim:{rank}"
         _close(result["single"]["losses"], whole, atol=1e-5)
