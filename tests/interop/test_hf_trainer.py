@@ -57,12 +57,28 @@ def _train(out: Path, accelerator: str, stage: int, backend: str = "cpu") -> lis
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+_REFERENCE: dict[int, list[dict[str, Any]]] = {}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_cpu(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The example on DeepSpeed's own CPU accelerator at a stage, run once per module."""
+
+    def run(stage: int) -> list[dict[str, Any]]:
+        if stage not in _REFERENCE:
+            out = tmp_path_factory.mktemp(f"deepspeed-stage{stage}")
+            _REFERENCE[stage] = _train(out, "deepspeed", stage)
+        return _REFERENCE[stage]
+
+    return run
+
+
 @pytest.mark.slow
 def test_hf_trainer_zero2_through_the_adapter_matches_deepspeeds_cpu_accelerator(
-    tmp_path: Path,
+    tmp_path: Path, deepspeed_cpu: Any
 ) -> None:
     ours = _train(tmp_path / "adapter", "ds_core", 2)
-    theirs = _train(tmp_path / "deepspeed", "deepspeed", 2)
+    theirs = deepspeed_cpu(2)
     for mine, reference in zip(ours, theirs, strict=True):
         assert mine["accelerator"] == "DeepSpeedAdapter"
         assert reference["accelerator"] == "CPU_Accelerator"
@@ -74,10 +90,12 @@ def test_hf_trainer_zero2_through_the_adapter_matches_deepspeeds_cpu_accelerator
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_hf_trainer_on_sim_matches_deepspeeds_cpu_accelerator(tmp_path: Path, stage: int) -> None:
+def test_hf_trainer_on_sim_matches_deepspeeds_cpu_accelerator(
+    tmp_path: Path, stage: int, deepspeed_cpu: Any
+) -> None:
     pytest.importorskip("ds_backend_sim")
     ours = _train(tmp_path / "sim", "ds_core", stage, backend="sim")
-    theirs = _train(tmp_path / "deepspeed", "deepspeed", stage)
+    theirs = deepspeed_cpu(stage)
     for rank, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
         assert mine["device"] == f"sim:{rank}"
         assert reference["accelerator"] == "CPU_Accelerator"
