@@ -196,6 +196,64 @@ def use_sequence_parallel(model: GPT, group: Any) -> None:
         )
 
 
+class GPTEmbed(nn.Module):
+    """The pipeline's first layer: token plus position embeddings, ``(B, T) -> (B, T, C)``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.apply(GPT._init_weights)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx_BT.shape[1], device=idx_BT.device)
+        return self.wte(idx_BT) + self.wpe(pos)
+
+
+class PipelineBlock(Block):
+    """A :class:`Block` initialised as :class:`GPT` initialises its blocks."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.apply(GPT._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+
+class GPTHead(nn.Module):
+    """The pipeline's last layer: final norm and vocabulary projection, ``-> (B, T, V)``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(GPT._init_weights)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x_BTC))
+
+
+def next_token_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits_BTV`` against ``targets_BT`` (the pipeline's loss_fn)."""
+    return F.cross_entropy(
+        logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), targets_BT.reshape(-1)
+    )
+
+
+def pipeline_layers(cfg: GPTConfig) -> list[Any]:
+    """The GPT as a layer list for :class:`ds_core.pipe.PipelineModule` (embeddings, blocks,
+    head), each built on the stage that holds it; with ``seed_layers`` every layer's initial
+    values are the same whatever the number of stages."""
+    from ds_core.pipe import LayerSpec
+
+    return [
+        LayerSpec(GPTEmbed, cfg),
+        *(LayerSpec(PipelineBlock, cfg) for _ in range(cfg.n_layer)),
+        LayerSpec(GPTHead, cfg),
+    ]
+
+
 # ------------------------------------------------------------------------------------- data
 
 _SUBJECTS = ["the cat", "a dog", "the old sailor", "my sister", "the engine", "a small bird",

@@ -67,9 +67,20 @@ import ds_core  # noqa: E402
 from ds_core import comm  # noqa: E402
 from ds_core.comm.counting import CommCounter  # noqa: E402
 from ds_core.errors import DSCoreError  # noqa: E402
+from ds_core.parallel.sequence import shard_offset, shard_sequence  # noqa: E402
+from ds_core.pipe import PipelineModule  # noqa: E402
 from ds_core.plugins import ENV_ACCELERATOR, choose, discover  # noqa: E402
 from ds_core.zero.config import load_config, read_config_file  # noqa: E402
-from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
+from examples.gpt import (  # noqa: E402
+    GPT,
+    PRESETS,
+    Batches,
+    encode,
+    make_corpus,
+    next_token_loss,
+    pipeline_layers,
+    use_sequence_parallel,
+)
 
 MiB = 2**20
 
@@ -110,6 +121,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(tensor_parallel.autotp_size; the ranks of one TP group read the same batch)",
     )
     p.add_argument(
+        "--pp",
+        type=at_least(1),
+        help="pipeline parallelism: split the layers over this many stages (1F1B schedule, "
+        "micro-batches = --grad-accum; ZeRO 0-2)",
+    )
+    p.add_argument(
+        "--sp",
+        type=at_least(1),
+        help="Ulysses sequence parallelism: split each sequence over this many adjacent ranks "
+        "(sequence_parallel_size; --seq and the model's heads must be multiples of it)",
+    )
+    p.add_argument(
         "--experts",
         type=at_least(1),
         help="the MoE variant: every block's MLP becomes this many experts (top-2 routing)",
@@ -143,6 +166,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.save_on_interrupt and not args.save_dir:
         p.error("argument --save-on-interrupt: needs --save-dir (where to save)")
+    if (args.pp or 1) > 1:
+        clash = [
+            flag
+            for flag, on in (
+                ("--save-dir", args.save_dir),
+                ("--resume", args.resume),
+                ("--stage 3", args.stage == 3),
+                ("--tp", (args.tp or 1) > 1),
+                ("--sp", (args.sp or 1) > 1),
+                ("--experts", args.experts),
+                ("--ep", args.ep),
+                ("--offload", args.offload not in (None, "none")),
+            )
+            if on
+        ]
+        if clash:
+            p.error(
+                f"argument --pp: not with {', '.join(clash)} (the pipeline engine has no "
+                "checkpoints, ZeRO 3, tensor, sequence or expert parallelism, or offload yet)"
+            )
+    if (args.sp or 1) > 1:
+        heads = PRESETS[args.model].n_head
+        if args.seq % args.sp or heads % args.sp:
+            p.error(
+                f"argument --sp: {args.sp} must divide --seq ({args.seq}) and the heads of "
+                f"--model {args.model} ({heads}); choose a divisor of both"
+            )
     block = PRESETS[args.model].block_size
     if args.seq > block:
         p.error(
@@ -173,7 +223,12 @@ def preflight(args: argparse.Namespace, rank: int = 0) -> None:
     """What can be refused before any work: the config (one message, not one per rank) and
     the output folders; more ranks than cores is allowed with a warning saying the cost."""
     if "LOCAL_RANK" not in os.environ:
-        load_config(build_config(args), args.ranks)
+        pp = args.pp or 1
+        if args.ranks % pp:
+            raise ds_core.ConfigError(
+                f"--pp {pp} does not divide --ranks {args.ranks}; choose a divisor"
+            )
+        load_config(build_config(args), args.ranks // pp)
         if os.environ.get(ENV_ACCELERATOR):  # a bad DS_ACCELERATOR: one line, before any rank
             choose(os.environ[ENV_ACCELERATOR], discover())
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -355,6 +410,8 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         config.setdefault("zero_optimization", {})["stage"] = args.stage
     if args.tp is not None:
         config["tensor_parallel"] = {**config.get("tensor_parallel", {}), "autotp_size": args.tp}
+    if args.sp is not None:
+        config["sequence_parallel_size"] = args.sp
     if args.ep is not None:
         config["expert_parallel"] = {
             **config.get("expert_parallel", {}),
@@ -469,24 +526,39 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
     """Train, logging a CSV row per step; False when Ctrl+C stopped it (at a step boundary,
     every rank alike, after saving a checkpoint if ``--save-on-interrupt``)."""
     # the config, validated up front: an error names the field, on every rank alike
-    config = load_config(build_config(args), world)
+    pp = args.pp or 1
+    config = load_config(build_config(args), world // pp)  # batch sizes count one stage's ranks
     preflight(args, rank)
 
     # build data: the same generated corpus on every rank, a different sample stream per rank
     tokens = encode(make_corpus(seed=args.seed))
     micro = config.train_micro_batch_size_per_gpu
     device = acc.device()
-    # the ranks of one tensor-parallel group (adjacent ranks) read the same stream
+    # the ranks of one tensor- or sequence-parallel group (adjacent ranks), and the stages of
+    # one pipeline, read the same stream: the data rank of ds_core.comm.mesh's layout
     tp = max(config.tensor_parallel.autotp_size, 1)
-    dp = world // tp
-    data = Batches(tokens, micro, args.seq, seed=args.seed, rank=rank // tp, device=device)
+    sp = config.sequence_parallel_size
+    dp = world // (tp * sp * pp)
+    data_rank = (rank % (world // pp)) // (tp * sp)
+    data = Batches(tokens, micro, args.seq, seed=args.seed, rank=data_rank, device=device)
 
     # build model: same seed everywhere (the engine also broadcasts rank 0's weights)
     torch.manual_seed(args.seed)
     experts = args.experts or (4 if args.ep is not None else 0)
-    model = GPT(dataclasses.replace(PRESETS[args.model], n_experts=experts))
+    shape = dataclasses.replace(PRESETS[args.model], n_experts=experts)
+    model: torch.nn.Module
+    if args.pp is not None:  # each rank builds only its stage's layers (--pp 1: all of them)
+        model = PipelineModule(
+            pipeline_layers(shape),
+            num_stages=pp,
+            loss_fn=next_token_loss,
+            partition_method="type:PipelineBlock",
+            seed_layers=True,
+        )
+    else:
+        model = GPT(shape)
     ep = config.expert_parallel.autoep_size if config.expert_parallel.enabled else 1
-    n_params = model.n_params()  # before the engine partitions it
+    n_params = sum(p.numel() for p in model.parameters())  # before the engine partitions it
 
     # build engine; the counter wraps the collective hooks to count bytes communicated
     counter = CommCounter()
@@ -495,6 +567,13 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
         model=model, model_parameters=model.parameters(), config=config
     )
     accum = config.gradient_accumulation_steps
+    if args.pp is not None:  # the whole model's size: every stage's parameters, counted once
+        count = torch.tensor([float(n_params)], device=device)
+        comm.all_reduce(count)
+        n_params = int(count.item()) // (world // pp)
+    mesh = engine.mesh
+    if sp > 1:  # Ulysses around every block's attention; the loss spans the full sequence
+        use_sequence_parallel(engine.module, mesh.sp_group)
     start = 0
     if args.resume:  # any world size and stage: the checkpoint reshards on load
         path, _ = engine.load_checkpoint(args.resume)
@@ -513,6 +592,8 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
             f"{config.zero_optimization.stage}{offload_label(config)} | {config.precision} | "
             f"{world} ranks on {acc.device_name()} ({acc.communication_backend_name()})"
             f"{f' | TP={tp} x DP={dp}' if tp > 1 else ''}"
+            f"{f' | PP={pp} x DP={dp}' if pp > 1 else ''}"
+            f"{f' | SP={sp} x DP={dp}' if sp > 1 else ''}"
             f"{f' | MoE {experts} experts' if experts else ''}"
             f"{f' | EP={ep} x EDP={dp // ep}' if ep > 1 else ''} | "
             f"batch {micro}×{args.seq}×{accum}×{dp}",
@@ -530,9 +611,16 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
     for step in range(start + 1, args.steps + 1):
         t0, bytes0 = time.perf_counter(), counter.total_bytes()
         loss_sum = torch.zeros((), device=device)
-        for _ in range(accum):  # DeepSpeed's contract: step() every micro-batch
+        if args.pp is not None:  # one call runs the 1F1B schedule over the micro-batches
+            batch = [data.next() for _ in range(accum)]
+            loss_sum += engine.train_batch(iter(batch)).detach().float() * accum
+        for _ in range(accum if args.pp is None else 0):  # step() every micro-batch
             x, y = data.next()
-            loss = engine(x, y)
+            if sp > 1:  # this rank's part of every sequence, and where it starts
+                x, y = (shard_sequence(t, mesh.sp_rank, sp) for t in (x, y))
+                loss = engine(x, y, shard_offset(args.seq, mesh.sp_rank, sp))
+            else:
+                loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().float()

@@ -187,3 +187,43 @@ def test_train_gpt_ep2_matches_the_moe_variant_without_ep(tmp_path: Path) -> Non
     torch.testing.assert_close(
         _losses(tmp_path / "ep"), _losses(tmp_path / "ref"), rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+def test_train_gpt_pp2_matches_the_pipeline_on_one_rank(tmp_path: Path, backend: str) -> None:
+    """``--pp 2`` on 2 ranks (two stages, 1F1B over 4 micro-batches) logs the losses of the
+    same pipeline model (``seed_layers``: its initial values do not depend on the stages)
+    trained on one rank, and the counter sees the activations and gradients it sends."""
+    if backend == "sim" and importlib.util.find_spec("ds_backend_sim") is None:
+        pytest.skip("the sim backend is not installed")
+    common = ("--stage", "1", "--micro-batch", "2", "--grad-accum", "4", "--lr", "1e-2")
+    pp = run_example(tmp_path / "pp", *common, "--pp", "2", "--steps", "3", "--no-plot",
+                     backend=backend)  # fmt: skip
+    assert pp.returncode == 0, pp.stderr[-4000:]
+    assert "PP=2 x DP=1" in pp.stderr
+    ref = _one_rank(tmp_path / "ref", *common, "--pp", "1", "--steps", "3")
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    torch.testing.assert_close(
+        _losses(tmp_path / "pp"), _losses(tmp_path / "ref"), rtol=1e-5, atol=1e-6
+    )
+    with open(tmp_path / "pp" / "train_log.csv") as f:
+        sent = [float(r["comm_bytes"]) for r in csv.DictReader(f)]
+    # 4 micro-batches of (2, 32, 64) fp32 activations forward and gradients back, and their
+    # shape messages: at least 2 × 4 × 16 KiB per step from each stage
+    assert min(sent) >= 2 * 4 * 2 * 32 * 64 * 4, sent
+
+
+@pytest.mark.slow
+def test_train_gpt_sp2_matches_one_rank(tmp_path: Path) -> None:
+    """``--sp 2`` on 2 ranks (each holds half of every sequence; Ulysses around attention)
+    logs the losses of one rank training on the whole sequences."""
+    common = ("--stage", "2", "--micro-batch", "4", "--lr", "1e-2", "--steps", "3")
+    sp = run_example(tmp_path / "sp", *common, "--sp", "2", "--no-plot")
+    assert sp.returncode == 0, sp.stderr[-4000:]
+    assert "SP=2 x DP=1" in sp.stderr
+    ref = _one_rank(tmp_path / "ref", *common)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    torch.testing.assert_close(
+        _losses(tmp_path / "sp"), _losses(tmp_path / "ref"), rtol=1e-5, atol=1e-6
+    )

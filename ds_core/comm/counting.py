@@ -4,7 +4,9 @@ Register it with :func:`ds_core.register_plugin`; it wraps the ``ds_comm_*`` col
 so it sees every call the engine makes into the comm layer, whichever plugin implements it.
 Bytes are those of the full logical buffer, independent of world size and of how the backend
 moves them: all-reduce = 2 × buffer, reduce-scatter = 1 × full input, all-gather = 1 × full
-output, broadcast = 1 × buffer, all-to-all = 1 × input. Benchmarks and tests use it::
+output, broadcast = 1 × buffer, all-to-all = 1 × input; point-to-point: a send = 1 × its
+tensor, a receive 0 (its bytes are the sender's), each op of a batch alike. Benchmarks and
+tests use it::
 
     counter = CommCounter()
     ds_core.register_plugin(counter)
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from ds_core.hookspecs._markers import hookimpl
-from ds_core.types import Work
+from ds_core.types import P2POp, Work
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +33,7 @@ class CommRecord:
     """One collective call.
 
     :param op: ``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``, ``"broadcast"``,
-        ``"all_to_all"`` or ``"barrier"``.
+        ``"all_to_all"``, ``"barrier"``, ``"send"`` or ``"recv"``.
     :param logical_bytes: bytes counted under the rules in the module docstring.
     :param numel: elements of the buffer the rule counts.
     :param dtype: that buffer's dtype.
@@ -144,4 +146,26 @@ class CommCounter:
     @hookimpl(wrapper=True)
     def ds_comm_barrier(self, group: Any) -> Generator[None, bool, bool]:
         self._add("barrier", None, 0)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def ds_comm_send(
+        self, tensor: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool
+    ) -> Generator[None, Work, Work]:
+        self._add("send", tensor, 1, async_op)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def ds_comm_recv(
+        self, tensor: torch.Tensor, src: int, group: Any, tag: int, async_op: bool
+    ) -> Generator[None, Work, Work]:
+        self._add("recv", tensor, 0, async_op)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def ds_comm_batch_isend_irecv(
+        self, ops: list[P2POp]
+    ) -> Generator[None, list[Work], list[Work]]:
+        for op in ops:
+            self._add(op.op, op.tensor, 1 if op.op == "send" else 0, True)
         return (yield)
