@@ -138,7 +138,7 @@ def test_every_reduce_op_and_collective_is_covered_on_every_dtype() -> None:
             got = {
                 (c.collective, c.op, c.async_op)
                 for c in all_cases
-                if c.variant == layout and c.world == world
+                if c.variant == layout and c.world == world and c.collective != "p2p"
             }
             want = {
                 (collective, op, async_op)
@@ -165,6 +165,7 @@ def test_large_cases_span_several_cpu_slots_and_their_oracle_is_exact() -> None:
     assert large == {
         ("all_reduce", "sum", 2), ("all_reduce", "avg", 2), ("all_reduce", "sum", 4),
         ("reduce_scatter", "sum", 2), ("all_gather", "", 2), ("broadcast", "", 2),
+        ("p2p", "", 2),
     }  # fmt: skip
     # Past the CPU backend's default slot (float32 elements) at least three times, and odd so
     # the last piece of any power-of-two chunking is partial.
@@ -198,3 +199,17 @@ def test_layout_placement_is_non_contiguous_and_its_guards_catch_a_stray_write(
     base.view(-1)[-1 if layout == "transposed" and len(shape) == 2 else 0] = 0.0
     with pytest.raises(AssertionError, match=f"buffer 0 outside its {layout} view"):
         place.check_guards(ctx, case)
+
+
+def test_point_to_point_cases_cover_every_dtype_both_worlds_and_each_variant() -> None:
+    p2p = [c for c in cases(DTYPES) if c.collective == "p2p"]
+    assert all(c.capability == "p2p" for c in p2p)
+    for world in WORLDS:
+        ring = {c.dtype for c in p2p if c.world == world and c.variant == "ring"}
+        assert ring == {str(d).removeprefix("torch.") for d in DTYPES if "float8" not in str(d)}
+        assert {(c.variant, c.async_op) for c in p2p if c.world == world} >= {
+            ("pair", False),
+            ("pair", True),
+            *((layout, True) for layout in LAYOUTS),
+        }
+    assert {(c.variant, c.world) for c in p2p} >= {("group", 4), ("large", 2), ("late-async", 2)}

@@ -20,6 +20,11 @@ from ds_core.parallel.pipeline.module import (
     partition_uniform,
 )
 from ds_core.parallel.pipeline.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
+from ds_core.zero.compat.entry import register_model_engine
+
+# ds_core.initialize builds a PipelineEngine for a PipelineModule; registered here, where both
+# are defined, so the ZeRO layer does not import the pipeline built on it.
+register_model_engine(PipelineModule, PipelineEngine)
 
 __all__ = [
     "InferenceSchedule",

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ds_core import comm
+from ds_core.checkpointing import checkpoint
 from ds_core.errors import ConfigError
 from ds_core.zero.partition import PIPE_REPLICATED_ATTR, PIPE_TIE_ATTR
 
@@ -206,8 +207,7 @@ class PipelineModule(nn.Module):
         many layers (runs with parameters, or only runs of ``checkpointable_layers`` classes
         when given); 0 keeps every activation.
     :param activation_checkpoint_func: the checkpoint function; ``None`` is
-        :func:`ds_core.checkpointing.checkpoint` (DeepSpeed's default, looked up at
-        construction: ``ds_core.checkpointing`` imports the engine, which imports this module).
+        :func:`ds_core.checkpointing.checkpoint` (DeepSpeed's default).
     :param checkpointable_layers: class names a run must consist of to be checkpointed.
     :param dynamic_shape: accepted for DeepSpeed's signature: the engine sends every
         activation's shape with it, so shapes may always change between micro-batches.
@@ -266,11 +266,7 @@ class PipelineModule(nn.Module):
         self.seed_fn = seed_fn
         self.base_seed = base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval
-        if activation_checkpoint_func is None:
-            from ds_core.checkpointing import checkpoint
-
-            activation_checkpoint_func = checkpoint
-        self.activation_checkpoint_func = activation_checkpoint_func
+        self.activation_checkpoint_func = activation_checkpoint_func or checkpoint
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = dynamic_shape
         self.micro_offset = 0

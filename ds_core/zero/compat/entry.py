@@ -19,14 +19,25 @@ from torch.utils.data.distributed import DistributedSampler
 from ds_core import comm
 from ds_core.checkpoint.loader import ResumableLoader
 from ds_core.errors import ConfigError
-from ds_core.parallel.pipeline import PipelineEngine, PipelineModule
 from ds_core.parallel.tensor import model_tp_size
 from ds_core.zero.autoep import apply_autoep
 from ds_core.zero.compat.guards import check_model
 from ds_core.zero.config import DSConfig, load_config
 from ds_core.zero.engine import ZeroEngine
 
-__all__ = ["add_config_arguments", "initialize", "make_dataloader"]
+__all__ = ["add_config_arguments", "initialize", "make_dataloader", "register_model_engine"]
+
+#: Engines for model types that need their own (a ``PipelineModule``), registered by the
+#: package defining the type, so that the ZeRO layer never imports what is built on top of it
+#: (docs/architecture.md §11).
+_MODEL_ENGINES: dict[type, Callable[..., ZeroEngine]] = {}
+
+
+def register_model_engine(model_type: type, engine: Callable[..., ZeroEngine]) -> None:
+    """Make :func:`initialize` build ``engine(model, config, optimizer, model_parameters,
+    lr_scheduler)`` for a model of ``model_type``; batch sizes then count the replicas of one
+    of its ``num_stages`` stages (``world / num_stages``)."""
+    _MODEL_ENGINES[model_type] = engine
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -152,7 +163,8 @@ def initialize(
     cfg_src = _config_from(args, config, config_params)
     world = comm.get_world_size()
     # A pipeline's batch sizes count the replicas of one stage (world / stages).
-    stages = model.num_stages if isinstance(model, PipelineModule) else 1
+    own = next((e for t, e in _MODEL_ENGINES.items() if isinstance(model, t)), None)
+    stages = int(getattr(model, "num_stages", 1)) if own is not None else 1
     cfg = cfg_src if isinstance(cfg_src, DSConfig) else load_config(cfg_src, world // stages)
     split = model_tp_size(model)
     if split > 1 and cfg.tensor_parallel.autotp_size <= 1 and not isinstance(cfg_src, DSConfig):
@@ -162,8 +174,8 @@ def initialize(
         # Before the engine: it partitions and reduces the marked experts over their groups.
         apply_autoep(model, cfg.expert_parallel, max(cfg.tensor_parallel.autotp_size, split, 1))
     engine: ZeroEngine
-    if isinstance(model, PipelineModule):
-        engine = PipelineEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
+    if own is not None:
+        engine = own(model, cfg, optimizer, model_parameters, lr_scheduler)
     else:
         engine = ZeroEngine(model, cfg, optimizer, model_parameters, lr_scheduler)
     loader = None
