@@ -1,7 +1,8 @@
 """Rank worker: ``python -m tests.interop._ds_worker MODE OUTDIR STAGES``.
 
 Spawns two ranks that run ``deepspeed.initialize`` at each ZeRO stage of STAGES (``0123``) in
-one process group and save each stage's losses to ``OUTDIR/<MODE>.rank<r>.json``. MODE: ``adapter`` (the
+one process group, on DeepSpeed's unit-test SimpleModel (losses under key ``"<stage>"``) and on
+the example GPT (``"gpt<stage>"``), and save them to ``OUTDIR/<MODE>.rank<r>.json``. MODE: ``adapter`` (the
 ds_core adapter on the backend ``DS_ACCELERATOR`` names) or ``deepspeed`` (DeepSpeed's own
 accelerator; ``DS_ACCELERATOR=cpu``).
 """
@@ -35,8 +36,17 @@ class SimpleModel(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(kind: str = "simple") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every step's batch for both ranks (rank r takes rows ``r·MICRO`` to ``(r+1)·MICRO``)."""
     g = torch.Generator().manual_seed(7)
+    if kind == "gpt":  # token ids of examples/gpt.py's vocabulary, 16 positions
+        return [
+            (
+                torch.randint(0, 32, (WORLD * MICRO, 16), generator=g),
+                torch.randint(0, 32, (WORLD * MICRO, 16), generator=g),
+            )
+            for _ in range(STEPS)
+        ]
     return [
         (
             torch.randn(WORLD * MICRO, HIDDEN, generator=g),
@@ -46,12 +56,21 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def run_stage(deepspeed: object, stage: int, rank: int) -> list[float]:
+def build(kind: str) -> torch.nn.Module:
+    """The model of ``kind`` ("simple" or "gpt": examples/gpt.py's tiny preset), seeded."""
     torch.manual_seed(42)  # every rank builds the same model
+    if kind == "gpt":
+        from examples.gpt import GPT, PRESETS
+
+        return GPT(PRESETS["tiny"])
+    return SimpleModel()
+
+
+def run_stage(deepspeed: object, stage: int, rank: int, kind: str = "simple") -> list[float]:
     # On the device before initialize: DeepSpeed keys parameter names by Parameter object
     # before it moves the module, and torch replaces (rather than refills) host Parameters
     # moved to a PrivateUse1 device such as sim.
-    model = SimpleModel().to(deepspeed.get_accelerator().current_device_name())  # type: ignore[attr-defined]
+    model = build(kind).to(deepspeed.get_accelerator().current_device_name())  # type: ignore[attr-defined]
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
@@ -62,7 +81,7 @@ def run_stage(deepspeed: object, stage: int, rank: int) -> list[float]:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)  # type: ignore[attr-defined]
     losses = []
     sl = slice(rank * MICRO, (rank + 1) * MICRO)
-    for x, y in batches():
+    for x, y in batches(kind):
         loss = engine(x[sl].to(engine.device), y[sl].to(engine.device))
         engine.backward(loss)
         engine.step()
@@ -98,7 +117,11 @@ def _rank(rank: int, port: int, mode: str, outdir: str, stages: str) -> None:
     result = {
         "accelerator": type(accelerator).__name__,
         "device": accelerator.current_device_name(),
-        "losses": {str(stage): run_stage(deepspeed, stage, rank) for stage in map(int, stages)},
+        "losses": {
+            f"{prefix}{stage}": run_stage(deepspeed, stage, rank, kind)
+            for kind, prefix in (("simple", ""), ("gpt", "gpt"))
+            for stage in map(int, stages)
+        },
     }
     with open(os.path.join(outdir, f"{mode}.rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -355,7 +355,7 @@ def test_zero_stages_through_the_adapter_match_deepspeeds_cpu_accelerator(
     for theirs, ours in zip(deepspeed_cpu_run, adapter_cpu_run, strict=True):
         assert theirs["accelerator"] == "CPU_Accelerator"
         assert ours["accelerator"] == "DeepSpeedAdapter"
-        assert set(ours["losses"]) == {"0", "1", "2", "3"}
+        assert set(ours["losses"]) == STAGE_KEYS
         for stage, losses in ours["losses"].items():
             torch.testing.assert_close(
                 torch.tensor(losses), torch.tensor(theirs["losses"][stage]), rtol=0, atol=1e-6
@@ -368,30 +368,34 @@ def test_sim_through_the_adapter_matches_the_cpu_run_at_every_stage(
 ) -> None:
     pytest.importorskip("ds_backend_sim")
     sim = _train(tmp_path, "adapter", "sim", "0123")
-    reference = _one_process_losses()
+    reference = {kind: _one_process_losses(kind) for kind in ("simple", "gpt")}
     for rank, (cpu, ours) in enumerate(zip(adapter_cpu_run, sim, strict=True)):
         assert ours["device"] == f"sim:{rank}"
-        assert set(ours["losses"]) == {"0", "1", "2", "3"}
+        assert set(ours["losses"]) == STAGE_KEYS
         for stage, losses in ours["losses"].items():
             torch.testing.assert_close(
                 torch.tensor(losses), torch.tensor(cpu["losses"][stage]), rtol=0, atol=1e-5
             )
+            kind = "gpt" if stage.startswith("gpt") else "simple"
             torch.testing.assert_close(
-                torch.tensor(losses), torch.tensor(reference[rank]), rtol=0, atol=1e-5
+                torch.tensor(losses), torch.tensor(reference[kind][rank]), rtol=0, atol=1e-5
             )
 
 
-def _one_process_losses() -> list[list[float]]:
+#: result keys of tests/interop/_ds_worker.py: SimpleModel's stages, then the example GPT's
+STAGE_KEYS = {"0", "1", "2", "3", "gpt0", "gpt1", "gpt2", "gpt3"}
+
+
+def _one_process_losses(kind: str) -> list[list[float]]:
     """The two ranks' losses of tests/interop/_ds_worker.py computed in one process: the
     same model and data, the gradient of the ranks' mean loss (DeepSpeed averages over the
     data-parallel ranks), clipped to DeepSpeed's default norm 1.0, then torch's Adam."""
     from tests.interop import _ds_worker as w
 
-    torch.manual_seed(42)
-    model = w.SimpleModel()
+    model = w.build(kind)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses: list[list[float]] = [[] for _ in range(w.WORLD)]
-    for x, y in w.batches():
+    for x, y in w.batches(kind):
         per_rank = [
             model(x[r * w.MICRO : (r + 1) * w.MICRO], y[r * w.MICRO : (r + 1) * w.MICRO])
             for r in range(w.WORLD)
