@@ -36,10 +36,12 @@ ROOT = "deepspeed"
 #: Names ds_core does not provide on purpose, by dotted prefix below ``deepspeed``; the longest
 #: matching prefix gives the reason.
 REFUSED: dict[str, str] = {
-    "pipe": "pipeline parallelism: a later issue",
-    "runtime.pipe": "pipeline parallelism: a later issue",
-    "PipelineModule": "pipeline parallelism: a later issue",
-    "PipelineEngine": "pipeline parallelism: a later issue",
+    "pipe": "of the pipeline API, ds_core.pipe has PipelineModule, LayerSpec, TiedLayerSpec "
+    "and the schedules",
+    "runtime.pipe": "DeepSpeed's pipeline internals: ds_core's pipeline is at ds_core.pipe "
+    "and ds_core.parallel.pipeline",
+    "PipelineModule": "at ds_core.pipe.PipelineModule (DeepSpeed's public path), not the top level",
+    "PipelineEngine": "at ds_core.parallel.pipeline.PipelineEngine, not the top level",
     "init_inference": "DeepSpeed-Inference (kernel injection) is not part of ds_core",
     "inference": "DeepSpeed-Inference (kernel injection) is not part of ds_core",
     "InferenceEngine": "DeepSpeed-Inference (kernel injection) is not part of ds_core",

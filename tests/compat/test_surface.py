@@ -92,7 +92,7 @@ def test_tool_counts_sources_and_resolves_aliases(tmp_path: Path) -> None:
     assert only.files == 1
     text, counts = surface.table(result, ["A", "B"])
     assert text.splitlines()[2].startswith("| `deepspeed.initialize` | 2 (A, B) | provided")
-    assert "refused: pipeline parallelism" in text
+    assert "refused: DeepSpeed's pipeline internals" in text
     assert counts == {"names": 8, "provided": 7, "refused": 1, "missing": 0}
 
 
