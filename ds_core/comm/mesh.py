@@ -38,7 +38,7 @@ from typing import Any
 
 from ds_core.comm.groups import get_rank, get_world_size, new_group, on_destroy
 
-__all__ = ["Mesh", "device_mesh", "reset_device_mesh"]
+__all__ = ["Mesh", "current_mesh", "device_mesh", "reset_device_mesh"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +111,15 @@ class Mesh:
 
 _lock = threading.Lock()
 _meshes: dict[tuple[int, int, int], Mesh] = {}
+#: the mesh the last :func:`device_mesh` call returned (an engine asks for its mesh when it is
+#: built), which DeepSpeed-style group getters answer from (``ds_core.utils.groups``).
+_current: Mesh | None = None
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh the last :func:`device_mesh` call returned, or ``None`` before any (or after
+    :func:`reset_device_mesh`)."""
+    return _current
 
 
 def _positive(name: str, value: object) -> int:
@@ -131,9 +140,11 @@ def device_mesh(tp_size: int, pp_size: int = 1, sp_size: int = 1) -> Mesh:
     tp_size = _positive("tp_size", tp_size)
     pp_size = _positive("pp_size", pp_size)
     sp_size = _positive("sp_size", sp_size)
+    global _current
     key = (tp_size, pp_size, sp_size)
     cached = _meshes.get(key)
     if cached is not None:
+        _current = cached
         return cached
     world, rank = get_world_size(), get_rank()
     if world % (tp_size * pp_size * sp_size):
@@ -178,13 +189,16 @@ def device_mesh(tp_size: int, pp_size: int = 1, sp_size: int = 1) -> Mesh:
         )  # fmt: skip
     with _lock:
         _meshes[key] = mesh
+    _current = mesh
     return mesh
 
 
 def reset_device_mesh() -> None:
     """Forget cached meshes (``destroy_distributed`` does it)."""
+    global _current
     with _lock:
         _meshes.clear()
+        _current = None
 
 
 on_destroy(reset_device_mesh)

@@ -60,12 +60,10 @@ def _initialized() -> None:
 
 
 def _mesh_now() -> _mesh.Mesh:
-    """The engine's mesh: the one with tensor, pipeline or sequence parallelism when one was
-    made, else the plain data-parallel one."""
+    """The mesh of the engine built last (the last ``device_mesh`` call), else the plain
+    data-parallel one: DeepSpeed's getters answer from the groups its last ``initialize`` set."""
     _initialized()
-    made = list(_mesh._meshes.values())
-    split = [m for m in made if (m.tp_size, m.pp_size, m.sp_size) != (1, 1, 1)]
-    return split[0] if split else _mesh.device_mesh(1)
+    return _mesh.current_mesh() or _mesh.device_mesh(1)
 
 
 # -- data and model parallel -----------------------------------------------------------------
@@ -96,8 +94,8 @@ def _get_model_parallel_group() -> Any:
 
 
 def _get_model_parallel_world_size() -> int:
-    made = [m for m in _mesh._meshes.values() if m.tp_size > 1]
-    return made[0].tp_size if made else 1
+    mesh = _mesh.current_mesh()
+    return mesh.tp_size if mesh is not None else 1
 
 
 def _get_model_parallel_rank() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ds_core.hookspecs import HOOKSPEC_VERSION
 from tests.distfactory import make_backend
 
 HERE = Path(__file__).parent
@@ -231,7 +232,7 @@ _IDENTITY = """
 
 @hookimpl
 def ds_backend_info():
-    return BackendInfo(name={name!r}, device_type="cpu", priority=0, hookspec_version=1,
+    return BackendInfo(name={name!r}, device_type="cpu", priority=0, hookspec_version={version},
                        description="deliberately broken test backend")
 """
 
@@ -246,5 +247,10 @@ def install(root: Path, stem: str, name: str | None = None) -> str:
     # helper modules the backend imports: its own, and those shared by several backends
     for extra in [*HERE.glob(f"{stem}__*.py"), *HERE.glob("_shared__*.py")]:
         (root / extra.name.split("__", 1)[1]).write_text(extra.read_text())
-    make_backend(root, name, module=f"ds_broken_{stem}", body=source + _IDENTITY.format(name=name))
+    make_backend(
+        root,
+        name,
+        module=f"ds_broken_{stem}",
+        body=source + _IDENTITY.format(name=name, version=HOOKSPEC_VERSION),
+    )
     return name
