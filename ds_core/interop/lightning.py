@@ -297,8 +297,8 @@ def _wrap_ddp(module: torch.nn.Module, device_ids: list[int] | None, kwargs: Any
     """``DistributedDataParallel(module)`` as Lightning 2.6's DDP strategies build it, on the
     current stream of the backend's device instead of a new CUDA stream.
 
-    Lightning builds DDP inside ``torch.cuda.stream(torch.cuda.Stream())`` whenever the device
-    has an index (lightning 2.6's ``fabric/strategies/ddp.py``, ``setup_module``), which no
+    Lightning builds DDP inside a new stream of the CUDA module (a stream context it enters
+    directly, not through the accelerator) whenever the device has an index (lightning 2.6's ``fabric/strategies/ddp.py``, ``setup_module``), which no
     device but CUDA can enter. No stream of ours replaces it: torch 2.13's autograd keeps the
     stream DDP was built on for each parameter's gradient accumulation and warns when later
     backward passes run on another (``input_buffer.cpp``: "ensure that DDP initialization is
