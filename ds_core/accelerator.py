@@ -12,9 +12,10 @@ import os
 import threading
 from typing import Any
 
+from ds_core.binding import DIRECT
 from ds_core.default_plugin import DefaultCollectives, DefaultProfiler
 from ds_core.errors import DSCoreError
-from ds_core.facade import DIRECT, Accelerator
+from ds_core.facade import Accelerator
 from ds_core.plugins import (
     ENV_ACCELERATOR,
     BackendEntry,

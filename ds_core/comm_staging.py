@@ -20,9 +20,16 @@ silently. Every backend shares the facade, so the rule is kept here once, not in
   ``ValueError``: copying a result back into it would have no defined outcome.
 
 Contiguous arguments pass through untouched; checking costs one ``is_contiguous()`` per tensor.
+
+Point-to-point calls add two things here: a peer is checked before any communication (an int,
+another rank of the world), and a library error, at the call or at ``wait()``, is re-raised
+naming the operation and the peer (:class:`PeerWork`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -157,3 +164,54 @@ def require_contiguous(collective: str, **tensors: torch.Tensor) -> None:
                 "(ds_core.get_accelerator() or ds_core.comm), which stages views, or pass "
                 "t.contiguous() and copy the result back"
             )
+
+
+# -- point-to-point: peers checked and named (capability "p2p") ------------------------------
+
+
+def check_peer(rank: int, what: str) -> int:
+    """``rank`` checked as a peer: an int, another rank of the world (when it is up).
+
+    :raises ValueError: naming ``what`` and the world size.
+    """
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise ValueError(f"{what} must be a global rank (an int), got {rank!r}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world, me = dist.get_world_size(), dist.get_rank()
+        if not 0 <= rank < world:
+            raise ValueError(f"{what}={rank} is not a rank of the world (0..{world - 1})")
+        if rank == me:
+            raise ValueError(f"{what}={rank} is this rank; a point-to-point peer is another rank")
+    return rank
+
+
+def naming_peer(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a point-to-point hook; a library error names the peer and the operation."""
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{what} failed: {exc}") from exc
+
+
+class PeerWork:
+    """A point-to-point handle whose ``wait()`` names the peer when the library fails, and
+    keeps a staged send buffer alive until then (``ds_core/hookspecs/comm.py``: buffers are
+    the caller's until ``wait()`` returns)."""
+
+    __slots__ = ("_keep", "_what", "_work")
+
+    def __init__(self, work: Work, what: str, keep: torch.Tensor | None = None) -> None:
+        self._work: Work | None = work
+        self._what = what
+        self._keep = keep
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise RuntimeError(f"{self._what} failed: {exc}") from exc
+            self._work, self._keep = None, None
+        return True

@@ -23,7 +23,8 @@ import pluggy
 import torch
 
 from ds_core import capabilities as caps
-from ds_core.comm_staging import Staging
+from ds_core.binding import DEFAULTED, DIRECT, absent, router, with_defaults
+from ds_core.comm_staging import PeerWork, Staging, check_peer, naming_peer
 from ds_core.errors import ConfigError, DSCoreError, NotSupportedError
 from ds_core.hookspecs import all_hook_names
 from ds_core.plugins import BackendEntry, spec_argnames
@@ -44,43 +45,6 @@ from ds_core.types import (
 from ds_core.types import (
     Stream as DeviceStream,
 )
-
-#: facade attribute -> hook, for hooks whose facade signature equals the spec's exactly.
-DIRECT: dict[str, str] = {
-    "current_device": "ds_device_current",
-    "device_count": "ds_device_count",
-    "set_device": "ds_device_set",
-    "stream": "ds_stream_use",
-    "is_pinned": "ds_memory_is_pinned",
-    "pin_memory": "ds_memory_pin",
-    "alloc_pinned": "ds_memory_alloc_pinned",
-    "free_pinned": "ds_memory_free_pinned",
-    "empty_cache": "ds_memory_empty_cache",
-    "communication_backend_name": "ds_comm_backend_name",
-    "range_push": "ds_profiler_range_push",
-    "range_pop": "ds_profiler_range_pop",
-}
-
-#: facade attribute -> (hook, defaults of its trailing arguments), for hooks whose facade
-#: signature is the spec's with DeepSpeed's defaults: bound as a one-line closure that fills in
-#: the defaults and calls the implementation (one frame more than DIRECT, nothing else).
-DEFAULTED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "synchronize": ("ds_device_synchronize", (None,)),
-    "device_properties": ("ds_device_properties", (None,)),
-    "get_rng_state": ("ds_rng_get_state", (None,)),
-    "set_rng_state": ("ds_rng_set_state", (None,)),
-    "default_generator": ("ds_rng_default_generator", (None,)),
-    "Stream": ("ds_stream_create", (None, 0)),
-    "Event": ("ds_stream_event_create", (False,)),
-    "current_stream": ("ds_stream_current", (None,)),
-    "default_stream": ("ds_stream_default", (None,)),
-    "memory_allocated": ("ds_memory_allocated", (None,)),
-    "max_memory_allocated": ("ds_memory_max_allocated", (None,)),
-    "reset_peak_memory_stats": ("ds_memory_reset_peak", (None,)),
-    "memory_reserved": ("ds_memory_reserved", (None,)),
-    "memory_stats": ("ds_memory_stats", (None,)),
-    "memory_info": ("ds_memory_info", (None,)),
-}
 
 _DTYPE_CAPS: dict[str, tuple[torch.dtype, ...]] = {
     "fp16": (torch.float16,),
@@ -192,21 +156,21 @@ class Accelerator:
             for attr, hook in DIRECT.items():
                 setattr(self, attr, getattr(self._h, hook))
             for attr, (hook, defaults) in DEFAULTED.items():
-                setattr(self, attr, _with_defaults(getattr(self._h, hook), hook, defaults))
+                setattr(self, attr, with_defaults(getattr(self._h, hook), hook, defaults))
 
     def _resolve(self, hook: str) -> Callable[..., Any]:
         gate = caps.gate_of(hook)
         if gate is not None and gate not in self._declared:
-            return _absent(gate, self.name, hook)
+            return absent(gate, self.name, hook)
         caller = getattr(self._pm.hook, hook)
         impls = caller.get_hookimpls()
         argnames = spec_argnames(hook)
         firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
         wrapped = any(i.hookwrapper or i.wrapper for i in impls)
         if not firstresult or wrapped:
-            return _router(caller, argnames)
+            return router(caller, argnames)
         if not impls:
-            return _absent(gate or hook, self.name, hook)
+            return absent(gate or hook, self.name, hook)
         # pluggy calls the last non-wrapper impl first; impls never answer None.
         fn: Callable[..., Any] = impls[-1].function
         return fn
@@ -523,10 +487,10 @@ class Accelerator:
         :raises RuntimeError: naming ``dst`` when it has exited.
         """
         self.require("p2p", "send")
-        what = f"send to rank {_peer(dst, 'dst')}"
+        what = f"send to rank {check_peer(dst, 'dst')}"
         staged = tensor if tensor.is_contiguous() else tensor.contiguous()
-        work = _naming_peer(what, self._h.ds_comm_send, staged, dst, group, tag, async_op)
-        return _PeerWork(work, what, keep=staged) if async_op else work
+        work = naming_peer(what, self._h.ds_comm_send, staged, dst, group, tag, async_op)
+        return PeerWork(work, what, keep=staged) if async_op else work
 
     def recv(
         self,
@@ -544,11 +508,11 @@ class Accelerator:
         :raises RuntimeError: naming ``src`` when it has exited.
         """
         self.require("p2p", "recv")
-        what = f"recv from rank {_peer(src, 'src')}"
+        what = f"recv from rank {check_peer(src, 'src')}"
         stage = Staging()
         out = stage.output(tensor, "recv tensor")
-        work = _naming_peer(what, self._h.ds_comm_recv, out, src, group, tag, True)
-        return stage.finish(_PeerWork(work, what), async_op)
+        work = naming_peer(what, self._h.ds_comm_recv, out, src, group, tag, True)
+        return stage.finish(PeerWork(work, what), async_op)
 
     def batch_isend_irecv(self, ops: list[P2POp]) -> list[Work]:
         """Start every send and receive of ``ops`` before waiting for any.
@@ -565,7 +529,7 @@ class Accelerator:
             raise ValueError("batch_isend_irecv: every P2POp must name the same group")
         stages, staged = [], []
         for op in ops:
-            _peer(op.peer, "P2POp.peer")
+            check_peer(op.peer, "P2POp.peer")
             stage = Staging()
             if op.op == "send":
                 t = stage.input(op.tensor)
@@ -576,10 +540,10 @@ class Accelerator:
         what = ", ".join(
             f"{op.op} {'to' if op.op == 'send' else 'from'} rank {op.peer}" for op in ops
         )
-        works = _naming_peer(what, self._h.ds_comm_batch_isend_irecv, staged)
+        works = naming_peer(what, self._h.ds_comm_batch_isend_irecv, staged)
         return [
             stage.finish(
-                _PeerWork(w, f"{op.op} {'to' if op.op == 'send' else 'from'} rank {op.peer}"), True
+                PeerWork(w, f"{op.op} {'to' if op.op == 'send' else 'from'} rank {op.peer}"), True
             )
             for stage, w, op in zip(stages, works, ops, strict=True)
         ]
@@ -623,107 +587,3 @@ class Accelerator:
     def export_envs(self) -> list[str]:
         """Environment variable prefixes a multi-node launcher forwards."""
         return [p for group in self._h.ds_launcher_env_prefixes() for p in group]
-
-
-def _with_defaults(
-    fn: Callable[..., Any], hook: str, defaults: tuple[Any, ...]
-) -> Callable[..., Any]:
-    """``fn`` (whose arguments are the spec's, without defaults) with trailing ``defaults``.
-
-    Written out per argument list rather than with ``*args``: a closure with fixed arguments,
-    named as the spec names them (callers pass them by keyword too), is the cheapest Python
-    call that can fill in a default.
-    """
-    shape = (spec_argnames(hook), len(defaults))
-    if shape == (("index",), 1):
-        (d,) = defaults
-
-        def by_index(index: Any = d) -> Any:
-            return fn(index)
-
-        return by_index
-    if shape == (("enable_timing",), 1):
-        (d,) = defaults
-
-        def by_timing(enable_timing: Any = d) -> Any:
-            return fn(enable_timing)
-
-        return by_timing
-    if shape == (("state", "index"), 1):
-        (d,) = defaults
-
-        def by_state(state: Any, index: Any = d) -> Any:
-            return fn(state, index)
-
-        return by_state
-    if shape == (("index", "priority"), 2):
-        d0, d1 = defaults
-
-        def by_priority(index: Any = d0, priority: Any = d1) -> Any:
-            return fn(index, priority)
-
-        return by_priority
-    raise TypeError(f"no defaults binding for {hook} with arguments {shape}")  # pragma: no cover
-
-
-def _router(caller: Any, argnames: tuple[str, ...]) -> Callable[..., Any]:
-    def call(*args: Any) -> Any:
-        return caller(**dict(zip(argnames, args, strict=True)))
-
-    call._ds_routed = True  # type: ignore[attr-defined]
-    return call
-
-
-def _peer(rank: int, what: str) -> int:
-    """``rank`` checked as a peer: an int, another rank of the world (when it is up).
-
-    :raises ValueError: naming ``what`` and the world size.
-    """
-    if not isinstance(rank, int) or isinstance(rank, bool):
-        raise ValueError(f"{what} must be a global rank (an int), got {rank!r}")
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        world, me = dist.get_world_size(), dist.get_rank()
-        if not 0 <= rank < world:
-            raise ValueError(f"{what}={rank} is not a rank of the world (0..{world - 1})")
-        if rank == me:
-            raise ValueError(f"{what}={rank} is this rank; a point-to-point peer is another rank")
-    return rank
-
-
-def _naming_peer(what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Call a point-to-point hook; a library error names the peer and the operation."""
-    try:
-        return fn(*args)
-    except RuntimeError as exc:
-        raise RuntimeError(f"{what} failed: {exc}") from exc
-
-
-class _PeerWork:
-    """A point-to-point handle whose ``wait()`` names the peer when the library fails, and
-    keeps a staged send buffer alive until then (``ds_core/hookspecs/comm.py``: buffers are
-    the caller's until ``wait()`` returns)."""
-
-    __slots__ = ("_keep", "_what", "_work")
-
-    def __init__(self, work: Work, what: str, keep: torch.Tensor | None = None) -> None:
-        self._work: Work | None = work
-        self._what = what
-        self._keep = keep
-
-    def wait(self) -> bool:
-        if self._work is not None:
-            try:
-                self._work.wait()
-            except RuntimeError as exc:
-                raise RuntimeError(f"{self._what} failed: {exc}") from exc
-            self._work, self._keep = None, None
-        return True
-
-
-def _absent(capability: str, backend: str, hook: str) -> Callable[..., Any]:
-    def raise_absent(*args: Any) -> Any:
-        raise NotSupportedError(capability, backend, hook)
-
-    return raise_absent

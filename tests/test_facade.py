@@ -14,7 +14,7 @@ from ds_backend_cpu import plugin as cpu
 import ds_core
 from ds_core import NotSupportedError, hookimpl
 from ds_core.accelerator import DIRECT
-from ds_core.facade import DEFAULTED
+from ds_core.binding import DEFAULTED
 
 
 @pytest.fixture
