@@ -11,9 +11,7 @@ unknown key also names the closest known key. Three kinds of DeepSpeed keys are 
 - result-changing keys set to their no-op value (``prescale_gradients: false``,
   ``fp32_allreduce: false``) are accepted with the knobs' warning.
 
-Batch sizes follow DeepSpeed: ``train_batch_size = train_micro_batch_size_per_gpu ×
-gradient_accumulation_steps × world_size``; any two determine the third. Deviation from
-DeepSpeed: a config that sets neither batch size means micro-batch 1 (DeepSpeed refuses it).
+Batch sizes follow DeepSpeed (any two determine the third; :mod:`ds_core.zero.config.batch`).
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ from pydantic import (
 )
 
 from ds_core.errors import ConfigError
+from ds_core.zero.config.batch import batch_sizes
 from ds_core.zero.config.deepspeed_keys import NOT_YET, strip_known_extras
 from ds_core.zero.config.errors import ConfigProblemsError, fail, messages, unknown_key_message
 from ds_core.zero.config.files import read_config_file
@@ -51,6 +50,12 @@ from ds_core.zero.config.optimizer import (
     WarmupLRParams,
     optimizer_problems,
 )
+from ds_core.zero.config.precision import (
+    BF16Config,
+    DeterministicConfig,
+    FP16Config,
+    NonFiniteConfig,
+)
 from ds_core.zero.config.sections import (
     ActivationCheckpointingConfig,
     ExpertParallelConfig,
@@ -60,7 +65,7 @@ from ds_core.zero.config.sections import (
     accelerator_section_errors,
 )
 from ds_core.zero.config.types import FROZEN as _FROZEN
-from ds_core.zero.config.types import Bool, Float, Int, as_int
+from ds_core.zero.config.types import Bool, Float, Int
 
 __all__ = [
     "TorchAutocastConfig",
@@ -84,76 +89,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# sections
-
-
-class FP16Config(BaseModel):
-    """``fp16``: 16-bit training with (by default dynamic) loss scaling."""
-
-    model_config = _FROZEN
-
-    enabled: Bool = False
-    """Train in float16 with loss scaling. (Default: false)"""
-    loss_scale: Float = Field(default=0.0, ge=0)
-    """Static loss scale; 0 means dynamic scaling. (Default: 0)"""
-    initial_scale_power: Int = Field(default=16, ge=1, le=32)
-    """Dynamic scaling starts at 2**initial_scale_power. (Default: 16)"""
-    loss_scale_window: Int = Field(default=1000, gt=0)
-    """Clean steps (no overflow) after which the dynamic scale doubles. (Default: 1000)"""
-    hysteresis: Int = Field(default=2, ge=1)
-    """Overflows tolerated before the scale halves. (Default: 2)"""
-    min_loss_scale: Float = Field(default=1.0, gt=0)
-    """Floor of the dynamic scale. (Default: 1)"""
-    auto_cast: Bool = False
-    """Cast floating-point inputs of ``engine(...)`` to float16. (Default: false)"""
-
-
-class BF16Config(BaseModel):
-    """``bf16``: bfloat16 training, no loss scaling."""
-
-    model_config = _FROZEN
-
-    enabled: Bool = False
-    """Train in bfloat16. (Default: false)"""
-    check_grad_overflow: Bool = True
-    """Skip a step whose gradients hold inf/NaN, keeping Adam state clean; false turns the
-    check off for bf16 whatever ``nonfinite_gradients.skip`` says. (Default: true)"""
-    bf16_master_weights_and_grads: Bool = False
-    """Keep the masters the optimizer steps and the gradients (accumulated and reduced ranges)
-    in bf16 instead of fp32: a bf16 parameter's owned piece is its own master. ZeRO stages 1-3
-    with ``bf16.enabled``, and (as DeepSpeed requires without optimizer offload)
-    ``bf16_optimizer_states: true``. Loses precision: docs/from-deepspeed.md, "Low-precision
-    master states". (Default: false)"""
-    bf16_optimizer_states: Bool = False
-    """Keep the optimizer state (Adam's moments) in bf16; needs
-    ``bf16_master_weights_and_grads``. (Default: false)"""
-
-
-class NonFiniteConfig(BaseModel):
-    """``nonfinite_gradients`` (ds_core's own): what a step with inf/NaN gradients does in fp32
-    and bf16 (fp16 always skips it and lowers the loss scale)."""
-
-    model_config = _FROZEN
-
-    skip: Bool = True
-    """Skip the update on the device when the global gradient norm is not finite, as fp16
-    does; the norm is then computed every step even without clipping. false applies the
-    update as DeepSpeed does in fp32. (Default: true)"""
-    max_consecutive_skips: Int = Field(default=20, ge=0)
-    """Stop training with an error after this many consecutive skipped steps (fp16: counted
-    only once the loss scale sits at ``min_loss_scale``); 0 never stops. (Default: 20)"""
-
-
-class DeterministicConfig(BaseModel):
-    """``deterministic``: the opt-in deterministic policy (:mod:`ds_core.determinism`)."""
-
-    model_config = _FROZEN
-
-    enabled: Bool = False
-    """Seed every generator, use deterministic algorithms and the backend's determinism
-    knobs for the engine's lifetime. (Default: false)"""
-    seed: Int = Field(default=0, ge=0)
-    """Seed of every host and device generator, the same on every rank. (Default: 0)"""
+# sections (the precision sections: ds_core.zero.config.precision)
 
 
 class ZeroConfig(BaseModel):
@@ -453,72 +389,6 @@ def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# batch sizes
-
-_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-
-def _batch_sizes(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int]:
-    """Derive (train_batch_size, micro batch, accumulation steps) from any two of them."""
-    values: dict[str, int | None] = {}
-    problems = []
-    for key in _BATCH_KEYS:
-        value = raw.get(key)
-        if value is None:
-            values[key] = None
-            continue
-        try:
-            number = as_int(value)
-        except ValueError as exc:
-            problems.append(f"{key}: {exc}")
-            continue
-        if number <= 0:
-            problems.append(f"{key}: must be > 0, got {number}")
-        values[key] = number
-    if problems:
-        raise fail(problems)
-    tb, mb, gas = (values[k] for k in _BATCH_KEYS)
-    ws = world_size
-    facts = (
-        f"train_batch_size={tb}, train_micro_batch_size_per_gpu={mb}, "
-        f"gradient_accumulation_steps={gas}, world_size={ws}"
-    )
-    if tb is not None and mb is not None and gas is not None:
-        if tb != mb * gas * ws:
-            raise fail(
-                [
-                    f"train_batch_size ({tb}) must equal train_micro_batch_size_per_gpu ({mb}) "
-                    f"× gradient_accumulation_steps ({gas}) × world_size ({ws}) = {mb * gas * ws}"
-                ]
-            )
-        return tb, mb, gas
-    if tb is not None and mb is not None:
-        if tb % (mb * ws):
-            raise fail(
-                [
-                    f"train_batch_size ({tb}) is not divisible by train_micro_batch_size_per_gpu "
-                    f"({mb}) × world_size ({ws}) = {mb * ws}, so gradient_accumulation_steps "
-                    f"cannot be derived ({facts})"
-                ]
-            )
-        return tb, mb, tb // (mb * ws)
-    if tb is not None:
-        gas = 1 if gas is None else gas
-        if tb % (gas * ws):
-            raise fail(
-                [
-                    f"train_batch_size ({tb}) is not divisible by gradient_accumulation_steps "
-                    f"({gas}) × world_size ({ws}) = {gas * ws}, so "
-                    f"train_micro_batch_size_per_gpu cannot be derived ({facts})"
-                ]
-            )
-        return tb, tb // (gas * ws), gas
-    mb = 1 if mb is None else mb
-    gas = 1 if gas is None else gas
-    return mb * gas * ws, mb, gas
-
-
-# ---------------------------------------------------------------------------------------------
 # loading
 
 
@@ -653,7 +523,7 @@ def load_config(
             else:
                 world_size //= size
     try:
-        tb, mb, gas = _batch_sizes(raw, world_size)
+        tb, mb, gas = batch_sizes(raw, world_size)
     except ConfigProblemsError as exc:
         errors += exc.problems
         tb, mb, gas = 1, 1, 1
