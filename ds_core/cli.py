@@ -187,9 +187,16 @@ def _report(args: argparse.Namespace) -> int:
 def _conformance_args(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Run the conformance suite (pip install -e conformance, from a ds_core checkout) against "
-        "an installed backend; print the Markdown report; exit non-zero on any failure."
+        "an installed backend; print the Markdown report; exit non-zero on any failure. "
+        "With --coverage, print which check reads each sentence of the hook specs instead."
     )
-    p.add_argument("--backend", required=True, metavar="NAME", help="backend under test")
+    p.add_argument("--backend", metavar="NAME", help="backend under test (required to run)")
+    p.add_argument(
+        "--coverage",
+        action="store_true",
+        help="print the table (hook, sentence, checks) and totals; run no test; exit 1 on an "
+        "uncovered sentence or a stale link",
+    )
     p.add_argument("--report", metavar="DIR", help="write conformance.json and conformance.md")
     p.add_argument(
         "--tier",
@@ -232,6 +239,8 @@ def writable_folder(folder: str, flag: str) -> None:
 def _conformance(args: argparse.Namespace) -> int:
     import importlib
 
+    if not args.coverage and not args.backend:
+        raise UsageError("--backend NAME is required (or --coverage, which runs no test)")
     if args.report:  # before the suite runs: its results are not lost at the end
         writable_folder(args.report, "--report")
     try:
@@ -244,6 +253,8 @@ def _conformance(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.coverage:
+        return int(runner.coverage())
     extra = [a for a in args.pytest_args if a != "--"]
     code: int = runner.run(
         args.backend,

@@ -61,3 +61,20 @@ def run(
         return 1
     print(f"pytest stopped with exit code {int(code)}", file=sys.stderr)
     return int(code)
+
+
+def coverage() -> int:
+    """Print the sentence coverage table and totals (:mod:`ds_conformance.coverage`).
+
+    :returns: 0 when every sentence is covered or classed in the spec and no link is stale;
+        1 otherwise (the uncovered sentences and stale links are listed last, on stderr too).
+    """
+    from ds_conformance import coverage as cov
+
+    result = cov.compute()
+    print(cov.table(result))
+    problems = [f"uncovered: {o}: {s}" for o, s in result.uncovered()]
+    problems += [f"stale link: {s}" for s in result.stale]
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 1 if problems else 0
