@@ -464,6 +464,11 @@ ENV_ERRORS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "rank_empty": ({"RANK": ""}, ("RANK=''",)),
     "local_rank_word": ({"LOCAL_RANK": "x"}, ("LOCAL_RANK='x'",)),
     "local_rank_negative": ({"LOCAL_RANK": "-2"}, ("LOCAL_RANK='-2'",)),
+    "local_rank_beyond_local_world": (
+        {"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+        ("LOCAL_RANK=2 and LOCAL_WORLD_SIZE=2", "below LOCAL_WORLD_SIZE", "--nproc-per-node"),
+    ),
+    "local_world_size_0": ({"LOCAL_WORLD_SIZE": "0"}, ("LOCAL_WORLD_SIZE='0'", ">= 1")),
     "master_port_word": ({"MASTER_PORT": "http"}, ("MASTER_PORT='http'", "from 1 to 65535")),
     "master_port_beyond": ({"MASTER_PORT": "70000"}, ("MASTER_PORT='70000'", "1 to 65535")),
     "master_port_0": ({"MASTER_PORT": "0"}, ("MASTER_PORT='0'",)),
@@ -490,7 +495,8 @@ def test_bad_launcher_variable_is_one_clear_error(
 ACCELERATOR_ERRORS = {
     "nosuch": ("'nosuch' is not installed", "installed backends: cpu"),
     "cpux": ("Did you mean 'cpu'?",),
-    "CPU": ("'CPU' is not installed",),
+    "CPU": ("'CPU' is not installed", "did you mean 'cpu'?"),
+    "Sim": ("'Sim' is not installed", "did you mean 'sim'?"),
     "cpu ": ("'cpu ' is not installed",),
 }
 
