@@ -32,6 +32,7 @@ _LAUNCHER_INTS = {
     "WORLD_SIZE": (1, None),
     "RANK": (0, None),
     "LOCAL_RANK": (0, None),
+    "LOCAL_WORLD_SIZE": (1, None),
     "MASTER_PORT": (1, 65535),
 }
 
@@ -41,8 +42,9 @@ def check_launcher_env() -> None:
     :class:`~ds_core.ConfigError` naming it (not ``int()``'s ``ValueError`` or a connect
     timeout minutes later).
 
-    :raises ConfigError: a variable that is not an integer in its range, or ``RANK`` not
-        below ``WORLD_SIZE``.
+    :raises ConfigError: a variable that is not an integer in its range, ``RANK`` not below
+        ``WORLD_SIZE``, or ``LOCAL_RANK`` not below ``LOCAL_WORLD_SIZE`` (each pair when both
+        are set).
     """
     values: dict[str, int] = {}
     for name, (low, high) in _LAUNCHER_INTS.items():
@@ -64,6 +66,13 @@ def check_launcher_env() -> None:
         raise ConfigError(
             f"environment variables RANK={values['RANK']} and WORLD_SIZE={values['WORLD_SIZE']}: "
             "RANK must be below WORLD_SIZE"
+        )
+    local, local_world = values.get("LOCAL_RANK"), values.get("LOCAL_WORLD_SIZE")
+    if local is not None and local_world is not None and local >= local_world:
+        raise ConfigError(
+            f"environment variables LOCAL_RANK={values['LOCAL_RANK']} and "
+            f"LOCAL_WORLD_SIZE={values['LOCAL_WORLD_SIZE']}: LOCAL_RANK must be below "
+            "LOCAL_WORLD_SIZE (the ranks this node runs); check the launcher's --nproc-per-node"
         )
 
 
