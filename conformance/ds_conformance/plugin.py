@@ -107,8 +107,18 @@ def _is_suite_item(item: pytest.Item) -> bool:
 
 
 def category_of(item: pytest.Item) -> str:
-    """The hook category of a suite test: its module name without ``test_``."""
-    return str(item.module.__name__).rsplit(".", 1)[1].removeprefix("test_")  # type: ignore[attr-defined]
+    """The hook category of a suite test: its module's ``CATEGORY`` (a module of checks that
+    belong to a category but are kept apart from its main module, e.g. edge axes), else its
+    module name without ``test_``."""
+    return module_category(item.module)  # type: ignore[attr-defined]
+
+
+def module_category(module: Any) -> str:
+    """The category of a suite test module (see :func:`category_of`)."""
+    declared = getattr(module, "CATEGORY", None)
+    if isinstance(declared, str) and declared:
+        return declared
+    return str(module.__name__).rsplit(".", 1)[1].removeprefix("test_")
 
 
 def test_id(item: pytest.Item) -> str:

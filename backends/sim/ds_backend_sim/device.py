@@ -382,17 +382,19 @@ def Event(  # noqa: N802
 
     ``elapsed_time`` raises ``RuntimeError`` when an event lacks timing or was not recorded,
     as ``torch.cuda.Event`` does: torch's generic event would raise ``ValueError`` for an
-    event made without timing, so every sim event is made with timing at torch's level and an
-    untimed one is marked in the device guard (which needs it recorded once, on the default
-    stream, where a record of nothing changes nothing).
+    event made without timing, or one it has not seen recorded, so every sim event is made
+    with timing at torch's level and recorded once (on the default stream, where a record of
+    nothing changes nothing), then the device guard is told its real timing and that it is
+    not recorded (``ds_core/hookspecs/stream.py``: an event never recorded marks no work).
     """
     if interprocess:
         raise ValueError("sim events cannot be shared between processes")
     ext = _ext_ready()
     event = torch.Event(device=DEVICE_TYPE, enable_timing=True)
+    event.record(default_stream())
     if not enable_timing:
-        event.record(default_stream())
         ext.mark_untimed(int(event.event_id))
+    ext.mark_unrecorded(int(event.event_id))
     return event
 
 

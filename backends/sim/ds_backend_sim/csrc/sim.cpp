@@ -1290,4 +1290,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(e != nullptr, "mark_untimed needs a recorded sim event");
     e->timing = false;
   });
+  // Forget a record made only to create the event's state (see device.Event): the event is
+  // again one never recorded, which query/synchronize/block treat as complete and
+  // elapsedTime refuses with torch's RuntimeError.
+  m.def("mark_unrecorded", [](int64_t event) {
+    auto* e = reinterpret_cast<SimEvent*>(event);
+    TORCH_CHECK(e != nullptr, "mark_unrecorded needs a recorded sim event");
+    e->stream = nullptr;
+    e->seq = 0;
+    e->mark.reset();
+  });
 }

@@ -1,0 +1,84 @@
+"""Edge axes (issue 28 §2): each axis written once here, applied to every hook it concerns.
+
+The hook lists are derived from the hook specs (:mod:`ds_core.hookspecs`), not written out, so a
+hook added to a category is checked on every axis its signature or its kind puts it on. The
+``test_*_axes`` modules parametrise their checks over these lists; each declares the category
+it belongs to (``CATEGORY``), so ``--category stream`` runs the stream axes too.
+
+Queued work: a check of ordering needs work that really waits in a queue. Compute may run at
+once on some devices (the simulated accelerator runs kernels on the host at the call, after the
+current stream's queued work), so the producer here is a device-to-device copy, which every
+asynchronous device queues (as ``cudaMemcpyAsync`` is), issued after a chain of kernels that
+keeps a real device's stream busy past the call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ds_core.hookspecs import SPEC_MODULES
+
+#: Elements of a queued copy: large enough that a real device's copy outlasts the call.
+COPY_NUMEL = 1 << 20
+
+
+def spec_hooks(category: str | None = None) -> dict[str, Callable[..., Any]]:
+    """Hook name -> spec function, in spec order; only ``category``'s when given."""
+    out: dict[str, Callable[..., Any]] = {}
+    for module in SPEC_MODULES:
+        if category is not None and module.__name__.rsplit(".", 1)[1] != category:
+            continue
+        for name, fn in vars(module).items():
+            if name.startswith("ds_") and callable(fn):
+                out[name] = fn
+    return out
+
+
+def hooks_with_argument(argument: str, category: str | None = None) -> list[str]:
+    """Hooks whose spec signature has a parameter named ``argument``."""
+    return [
+        name
+        for name, fn in spec_hooks(category).items()
+        if argument in inspect.signature(fn).parameters
+    ]
+
+
+def source(acc: Any, salt: float = 0.0) -> torch.Tensor:
+    """A device tensor of :data:`COPY_NUMEL` known values, complete on the device when this
+    returns (the host waits for it), so only the copies made from it are in flight."""
+    src = torch.arange(COPY_NUMEL, dtype=torch.float32, device=acc.device()) + salt
+    acc.synchronize()
+    return src
+
+
+def expected(salt: float = 0.0) -> torch.Tensor:
+    """What :func:`source` holds, on the host."""
+    return torch.arange(COPY_NUMEL, dtype=torch.float32) + salt
+
+
+def queue_copy(acc: Any, stream: Any, src: torch.Tensor) -> torch.Tensor:
+    """A new device tensor filled from ``src`` by a copy queued on ``stream`` (its contents are
+    defined only for work ordered after that copy)."""
+    with acc.stream(stream):
+        busy = torch.ones(1 << 16, device=src.device)
+        for _ in range(8):  # a real device's stream is still busy when the copy is issued
+            busy = busy * 1.0001
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+    return dst
+
+
+def first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    """``"equal"``, or where and how ``got`` (any device) first differs from ``want`` (host)."""
+    host = got.cpu()
+    if torch.equal(host, want):
+        return "equal"
+    wrong = (host != want).nonzero().flatten()
+    if wrong.numel() == 0:
+        return f"shape {tuple(host.shape)} vs {tuple(want.shape)}"
+    i = int(wrong[0])
+    return f"{wrong.numel()} elements differ, first [{i}]={host[i].item()} (want {want[i].item()})"
