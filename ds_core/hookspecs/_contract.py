@@ -59,3 +59,30 @@ def unchecked(fragment: str, reason: str) -> Callable[[F], F]:
 def unchecked_of(hook: Any) -> list[tuple[str, str]]:
     """The (fragment, reason) entries of a hook spec function (empty when it has none)."""
     return list(getattr(hook, ATTRIBUTE, []))
+
+
+# Reasons shared by sentences that recur on many hooks (each use is still one explicit entry).
+
+#: "Facade: ``name``." sentences.
+FACADE: Final[str] = (
+    "promises nothing: names the ds_core facade method that calls the hook (ds_core's code, "
+    "not the backend's; the facade's own tests cover it)"
+)
+#: "Use in backends: optional ..." sentences.
+OPTIONAL: Final[str] = (
+    "promises nothing: permits a backend to leave the hook out (OPTIONAL_HOOKS); what the "
+    "core default does is the rest of this docstring, checked there"
+)
+#: "Device context: may create one." sentences.
+MAY_CREATE_CONTEXT: Final[str] = (
+    "promises nothing: permits a device context; a hook that creates none conforms too"
+)
+#: "Device context: uses the existing one ..." sentences.
+USES_CONTEXT: Final[str] = (
+    "untestable because a device context is visible only to the vendor runtime, and by the "
+    "time a process group exists the process has one whichever call made it"
+)
+#: "Hot path." sentences.
+HOT_PATH: Final[str] = (
+    "untestable because it asks for speed, and the suite sets no wall-clock threshold"
+)

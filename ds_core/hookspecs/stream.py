@@ -18,10 +18,6 @@ Ordering contract, shared with the collective hooks (see :mod:`ds_core.hookspecs
   blocks the host until it completed (without). A tensor used by another stream than the one
   that produced it must stay alive and unmodified until that stream's use is ordered (by an
   event recorded after the use, waited for before the buffer is reused or freed).
-- ``Stream.query()`` and ``Event.query()`` never block: they answer ``False`` while work
-  queued before them has not run, and become ``True`` once it has, with no synchronising call
-  needed; work they answered ``True`` for has completed, so its results are readable from any
-  stream.
 """
 
 from __future__ import annotations
@@ -29,11 +25,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from ds_core.hookspecs._contract import FACADE, HOT_PATH, MAY_CREATE_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import Event, Stream
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_stream_create(index: int | None, priority: int) -> Stream:
     """Create a new stream on a device.
 
@@ -48,6 +47,9 @@ def ds_stream_create(index: int | None, priority: int) -> Stream:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
+@unchecked("Hot path.", HOT_PATH)
 def ds_stream_current(index: int | None) -> Stream:
     """Return the stream work is queued on now.
 
@@ -60,6 +62,8 @@ def ds_stream_current(index: int | None) -> Stream:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_stream_default(index: int | None) -> Stream:
     """Return the device's default stream.
 
@@ -72,6 +76,9 @@ def ds_stream_default(index: int | None) -> Stream:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
+@unchecked("Hot path.", HOT_PATH)
 def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
     """Return a context manager that makes ``stream`` current inside it and restores after.
 
@@ -87,14 +94,13 @@ def ds_stream_use(stream: Any) -> contextlib.AbstractContextManager[Any]:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_stream_event_create(enable_timing: bool) -> Event:
     """Create an event (see :class:`ds_core.types.Event`).
 
     ``elapsed_time(end)`` returns milliseconds, non-negative for an end recorded after the
     start; it raises ``RuntimeError`` when timing was not enabled or an event was not recorded.
-    An event never recorded marks no work (as CUDA's): ``query()`` is ``True``, and
-    ``synchronize()``, ``wait(stream)`` and ``Stream.wait_event`` on it return at once and
-    order nothing.
 
     :param enable_timing: whether ``elapsed_time`` will be asked of this event.
 
