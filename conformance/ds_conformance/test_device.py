@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_conformance.helpers import check, run_python
-from ds_conformance.marks import hooks, tier
+from ds_conformance.marks import hooks, promise, tier
 
 pytestmark = tier("basic")
 
@@ -22,6 +22,11 @@ print(json.dumps({"count": get_accelerator().device_count()}))
 
 
 @hooks("ds_device_count")
+@promise("ds_device_count", ":returns: an int ≥ 1 once the backend is selected.")
+@promise(
+    "ds_device_count",
+    "Return the number of devices visible to this process (honouring visible-devices variables).",
+)
 def test_count_is_positive(acc: Any) -> None:
     """An int ≥ 1; on cpu, the launcher's ``LOCAL_WORLD_SIZE`` (1 when it is unset)."""
     n = acc.device_count()
@@ -37,6 +42,9 @@ def test_count_is_positive(acc: Any) -> None:
 
 
 @hooks("ds_device_set", "ds_device_current")
+@promise("ds_device_set", "Make ``index`` this process's current device.")
+@promise("ds_device_set", ":returns: ``True``.")
+@promise("ds_device_current", "Return the index of this process's current device.")
 def test_index_round_trips_through_set_and_current(acc: Any) -> None:
     start = acc.current_device()
     try:
@@ -57,12 +65,19 @@ def test_index_round_trips_through_set_and_current(acc: Any) -> None:
 
 
 @hooks("ds_device_set")
+@promise("ds_device_set", ":raises ValueError: when ``index`` is out of range, naming the count.")
+@promise("ds_device_set", ":param index: device index in ``range(ds_device_count())``.")
 def test_set_out_of_range_raises_value_error(acc: Any) -> None:
-    with pytest.raises(ValueError):
-        acc.set_device(acc.device_count())
+    """Just out of range at each end; the error names the count (the fix for the caller)."""
+    count = acc.device_count()
+    for index in (count, -1):
+        with pytest.raises(ValueError, match=rf"\b{count}\b"):
+            acc.set_device(index)
 
 
 @hooks("ds_device_current", "ds_device_synchronize")
+@promise("ds_device_synchronize", ":returns: ``True``.")
+@promise("ds_device_synchronize", ":param index: device index, or ``None`` for the current device.")
 def test_device_objects_are_usable_by_torch(acc: Any) -> None:
     device = acc.device()
     x = torch.arange(1024, dtype=torch.float32, device=device)
@@ -87,6 +102,9 @@ def test_device_objects_are_usable_by_torch(acc: Any) -> None:
 
 
 @hooks("ds_device_properties")
+@promise(
+    "ds_device_properties", "Describe a device: name, index, total memory in bytes, vendor extras."
+)
 def test_properties_describe_each_device(acc: Any) -> None:
     for index in range(acc.device_count()):
         props = acc.device_properties(index)
@@ -129,6 +147,8 @@ print(json.dumps(out))
 
 
 @hooks("ds_device_count", "ds_device_set", "ds_device_current", "ds_device_properties")
+@promise("ds_device_current", ":returns: an index in ``range(ds_device_count())``.")
+@promise("ds_device_properties", ":param index: device index, or ``None`` for the current device.")
 def test_several_devices_are_told_apart(acc: Any) -> None:
     """With ≥ 2 devices (cpu: 3, presented through the launcher environment), every
     device-indexed hook answers for the device asked, not for device 0 or the current one."""

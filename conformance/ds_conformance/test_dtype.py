@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_conformance.helpers import check
-from ds_conformance.marks import hooks, tier
+from ds_conformance.marks import hooks, promise, tier
 from ds_conformance.values import rank_values, reduce
 
 pytestmark = tier("basic")
@@ -42,6 +42,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @hooks("ds_dtype_supported")
+@promise("ds_dtype_supported", "Return the dtypes the device stores and does arithmetic in.")
 def test_round_trips(acc: Any, dtype: torch.dtype) -> None:
     host = _values(dtype)
     back = host.to(acc.device()).cpu()
@@ -58,6 +59,7 @@ def test_round_trips(acc: Any, dtype: torch.dtype) -> None:
 
 
 @hooks("ds_dtype_supported")
+@promise("ds_dtype_supported", "the conformance suite round-trips and computes in each one.")
 def test_does_arithmetic(acc: Any, dtype: torch.dtype) -> None:
     a, b = _values(dtype), _values(dtype, reverse=True)
     da, db = a.to(acc.device()), b.to(acc.device())

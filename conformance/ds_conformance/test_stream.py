@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_conformance.helpers import check
-from ds_conformance.marks import hooks, tier
+from ds_conformance.marks import hooks, promise, tier
 
 pytestmark = tier("basic")
 
@@ -21,6 +21,14 @@ def _work(device: torch.device, n: int = 1 << 20) -> torch.Tensor:
 
 
 @hooks("ds_stream_create", "ds_stream_use", "ds_stream_current", "ds_stream_default")
+@promise("ds_stream_create", "Create a new stream on a device.")
+@promise("ds_stream_create", ":returns: a stream object")
+@promise("ds_stream_current", "Return the stream work is queued on now.")
+@promise("ds_stream_default", "Return the device's default stream.")
+@promise(
+    "ds_stream_use",
+    "Return a context manager that makes ``stream`` current inside it and restores after.",
+)
 def test_work_on_a_side_stream_is_visible_after_wait_stream(acc: Any) -> None:
     default = acc.current_stream()
     check(
@@ -61,6 +69,8 @@ def test_work_on_a_side_stream_is_visible_after_wait_stream(acc: Any) -> None:
 
 
 @hooks("ds_stream_create", "ds_stream_event_create", "ds_stream_use")
+@promise("stream", "Work is ordered after earlier work on the same stream")
+@promise("ds_stream_event_create", "Create an event (see")
 def test_event_orders_work_between_streams(acc: Any) -> None:
     side = acc.Stream()
     side.wait_stream(acc.current_stream())
@@ -89,6 +99,7 @@ def test_event_orders_work_between_streams(acc: Any) -> None:
 
 
 @hooks("ds_stream_event_create")
+@promise("ds_stream_event_create", "``elapsed_time(end)`` returns milliseconds, non-negative")
 def test_elapsed_time_is_non_negative_and_monotone(acc: Any) -> None:
     events = [acc.Event(enable_timing=True) for _ in range(3)]
     stream = acc.current_stream()
@@ -118,6 +129,10 @@ def test_elapsed_time_is_non_negative_and_monotone(acc: Any) -> None:
 
 
 @hooks("ds_stream_event_create")
+@promise(
+    "ds_stream_event_create",
+    ":param enable_timing: whether ``elapsed_time`` will be asked of this event.",
+)
 def test_elapsed_time_without_timing_raises(acc: Any) -> None:
     a, b = acc.Event(enable_timing=False), acc.Event(enable_timing=False)
     a.record()
@@ -128,6 +143,11 @@ def test_elapsed_time_without_timing_raises(acc: Any) -> None:
 
 
 @hooks("ds_stream_use", "ds_stream_current", "ds_stream_create")
+@promise(
+    "ds_stream_use",
+    "On exit (normal or by an exception) the stream current before entry is current again",
+)
+@promise("stream", "``ds_stream_use`` contexts nest")
 def test_stream_contexts_nest_and_restore_exactly_the_previous_stream(acc: Any) -> None:
     outer, inner, third = acc.Stream(), acc.Stream(), acc.Stream()
     start = acc.current_stream()
@@ -154,6 +174,8 @@ def test_stream_contexts_nest_and_restore_exactly_the_previous_stream(acc: Any) 
 
 
 @hooks("ds_stream_use", "ds_stream_current")
+@promise("ds_stream_use", "the context changes only the calling thread's stream")
+@promise("stream", "on the thread that entered")
 def test_stream_context_changes_only_the_calling_thread(acc: Any) -> None:
     import threading
 
@@ -185,6 +207,7 @@ def test_stream_context_changes_only_the_calling_thread(acc: Any) -> None:
 
 
 @hooks("ds_stream_event_create")
+@promise("stream", "Without ``device_timing``, events time with a monotonic host clock")
 def test_elapsed_time_is_in_milliseconds_of_the_host_clock(acc: Any) -> None:
     """An idle gap of known host duration between two events: elapsed_time must be in ms."""
     import time

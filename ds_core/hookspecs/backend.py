@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ds_core.hookspecs._contract import MAY_CREATE_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import BackendInfo, ProbeResult
 
@@ -65,6 +66,7 @@ def ds_backend_capabilities() -> frozenset[str]:
 
 
 @hookspec(firstresult=True)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_backend_configure(options: Mapping[str, Any]) -> bool:
     """Apply backend-specific options after selection (lazy second-phase setup).
 

@@ -80,11 +80,13 @@ from typing import Any
 
 import torch
 
+from ds_core.hookspecs._contract import FACADE, OPTIONAL, USES_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import P2POp, Work
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
 def ds_comm_backend_name() -> str:
     """Return the ``torch.distributed`` backend name for this device (``"gloo"``, ...).
 
@@ -110,6 +112,9 @@ def ds_comm_prepare() -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: uses the existing one", USES_CONTEXT)
 def ds_comm_all_reduce(tensor: torch.Tensor, op: str, group: Any, async_op: bool) -> Work:
     """Reduce ``tensor`` across the group in place, so every rank holds the result.
 
@@ -128,6 +133,9 @@ def ds_comm_all_reduce(tensor: torch.Tensor, op: str, group: Any, async_op: bool
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: uses the existing one", USES_CONTEXT)
 def ds_comm_all_gather(
     output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
 ) -> Work:
@@ -146,6 +154,9 @@ def ds_comm_all_gather(
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: uses the existing one", USES_CONTEXT)
 def ds_comm_reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: str, group: Any, async_op: bool
 ) -> Work:
@@ -167,6 +178,9 @@ def ds_comm_reduce_scatter(
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: uses the existing one", USES_CONTEXT)
 def ds_comm_broadcast(tensor: torch.Tensor, src: int, group: Any, async_op: bool) -> Work:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place.
 
@@ -183,6 +197,9 @@ def ds_comm_broadcast(tensor: torch.Tensor, src: int, group: Any, async_op: bool
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: uses the existing one", USES_CONTEXT)
 def ds_comm_all_to_all(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -208,6 +225,9 @@ def ds_comm_all_to_all(
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: uses the existing one", USES_CONTEXT)
 def ds_comm_barrier(group: Any) -> bool:
     """Block until every rank of the group has reached the barrier.
 
@@ -218,6 +238,8 @@ def ds_comm_barrier(group: Any) -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: uses the existing one", USES_CONTEXT)
 def ds_comm_send(tensor: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool) -> Work:
     """Send ``tensor`` to global rank ``dst``, which receives it with ``ds_comm_recv``.
 
@@ -240,6 +262,8 @@ def ds_comm_send(tensor: torch.Tensor, dst: int, group: Any, tag: int, async_op:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: uses the existing one", USES_CONTEXT)
 def ds_comm_recv(tensor: torch.Tensor, src: int, group: Any, tag: int, async_op: bool) -> Work:
     """Receive into ``tensor`` what global rank ``src`` sends with ``ds_comm_send``.
 
@@ -262,6 +286,8 @@ def ds_comm_recv(tensor: torch.Tensor, src: int, group: Any, tag: int, async_op:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: uses the existing one", USES_CONTEXT)
 def ds_comm_batch_isend_irecv(ops: list[P2POp]) -> list[Work]:
     """Start every send and receive of ``ops`` before waiting for any; one handle per op.
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from ds_core.hookspecs._contract import FACADE, MAY_CREATE_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import DeterminismRecord
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
     """Turn deterministic execution on or off for this device and record every change made.
 
@@ -24,6 +27,8 @@ def ds_determinism_apply(enabled: bool) -> DeterminismRecord:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_determinism_restore(record: DeterminismRecord) -> bool:
     """Undo a ``ds_determinism_apply``: restore every setting in ``record`` to its previous value.
 

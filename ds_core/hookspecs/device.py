@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from ds_core.hookspecs._contract import FACADE, HOT_PATH, MAY_CREATE_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import DeviceProperties
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
 def ds_device_count() -> int:
     """Return the number of devices visible to this process (honouring visible-devices variables).
 
@@ -19,6 +21,9 @@ def ds_device_count() -> int:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
+@unchecked("Hot path.", HOT_PATH)
 def ds_device_current() -> int:
     """Return the index of this process's current device.
 
@@ -31,6 +36,8 @@ def ds_device_current() -> int:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_device_set(index: int) -> bool:
     """Make ``index`` this process's current device.
 
@@ -45,6 +52,8 @@ def ds_device_set(index: int) -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_device_synchronize(index: int | None) -> bool:
     """Block the host until all work queued on the device has finished.
 
@@ -58,6 +67,8 @@ def ds_device_synchronize(index: int | None) -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_device_properties(index: int | None) -> DeviceProperties:
     """Describe a device: name, index, total memory in bytes, vendor extras.
 

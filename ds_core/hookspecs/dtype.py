@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from ds_core.hookspecs._contract import FACADE, MAY_CREATE_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_dtype_supported() -> frozenset[torch.dtype]:
     """Return the dtypes the device stores and does arithmetic in.
 

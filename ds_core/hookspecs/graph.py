@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from ds_core.hookspecs._contract import FACADE, MAY_CREATE_CONTEXT, OPTIONAL, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import Graph
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_graph_create() -> Graph:
     """Create an empty graph object (see :class:`ds_core.types.Graph`).
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from ds_core.hookspecs._contract import FACADE, OPTIONAL, unchecked
 from ds_core.hookspecs._markers import hookspec
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
 def ds_launcher_visible_devices_env() -> list[str]:
     """Return the variables that restrict which devices a process sees, most specific first.
 
@@ -19,6 +21,8 @@ def ds_launcher_visible_devices_env() -> list[str]:
 
 
 @hookspec
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
 def ds_launcher_env_prefixes() -> list[str]:
     """Return prefixes of environment variables a multi-node launcher forwards to every node.
 

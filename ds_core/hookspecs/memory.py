@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from ds_core.hookspecs._contract import FACADE, MAY_CREATE_CONTEXT, OPTIONAL, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import MemoryInfo
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_memory_allocated(index: int | None) -> int:
     """Return bytes currently held by live tensors on the device (cpu: the process's resident set).
 
@@ -21,6 +24,8 @@ def ds_memory_allocated(index: int | None) -> int:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_memory_max_allocated(index: int | None) -> int:
     """Return the peak of ``ds_memory_allocated`` since start or the last ``ds_memory_reset_peak``.
 
@@ -35,6 +40,8 @@ def ds_memory_max_allocated(index: int | None) -> int:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_memory_reset_peak(index: int | None) -> bool:
     """Reset the peak counters so the next peak starts from the current usage.
 
@@ -49,6 +56,8 @@ def ds_memory_reset_peak(index: int | None) -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_memory_reserved(index: int | None) -> int:
     """Return bytes reserved by the allocator (≥ allocated; equal where there is no cache).
 
@@ -61,6 +70,8 @@ def ds_memory_reserved(index: int | None) -> int:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_memory_stats(index: int | None) -> dict[str, int]:
     """Return allocator statistics, at least ``allocated_bytes.all.current`` and ``.peak``.
 
@@ -73,6 +84,7 @@ def ds_memory_stats(index: int | None) -> dict[str, int]:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
 def ds_memory_empty_cache() -> bool:
     """Return cached, unused allocator blocks to the device (or the OS).
 
@@ -85,6 +97,8 @@ def ds_memory_empty_cache() -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_memory_info(index: int | None) -> MemoryInfo:
     """Return total and available device memory for this process, capped by its own limits.
 
@@ -101,6 +115,9 @@ def ds_memory_info(index: int | None) -> MemoryInfo:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
     """Return a page-locked copy of a host tensor, so device copies can be non-blocking.
 
@@ -117,6 +134,9 @@ def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_memory_alloc_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Return a new page-locked host tensor, allocated pinned (no pageable buffer, no copy).
 
@@ -137,6 +157,9 @@ def ds_memory_alloc_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_memory_free_pinned(tensor: torch.Tensor) -> bool:
     """Release a tensor ``ds_memory_alloc_pinned`` returned, now rather than at garbage collection.
 
@@ -157,6 +180,7 @@ def ds_memory_free_pinned(tensor: torch.Tensor) -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
 def ds_memory_is_pinned(tensor: torch.Tensor) -> bool:
     """Return whether a host tensor is page-locked for this device type.
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from ds_core.hookspecs._contract import FACADE, OPTIONAL, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import OpProvider
 
 
 @hookspec
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
 def ds_op_providers() -> list[OpProvider]:
     """Return the op providers this plugin offers (see :class:`ds_core.types.OpProvider`).
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from ds_core.hookspecs._contract import FACADE, MAY_CREATE_CONTEXT, OPTIONAL, unchecked
 from ds_core.hookspecs._markers import hookspec
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_profiler_range_push(msg: str) -> bool:
     """Open a named range, nested inside any open one, and return ``True``.
 
@@ -23,6 +27,9 @@ def ds_profiler_range_push(msg: str) -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_profiler_range_pop() -> bool:
     """Close the innermost range opened by ``ds_profiler_range_push`` and return ``True``.
 

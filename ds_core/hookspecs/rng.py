@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from ds_core.hookspecs._contract import FACADE, MAY_CREATE_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
     """Seed the device generator(s) so later draws are reproducible.
 
@@ -23,6 +26,8 @@ def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_rng_get_state(index: int | None) -> torch.Tensor:
     """Return a copy of a device generator's state as a CPU ``uint8`` tensor.
 
@@ -36,6 +41,8 @@ def ds_rng_get_state(index: int | None) -> torch.Tensor:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
     """Restore a device generator's state so the next draws repeat those after ``get_state``.
 
@@ -51,6 +58,8 @@ def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
 
 
 @hookspec(firstresult=True)
+@unchecked("Facade:", FACADE)
+@unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 def ds_rng_default_generator(index: int | None) -> torch.Generator:
     """Return the device's default ``torch.Generator``.
 
