@@ -18,6 +18,10 @@ Ordering contract, shared with the collective hooks (see :mod:`ds_core.hookspecs
   blocks the host until it completed (without). A tensor used by another stream than the one
   that produced it must stay alive and unmodified until that stream's use is ordered (by an
   event recorded after the use, waited for before the buffer is reused or freed).
+- ``Stream.query()`` and ``Event.query()`` never block: they answer ``False`` while work
+  queued before them has not run, and become ``True`` once it has, with no synchronising call
+  needed; work they answered ``True`` for has completed, so its results are readable from any
+  stream.
 """
 
 from __future__ import annotations
@@ -101,6 +105,9 @@ def ds_stream_event_create(enable_timing: bool) -> Event:
 
     ``elapsed_time(end)`` returns milliseconds, non-negative for an end recorded after the
     start; it raises ``RuntimeError`` when timing was not enabled or an event was not recorded.
+    An event never recorded marks no work (as CUDA's): ``query()`` is ``True``, and
+    ``synchronize()``, ``wait(stream)`` and ``Stream.wait_event`` on it return at once and
+    order nothing.
 
     :param enable_timing: whether ``elapsed_time`` will be asked of this event.
 
