@@ -73,12 +73,17 @@ def load_checkpoint(
         return None, None
     # a forward-only engine (no optimizer) takes the weights only
     want_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    split = _state.pieces(engine)
+    # one piece of a model (a pipeline stage): names are checked against the whole (collective)
+    whole = None if split is None else split.model_names()
     error: BaseException | None = None
     reader: CheckpointReader | None = None
     plan: list[tuple[ZeroParam, str, bool]] = []
     try:
         reader = CheckpointReader(folder)
-        plan = _plan(engine, reader, load_module_strict)
+        if split is not None:
+            split.check(reader)
+        plan = _plan(engine, reader, load_module_strict, whole)
     except CheckpointError as exc:
         error = exc
     agree(engine, error, f"checking {folder}")
@@ -98,7 +103,7 @@ def load_checkpoint(
                     "offload_optimizer.device='nvme' keeps one step count for all of them"
                 )
             nv.finish_load(steps.pop() if steps else (0 if want_opt else None))
-        _load_buffers(engine, reader, load_module_strict)
+        _load_buffers(engine, reader, load_module_strict, whole)
     except (CheckpointError, OSError, RuntimeError) as exc:
         error = exc
     agree(engine, error, f"loading {folder}")
@@ -106,7 +111,9 @@ def load_checkpoint(
     meta = reader.meta
     if want_opt:
         keys = _state.master_keys(engine)
-        _state.restore_param_groups(engine, meta["optimizer"]["param_groups"], keys)
+        _state.restore_param_groups(
+            engine, meta["optimizer"]["param_groups"], keys, None if whole is None else whole[0]
+        )
         if reader.world_size == engine.world and _state.rank_local_keys(engine):
             _restore_rank_local(engine, reader.rank_payload(engine.rank))
         if hasattr(engine.optimizer, "backward_allreduce"):
@@ -137,10 +144,16 @@ def load_checkpoint(
 
 
 def _plan(
-    engine: ZeroEngine, reader: CheckpointReader, strict: bool
+    engine: ZeroEngine,
+    reader: CheckpointReader,
+    strict: bool,
+    whole: tuple[set[str], set[str]] | None = None,
 ) -> list[tuple[ZeroParam, str, bool]]:
     """Match the model against the checkpoint and verify every file this rank will read.
 
+    :param whole: every piece's parameter keys and buffer names when the module is one piece
+        of the model (:class:`~ds_core.checkpoint._state.ModelPieces`): the checkpoint is
+        compared with those, and this rank loads the parameters it holds.
     :returns: ``(zparam, key, use own fragment)`` for each parameter to load.
     """
     plan: list[tuple[ZeroParam, str, bool]] = []
@@ -179,6 +192,8 @@ def _plan(
         plan.append((zp, key, fast))
     # by key: at another EP size this rank's experts are others, but all ranks' keys agree
     ours = {k for zp in engine.zparams.values() for k in _state.param_keys(engine, zp)}
+    if whole is not None:
+        ours = whole[0]
     unexpected = sorted(set(reader.params) - ours)
     if strict and (missing or unexpected):
         raise CheckpointError(
@@ -309,7 +324,12 @@ def _load_frozen(zp: ZeroParam, full: torch.Tensor) -> None:
         zp.param.data.copy_(full.view(zp.shape))
 
 
-def _load_buffers(engine: ZeroEngine, reader: CheckpointReader, strict: bool) -> None:
+def _load_buffers(
+    engine: ZeroEngine,
+    reader: CheckpointReader,
+    strict: bool,
+    whole: tuple[set[str], set[str]] | None = None,
+) -> None:
     saved: dict[str, torch.Tensor] = reader.meta["buffers"]
     params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     ours = {
@@ -317,10 +337,11 @@ def _load_buffers(engine: ZeroEngine, reader: CheckpointReader, strict: bool) ->
         for k, v in engine.module.state_dict(keep_vars=True).items()
         if k not in params and isinstance(v, torch.Tensor)
     }
-    if strict and set(ours) != set(saved):
+    names = set(ours) if whole is None else whole[1]  # one piece: the whole model's
+    if strict and (set(ours) - set(saved) or set(saved) - names):
         raise CheckpointError(
             f"{reader.folder}: buffers differ: missing {sorted(set(ours) - set(saved))[:5]}, "
-            f"unexpected {sorted(set(saved) - set(ours))[:5]}"
+            f"unexpected {sorted(set(saved) - names)[:5]}"
         )
     with torch.no_grad():
         for k, buf in ours.items():

@@ -143,8 +143,17 @@ def save_checkpoint(
     tmp = _io.partial_dir(root, tag)
     # Param groups list members by every rank's keys: the same on every rank and EP size.
     keys = _state.master_keys(engine)
+    split = _state.pieces(engine)
+    # one piece of a model (a pipeline stage): meta.pt describes the whole (collective)
+    whole = (
+        None
+        if split is None
+        else split.whole_meta(_state.meta_part(engine, keys, exclude_frozen_parameters))
+    )
     files: dict[str, dict[str, Any]] = {}
     try:
+        if split is not None:
+            files.update(split.write_files(tmp, exclude_frozen_parameters))
         if universal:
             files.update(_write_universal(engine, tmp, exclude_frozen_parameters))
         rank_payload: dict[str, Any] = {
@@ -181,6 +190,7 @@ def save_checkpoint(
                 client_state or {},
                 keys,
                 exclude_frozen_parameters,
+                whole,
             )
             _state.check_plain(meta, _io.META)
             all_files = {k: v for g in gathered for k, v in g["files"].items()}
@@ -208,6 +218,7 @@ def _native_fragments(
     layout reads this rank's file only. NVMe-resident pieces are written to their own files
     first (added to ``files``; see [Note: NVMe state in checkpoints])."""
     nv = _nvme.swap(engine)
+    split = _state.pieces(engine)
     swapped: dict[str, list[str]] = {}
     if nv is not None:
         written, swapped = _nvme.write_native(engine, nv, tmp)
@@ -215,6 +226,8 @@ def _native_fragments(
     out: dict[str, Any] = {}
     for zp in engine.zparams.values():
         replica = zp.mode.value == _state.REPLICATED and zp.group_rank != 0
+        if split is not None and split.skips(zp):
+            continue  # another piece of the model stores it
         if replica or (not zp.trainable and exclude_frozen):
             continue
         frag: dict[str, Any] = {"lo": zp.lo, "hi": zp.hi}
@@ -315,6 +328,7 @@ def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dic
     files: dict[str, Any] = {}
     agreed = _agreed_layout(engine)
     nv = _nvme.swap(engine)
+    split = _state.pieces(engine)
     for i, zp in enumerate(engine.zparams.values()):
         if not zp.trainable and exclude_frozen:
             continue
@@ -324,6 +338,7 @@ def _write_universal(engine: ZeroEngine, tmp: Path, exclude_frozen: bool) -> dic
             writer = zp.group_rank == i % zp.group_world
         # TP ranks hold the same replicated parameter, and each the full one after a gather
         writer = writer and _tp.tp_rank(engine) == 0
+        writer = writer and not (split is not None and split.skips(zp))
         key = _state.param_key(engine, zp)
         entry: dict[str, Any] = {}
         if zp.master is not None:

@@ -13,7 +13,8 @@ import platform
 import random
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from ds_core.checkpoint._io import FORMAT_VERSION, CheckpointError
 from ds_core.parallel.expert.moe import EXPERT_INDEX_ATTR
 
 if TYPE_CHECKING:
+    from ds_core.checkpoint._reader import CheckpointReader
     from ds_core.zero.engine import ZeroEngine
     from ds_core.zero.partition import ZeroParam
 
@@ -38,6 +40,61 @@ REPLICATED, PARTITIONED = "replicated", "partitioned"
 _SAMPLES_BASE = "_ds_checkpoint_samples_base"
 
 _PLAIN = (str, int, float, bool, type(None), torch.Size)
+
+
+#: engine attribute holding a :class:`ModelPieces` when the engine's module is one piece of a
+#: model split over ranks (a pipeline stage: ds_core.parallel.pipeline.checkpoint).
+PIECES_ATTR = "checkpoint_pieces"
+
+
+class ModelPieces(Protocol):
+    """How a checkpoint sees an engine whose module is one piece of a larger model (a pipeline
+    stage). Every rank then holds other parameters: ``meta.pt`` must describe the whole model,
+    a parameter held by several pieces (a tied weight) is stored once, and a load checks each
+    rank's parameters against the whole model's names. Methods marked collective are called by
+    every rank at the same point.
+    """
+
+    def skips(self, zp: ZeroParam) -> bool:
+        """Whether this rank leaves ``zp`` out of the checkpoint (another piece stores it)."""
+        ...
+
+    def whole_meta(self, part: dict[str, Any]) -> dict[str, Any]:
+        """Collective: every rank's ``part`` (its ``params``, ``aliases``, ``buffers`` and
+        ``param_groups``) merged into the whole model's entries for ``meta.pt``, plus the
+        piece layout's own entries."""
+        ...
+
+    def write_files(self, tmp: Path, exclude_frozen: bool) -> dict[str, dict[str, Any]]:
+        """Write this rank's extra files into the temporary folder (leaving frozen parameters
+        out with ``exclude_frozen``); returns their manifest entries."""
+        ...
+
+    def model_names(self) -> tuple[set[str], set[str]]:
+        """Collective: every piece's parameter keys and buffer names."""
+        ...
+
+    def check(self, reader: CheckpointReader) -> None:
+        """Refuse a checkpoint this model cannot load (naming the value or file)."""
+        ...
+
+
+def pieces(engine: ZeroEngine) -> ModelPieces | None:
+    """The engine's :class:`ModelPieces`, or ``None`` for a whole model."""
+    found: ModelPieces | None = getattr(engine, PIECES_ATTR, None)
+    return found
+
+
+def meta_part(
+    engine: ZeroEngine, keys: Mapping[int, list[str]], exclude_frozen: bool
+) -> dict[str, Any]:
+    """The parts of ``meta.pt`` that describe this rank's module (see :func:`build_meta`)."""
+    return {
+        "params": param_table(engine, exclude_frozen),
+        "aliases": module_aliases(engine),
+        "buffers": module_buffers(engine),
+        "param_groups": param_groups(engine, keys),
+    }
 
 
 def ep_rank(engine: ZeroEngine, zp: ZeroParam) -> int:
@@ -222,10 +279,17 @@ def param_groups(engine: ZeroEngine, keys: Mapping[int, list[str]]) -> list[dict
 
 
 def restore_param_groups(
-    engine: ZeroEngine, saved: list[dict[str, Any]], keys: Mapping[int, list[str]]
+    engine: ZeroEngine,
+    saved: list[dict[str, Any]],
+    keys: Mapping[int, list[str]],
+    whole: set[str] | None = None,
 ) -> None:
     """Write saved hyperparameters (lr, betas, a fused optimizer's group ``step``...) back.
 
+    :param whole: every piece's keys when the module is one piece of the model
+        (:class:`ModelPieces`): a saved group then lists the whole model's members, and each
+        group is compared on the members this rank holds (the load's plan checked the whole
+        model's names already).
     :raises CheckpointError: the groups differ in number or membership.
     """
     groups = engine.optimizer.param_groups
@@ -237,6 +301,9 @@ def restore_param_groups(
     for i, (g, s) in enumerate(zip(groups, saved, strict=True)):
         ours = _members(g, keys)
         theirs = sorted(str(n) for n in s["params"])
+        if whole is not None:
+            mine = {k for ks in keys.values() for k in ks}
+            theirs = [n for n in theirs if n in mine]
         if ours != theirs:
             diff = next((a, b) for a, b in zip([*ours, ""], [*theirs, ""], strict=False) if a != b)
             raise CheckpointError(
@@ -366,11 +433,17 @@ def build_meta(
     client_state: Mapping[str, Any],
     keys: Mapping[int, list[str]],
     exclude_frozen: bool,
+    whole: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Rank 0's ``meta.pt``: layout, counters, scheduler, scaler, groups, config, versions."""
+    """Rank 0's ``meta.pt``: layout, counters, scheduler, scaler, groups, config, versions.
+
+    :param whole: the whole model's entries (:meth:`ModelPieces.whole_meta`) when the module is
+        one piece of it; they replace this rank's ``params``, ``aliases``, ``buffers`` and the
+        optimizer's ``param_groups``, and add the piece layout's entries.
+    """
     sched = engine.lr_scheduler
     scaler = engine.loss_scaler
-    return {
+    meta: dict[str, Any] = {
         "format": fmt,
         "format_version": FORMAT_VERSION,
         "checkpoint_id": checkpoint_id,
@@ -400,6 +473,11 @@ def build_meta(
         "buffers": module_buffers(engine),
         "client_state": dict(client_state),
     }
+    if whole is not None:
+        rest = dict(whole)
+        meta["optimizer"]["param_groups"] = rest.pop("param_groups")
+        meta.update(rest)
+    return meta
 
 
 def restore_counters(engine: ZeroEngine, meta: Mapping[str, Any], load_lr: bool) -> None:

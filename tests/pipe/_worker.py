@@ -269,7 +269,7 @@ def bad_inputs() -> dict[str, Any]:
         one = data("mlp", 1, 1, 1)[0][0]  # one micro-batch where a batch needs two
         out["exhausted"] = _message(lambda: engine.train_batch(_iter(one)))
         out["forward"] = _message(lambda: engine(torch.zeros(2, HID)))
-        out["checkpoint"] = _message(lambda: engine.save_checkpoint("/nonexistent"))
+        out["checkpoint"] = _message(lambda: engine.save_16bit_model("/nonexistent"))
         # the engine still trains after the refusal
         two = data("mlp", 1, 1, 2)[0][0]
         out["after"] = repr(float(engine.train_batch(_iter(two))))

@@ -6,6 +6,8 @@
   schedule (DeepSpeed's ``TrainSchedule`` and ``InferenceSchedule``);
 - :mod:`~ds_core.parallel.pipeline.engine`: :class:`PipelineEngine`, a ZeRO engine per stage
   over the stage's data-parallel group, exchanging activations and gradients point-to-point.
+- :mod:`~ds_core.parallel.pipeline.checkpoint`: the stages' engines save into one ds_core
+  checkpoint with DeepSpeed's per-layer files, loadable at any number of stages.
 
 ``ds_core.initialize(model=PipelineModule(...), config=...)`` returns the engine; DeepSpeed's
 import path is :mod:`ds_core.pipe`. docs/architecture.md §10 describes the design.

@@ -41,6 +41,7 @@ from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.parallel.pipeline import schedule as sched
+from ds_core.parallel.pipeline.checkpoint import StageCheckpoint, load_checkpoint
 from ds_core.parallel.pipeline.module import PipelineModule
 from ds_core.types import P2POp
 from ds_core.zero.config import DSConfig
@@ -155,6 +156,7 @@ class PipelineEngine(ZeroEngine):
             )
         super().__init__(model, config, optimizer, model_parameters, lr_scheduler, pp_size=pp)
         self.pipeline_module = model
+        self.checkpoint_pieces = StageCheckpoint(self)  # [Note: pipeline checkpoints]
         self.num_stages = pp
         self.stage_id = self.mesh.pp_rank
         self.micro_batches = self.gas
@@ -214,30 +216,25 @@ class PipelineEngine(ZeroEngine):
         """
         raise PipelineError("only train_batch() is accessible in pipeline mode")
 
-    def save_checkpoint(self, save_dir: str, *args: Any, **kwargs: Any) -> bool:
-        """Not supported yet: a checkpoint's manifest and its universal form describe one
-        model's parameters, and each stage holds other layers.
-
-        :raises PipelineError: always.
-        """
-        raise PipelineError(
-            "save_checkpoint on a pipeline engine is not supported yet (per-stage checkpoint "
-            "files are not implemented); save the stage's module.state_dict() per rank instead"
-        )
-
-    def load_checkpoint(self, load_dir: str, *args: Any, **kwargs: Any) -> Any:
-        """Not supported yet (see :meth:`save_checkpoint`).
-
-        :raises PipelineError: always.
-        """
-        raise PipelineError("load_checkpoint on a pipeline engine is not supported yet")
+    def load_checkpoint(
+        self, load_dir: str, tag: str | None = None, *args: Any, **kwargs: Any
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """DeepSpeed's ``load_checkpoint`` at any number of stages (save_checkpoint is the ZeRO
+        engine's): [Note: pipeline checkpoints] in ds_core/parallel/pipeline/checkpoint.py."""
+        return load_checkpoint(self, load_dir, tag, *args, **kwargs)
 
     def save_16bit_model(self, save_dir: str, *args: Any, **kwargs: Any) -> bool:
-        """Not supported yet (see :meth:`save_checkpoint`).
+        """Refused: DeepSpeed 0.19.8's pipeline engine fails too (its
+        ``module_state_dict`` asserts it runs inside ``save_checkpoint``: runtime/pipe/engine.py).
 
-        :raises PipelineError: always.
+        :raises PipelineError: always, naming the way to the whole model's weights.
         """
-        raise PipelineError("save_16bit_model on a pipeline engine is not supported yet")
+        raise PipelineError(
+            "save_16bit_model on a pipeline engine: no rank holds the whole model (DeepSpeed "
+            "0.19.8's fails there too); call save_checkpoint, then ds_core.checkpoint."
+            "export_checkpoint(save_dir, 'model.safetensors') (or `ds-core checkpoint export`) "
+            "writes every stage's weights by layer name"
+        )
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Train on the next batch: ``gradient_accumulation_steps`` micro-batches through the
