@@ -17,17 +17,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from ds_conformance.comm_cases import cases
 
-from tests.broken_backends import ALSO_FAILS, BROKEN, MUST_PASS, NARROW, install
+from tests.broken_backends import ALSO_FAILS, BROKEN, ENV, MUST_PASS, NARROW, install
 from tests.distfactory import make_backend
 
 pytestmark = pytest.mark.slow
 
 
-def run_suite(site: Path, *args: str, timeout: float = 900) -> tuple[int, str, dict[str, Any]]:
-    """Run ``ds-core conformance`` with ``site`` on PYTHONPATH; return (code, output, report)."""
+def run_suite(
+    site: Path, *args: str, timeout: float = 900, env_extra: dict[str, str] | None = None
+) -> tuple[int, str, dict[str, Any]]:
+    """Run ``ds-core conformance`` with ``site`` on PYTHONPATH (and ``env_extra`` set); return
+    (code, output, report)."""
     report = site / "report"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *sys.path]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *sys.path]), **(env_extra or {}))
     env.pop("DS_ACCELERATOR", None)
     proc = subprocess.run(
         [sys.executable, "-m", "ds_core.cli", "conformance", "--report", str(report), *args],
@@ -63,7 +68,9 @@ def test_broken_backend_fails_in_its_category(tmp_path: Path, stem: str) -> None
         pytest.skip("the cgroup check needs a private mount namespace (root or CAP_SYS_ADMIN)")
     name = install(tmp_path, stem)
     extra = ("--", *NARROW[stem])
-    code, output, report = run_suite(tmp_path, "--backend", name, "--category", category, *extra)
+    code, output, report = run_suite(
+        tmp_path, "--backend", name, "--category", category, *extra, env_extra=ENV.get(stem)
+    )
     assert code == 1, f"{stem} ({what}) was not caught: exit {code}\n{output[-3000:]}"
     assert report, f"no report written:\n{output[-3000:]}"
     assert failing_categories(report) == {category}, report["categories"]
@@ -112,4 +119,6 @@ def test_stream_ordering_cases_run_where_async_streams_is_declared(tmp_path: Pat
     )
     assert code == 0, output[-3000:]
     row = report["categories"]["comm"]
-    assert row["passed"] == 2 and row["skipped"] == 0, row
+    streams = [c for c in cases([torch.float32]) if c.variant.startswith("stream-")]
+    assert len(streams) == 2 * 5  # two orderings of every collective
+    assert row["passed"] == len(streams) and row["skipped"] == 0, row

@@ -13,21 +13,17 @@ late peer joins; an asynchronous call returns before its peers join, and ``wait(
 result visible. A marker file written by the late rank just before it joins makes this a
 causal check, not a timing threshold: a correct backend passes however slow the host is.
 
-Large cases (``large`` variant, float32) move :data:`LARGE_NUMEL` elements per rank, more than
-one staging buffer of typical backends (the CPU backend's shared-memory slot is 4 MiB, a
-vendor library's chunk a few MiB), so a backend that splits a message into pieces is checked
-past its first piece. The count is not a power of two, so the last piece is partial, and the
-data's period (35 elements) does not divide a power-of-two piece, so a piece written at
-another piece's offset differs.
+Large cases (``large`` variant, float32) move :data:`LARGE_NUMEL` elements per rank, past one
+staging buffer of typical backends (the CPU backend's shared-memory slot is 4 MiB, a vendor
+library's chunk a few MiB). The count is odd (a partial last piece) and the data's period (35
+elements) divides no power-of-two piece, so a piece written at another's offset differs.
 
 Layout cases (variants in :data:`LAYOUTS`, float32, every op of every collective, sync and
-async, 2 and 4 ranks) hand the collective non-contiguous views, the rule stated under
-"Layout" in ``ds_core.hookspecs.comm``: ``strided`` puts every tensor (inputs and outputs) in
-one column of a two-column buffer (a stride of 2 elements, the column ``x[:, 1]`` of a
-matrix), ``transposed`` makes 2-D tensors the transpose of a padded buffer (all-to-all rows;
-1-D tensors are strided instead). Every element of a buffer outside its view holds
-:data:`GUARD`, checked after the collective, so a backend that reads or writes memory past
-the view's elements fails even where the view itself ends up right.
+async, 2 and 4 ranks) hand the collective non-contiguous views (the rule under "Layout" in
+``ds_core.hookspecs.comm``): ``strided`` puts every tensor in one column of a two-column
+buffer (the column ``x[:, 1]``), ``transposed`` makes 2-D tensors the transpose of a padded
+buffer (1-D ones are strided). Every element outside a view holds :data:`GUARD`, checked
+after the collective, so reading or writing past the view fails even where the view is right.
 """
 
 from __future__ import annotations
@@ -40,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ds_conformance.axes import queue_copy
 from ds_conformance.values import REDUCE_OPS, op_applies, product_values, rank_values, reduce
 
 WORLD_SIZES: tuple[int, ...] = (2, 4)
@@ -153,8 +150,10 @@ def cases(dtypes: Iterable[torch.dtype]) -> list[Case]:
     for collective in COLLECTIVES[:-1]:
         op = "sum" if collective in ("all_reduce", "reduce_scatter") else ""
         out.append(Case(collective, 2, "float32", op, async_op=True, variant="late-async"))
-    for variant in ("stream-after-current", "stream-wait-orders"):
-        out.append(Case("all_reduce", 2, "float32", "sum", async_op=True, variant=variant))
+    for collective in COLLECTIVES[:-1]:
+        op = "sum" if collective in ("all_reduce", "reduce_scatter") else ""
+        for variant in ("stream-after-current", "stream-wait-orders"):
+            out.append(Case(collective, 2, "float32", op, async_op=True, variant=variant))
     return out + _p2p_cases(names)
 
 
@@ -480,41 +479,42 @@ def _run_late(ctx: Context, case: Case) -> None:
 
 
 def _run_stream(ctx: Context, case: Case) -> None:
-    """Stream ordering of an asynchronous all-reduce (backends declaring ``async_streams``).
+    """Stream ordering of an asynchronous collective (backends declaring ``async_streams``).
 
-    ``stream-after-current``: the input is produced by a long chain of kernels on a side
-    stream, and the collective is called with that stream current and no other sync; it must
-    reduce the final values. ``stream-wait-orders``: after ``wait()`` under another stream,
-    work queued on that stream (and nothing else) must see the result.
+    ``stream-after-current``: the inputs are made by copies queued on a side stream (which a
+    device queues, where it may run kernels at once: :mod:`ds_conformance.axes`), and the
+    collective is called with that stream current and no other sync; it must read the copies.
+    ``stream-wait-orders``: after ``wait()`` under another stream, work queued on that stream
+    (and nothing else) must see the result.
     """
-    acc, device = ctx.acc, ctx.acc.device()
-    world = case.world
-    data = [rank_values(r, 1 << 20, torch.float32, world) for r in range(world)]
-    expected = reduce(data, "sum")
-    side = acc.Stream()
+    acc, args = ctx.acc, (torch.float32, tuple(range(case.world)), ctx.rank, case.world, None)
+    side, run = acc.Stream(), _COLLECTIVES[case.collective]
     side.wait_stream(acc.current_stream())
     if case.variant == "stream-after-current":
-        src = data[ctx.rank].to(device)
-        acc.synchronize()
+        place: Placement = _QueuedPlacement(case, acc, side)
         with acc.stream(side):
-            tensor = torch.zeros_like(src)
-            for _ in range(32):  # keeps the side stream busy well past the call
-                tensor.mul_(0.5).add_(src).sub_(src * 0.5)
-            tensor.copy_(src)
-            work = acc.all_reduce(tensor, "sum", None, True)
+            got, expected, work = run(acc, case, place, *args)
             work.wait()
-        acc.current_stream().wait_stream(side)
-        got = tensor
     else:
-        tensor = data[ctx.rank].to(device)
-        acc.synchronize()
-        work = acc.all_reduce(tensor, "sum", None, True)
+        got, expected, work = run(acc, case, Placement(case, acc.device()), *args)
         with acc.stream(side):
             work.wait()  # orders the side stream after the collective
-            got = tensor * 1  # queued on the side stream, after the wait
-        acc.current_stream().wait_stream(side)
+            got = got * 1  # queued on the side stream, after the wait
+    acc.current_stream().wait_stream(side)
     acc.synchronize()
     _check(ctx, case, got, expected)
+
+
+class _QueuedPlacement(Placement):
+    """Inputs put on the device by a copy queued on ``stream`` (see :func:`_run_stream`)."""
+
+    def __init__(self, case: Case, acc: Any, stream: Any) -> None:
+        super().__init__(case, acc.device())
+        self.acc, self.stream, self.sources = acc, stream, list[torch.Tensor]()
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        self.sources.append(t.to(self.device, copy=True))  # on the stream, before the copy
+        return queue_copy(self.acc, self.stream, self.sources[-1])
 
 
 # --------------------------------------------------------------------------- point-to-point

@@ -193,6 +193,29 @@ BROKEN: dict[str, tuple[str, str, str]] = {
         "test_free_pinned_releases_the_storage_and_refuses_any_other_tensor",
         "free_pinned releases tensors that are not its own",
     ),
+    "sim_stream_wait_noop": (
+        "stream",
+        "test_a_wait_orders_work_queued_on_another_stream[created-Stream.wait_stream]",
+        "sim: Stream.wait_stream and Stream.wait_event order nothing (lazy mode)",
+    ),
+    "sim_event_wait_noop": (
+        "stream",
+        "test_a_wait_orders_work_queued_on_another_stream[created-Event.wait]",
+        "sim: Event.wait(stream) orders nothing (lazy mode)",
+    ),
+    "sim_all_gather_wait_noop": (
+        "comm",
+        "test_all_gather[float32-async-stream-wait-orders-w2]",
+        "sim: an asynchronous all-gather's wait() orders nothing (lazy mode)",
+    ),
+}
+
+#: Environment of the suite's run on a broken backend besides the installer's: the broken sim
+#: backends run in ``lazy`` mode, where queued work runs only when something waits for it, so
+#: a missing wait gives a wrong result every time (backends/sim/README.md).
+ENV: dict[str, dict[str, str]] = {
+    stem: {"DS_SIM_ASYNC": "lazy", "DS_SIM_DEVICES": "4"}
+    for stem in ("sim_stream_wait_noop", "sim_event_wait_noop", "sim_all_gather_wait_noop")
 }
 
 #: broken backend -> tests of its category that must pass, so a check that fails is shown to
@@ -212,11 +235,24 @@ MUST_PASS: dict[str, tuple[str, ...]] = {
         "test_alloc_pinned_has_the_shape_and_dtype_asked_and_is_writable",
     ),
     "pinned_free_accepts_any": ("test_alloc_pinned_has_the_shape_and_dtype_asked_and_is_writable",),
+    # the one broken wait is what fails: the other kinds of wait still order the copy
+    "sim_event_wait_noop": (
+        "test_a_wait_orders_work_queued_on_another_stream[created-Stream.wait_event]",
+        "test_a_wait_orders_work_queued_on_another_stream[created-Stream.wait_stream]",
+    ),
+    "sim_all_gather_wait_noop": ("test_all_reduce[sum-float32-async-stream-wait-orders-w2]",),
 }
 
 #: Checks that must fail besides the one in :data:`BROKEN`.
 ALSO_FAILS: dict[str, tuple[str, ...]] = {
     "probe_touches_device": ("test_probe_imports_only_documented_modules",),
+    "sim_stream_wait_noop": (
+        "test_a_wait_orders_work_queued_on_another_stream[created-Stream.wait_event]",
+        "test_work_queued_by_another_thread_is_ordered_by_a_wait_on_this_one[Stream.wait_stream]",
+    ),
+    "sim_event_wait_noop": (
+        "test_work_queued_by_another_thread_is_ordered_by_a_wait_on_this_one[Event.wait]",
+    ),
 }
 
 #: The pytest arguments that narrow a broken backend's run to the checks its test asserts on:
@@ -232,8 +268,8 @@ _IDENTITY = """
 
 @hookimpl
 def ds_backend_info():
-    return BackendInfo(name={name!r}, device_type="cpu", priority=0, hookspec_version={version},
-                       description="deliberately broken test backend")
+    return BackendInfo(name={name!r}, device_type={device_type!r}, priority=0,
+                       hookspec_version={version}, description="deliberately broken test backend")
 """
 
 
@@ -251,6 +287,12 @@ def install(root: Path, stem: str, name: str | None = None) -> str:
         root,
         name,
         module=f"ds_broken_{stem}",
-        body=source + _IDENTITY.format(name=name, version=HOOKSPEC_VERSION),
+        body=source
+        + _IDENTITY.format(
+            # the broken sim backends (sim_*) are the sim device with one hook broken
+            name=name,
+            device_type="sim" if stem.startswith("sim_") else "cpu",
+            version=HOOKSPEC_VERSION,
+        ),
     )
     return name
