@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_backend_cpu import comm, memory, shm_groups, shm_sync
+from ds_backend_cpu import comm, memory, shm_groups, shm_p2p, shm_sync
 from ds_backend_cpu.graph import CpuGraph
 from ds_core import hookimpl
 from ds_core.backend_kit import HostDevice, HostEvent, HostStream, HostStreams
@@ -296,6 +296,10 @@ ds_comm_all_gather = comm.ds_comm_all_gather
 ds_comm_broadcast = comm.ds_comm_broadcast
 ds_comm_all_to_all = comm.ds_comm_all_to_all
 ds_comm_barrier = comm.ds_comm_barrier
+# Point-to-point: shared-memory channels between two ranks of a host, gloo otherwise.
+ds_comm_send = shm_p2p.ds_comm_send
+ds_comm_recv = shm_p2p.ds_comm_recv
+ds_comm_batch_isend_irecv = shm_p2p.ds_comm_batch_isend_irecv
 
 
 # --------------------------------------------------------------------------- ops

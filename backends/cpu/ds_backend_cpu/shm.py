@@ -154,6 +154,10 @@ class ShmProtocol:
             self.flags.load(self.seg.word_index(r, seg_mod.PID_WORD)) for r in range(self.world)
         ]
 
+    def pid_of(self, global_rank: int) -> int:
+        """The pid global rank ``global_rank`` published at setup (0 when not a member)."""
+        return self._pids[self.ranks.index(global_rank)] if global_rank in self.ranks else 0
+
     def _record_index(self, rank: int, call: int) -> int:
         base = seg_mod.RECORD_WORD + (call % 2) * self._record_words
         return self.seg.word_index(rank, base)

@@ -223,6 +223,20 @@ def existing(group: Any) -> ShmProtocol | None:
     return found.protocol if isinstance(found, ShmGroup) else None
 
 
+def known_pid(rank: int) -> int:
+    """The pid of global rank ``rank`` as published in a shared-memory group set up here that
+    includes it, else 0 (point-to-point channels check a peer's liveness with it before they
+    exchanged pids themselves: ``ds_backend_cpu.shm_p2p``)."""
+    with _registry_lock:
+        found = list(_groups.values())
+    for g in found:
+        if isinstance(g, ShmGroup) and g.protocol is not None:
+            pid = g.protocol.pid_of(rank)
+            if pid:
+                return pid
+    return 0
+
+
 def _group_timeout(pg: Any) -> float | None:
     """The gloo backend's timeout for ``pg`` in seconds (a private attribute: best effort)."""
     try:
