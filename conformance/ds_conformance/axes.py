@@ -82,3 +82,99 @@ def first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
         return f"shape {tuple(host.shape)} vs {tuple(want.shape)}"
     i = int(wrong[0])
     return f"{wrong.numel()} elements differ, first [{i}]={host[i].item()} (want {want[i].item()})"
+
+
+# -- state objects ----------------------------------------------------------------------------
+
+#: Return annotations of the hooks whose result is a state object (not a count, a flag, a
+#: stream or a generator, which are handles onto the backend by design).
+STATE_RETURNS: frozenset[str] = frozenset(
+    {"dict[str, int]", "MemoryInfo", "DeviceProperties", "torch.Tensor"}
+)
+#: The promise the state-object axis checks (``ds_core/hookspecs/__init__.py``).
+STATE_PROMISE = "An object a query hook returns (a statistics dict"
+#: A key no backend reports, planted in a returned mapping.
+PLANTED = "ds_conformance_planted"
+
+
+def state_hooks(category: str) -> list[str]:
+    """``category``'s hooks that take a device ``index`` and return a state object."""
+    return [
+        name
+        for name, fn in spec_hooks(category).items()
+        if "index" in inspect.signature(fn).parameters
+        and str(inspect.signature(fn).return_annotation) in STATE_RETURNS
+    ]
+
+
+def _call(acc: Any, hook: str, index: int | None) -> Any:
+    spec = spec_hooks()[hook]
+    args = [index if p == "index" else None for p in inspect.signature(spec).parameters]
+    return getattr(acc._h, hook)(*args)
+
+
+def _snapshot(value: Any) -> Any:
+    """A deep, comparable copy of a state object."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return dict(value)
+    extra = getattr(value, "extra", None)
+    return (value, dict(extra) if extra is not None else None)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
+
+
+def _activity(acc: Any) -> None:
+    """Device work that changes what state hooks report: allocation, draws, a peak reset."""
+    t = torch.rand(1 << 18, device=acc.device())
+    t = t * 2
+    acc.manual_seed(1234)
+    torch.rand(16, device=acc.device())
+    acc.synchronize()
+    del t
+    acc.reset_peak_memory_stats()
+    acc.empty_cache()
+
+
+def _plant(value: Any) -> bool:
+    """Change a returned object in place where it is mutable; whether it was changed."""
+    if isinstance(value, torch.Tensor):
+        value.zero_()
+        return True
+    target = value if isinstance(value, dict) else getattr(value, "extra", None)
+    if isinstance(target, dict):
+        target[PLANTED] = 1
+        return True
+    return False
+
+
+def check_state_object(acc: Any, hook: str, check: Callable[..., None]) -> None:
+    """The state-object axis for ``hook``: its result is unchanged by later device work, and
+    changing it changes nothing the backend reports next."""
+    before = _call(acc, hook, None)
+    kept = _snapshot(before)
+    _activity(acc)
+    check(
+        _same(_snapshot(before), kept),
+        f"{hook}(None)'s earlier result after device work",
+        "changed",
+        "unchanged (the caller's copy)",
+        hook,
+    )
+    ours = _call(acc, hook, None)
+    fresh = _snapshot(ours)
+    if not _plant(ours):
+        return
+    again = _call(acc, hook, None)
+    if isinstance(again, torch.Tensor):
+        leaked = not torch.equal(again, fresh)
+    else:
+        mapping = again if isinstance(again, dict) else getattr(again, "extra", {})
+        leaked = PLANTED in mapping
+    check(not leaked, f"{hook}(None) after the caller changed its last result", "changed too",
+          "unaffected", hook)  # fmt: skip

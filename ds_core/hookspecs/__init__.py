@@ -15,6 +15,9 @@ Rules shared by every hook:
   on every plugin and their results concatenated.
 - Only ``ds_backend_*`` hooks are called before selection, and they must not create a device
   context, allocate device memory or import a vendor stack that is not installed.
+- An object a query hook returns (a statistics dict, a ``MemoryInfo``, a ``DeviceProperties``,
+  an RNG state) is the caller's: later calls and device work do not change it, and changing
+  it changes nothing in the backend.
 """
 
 from __future__ import annotations
