@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from ds_core import comm, determinism
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
+from ds_core.faults import boundary
 from ds_core.parallel.expert.moe import dropped_parameters
 from ds_core.parallel.tensor import apply_autotp, model_tp_size, replaced_parameters
 from ds_core.zero import capture as _capture
@@ -101,6 +102,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
     "Gradients made outside engine.backward" has the table.
     """
 
+    @boundary("initialize")  # an allocator failure -> ds_core.faults.OutOfMemoryError
     def __init__(
         self,
         model: nn.Module,
@@ -339,6 +341,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    @boundary("forward")  # an allocator failure -> ds_core.faults.OutOfMemoryError
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (stage 3 gathers and releases each module's parameters), with
         ``fp16.auto_cast`` / ``torch_autocast`` applied (see :class:`DeepSpeedEngineAPI`).
@@ -395,6 +398,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         """Capture ``fn(*static_inputs)`` for replay: :func:`ds_core.zero.capture.capture`."""
         return _capture.capture(self, fn, *static_inputs, **kw)
 
+    @boundary("backward")  # an allocator failure -> ds_core.faults.OutOfMemoryError
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Back-propagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
 
@@ -440,6 +444,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         stays until changed. Gradients of every ``backward`` since the last update count."""
         self._boundary_override = bool(is_boundary)
 
+    @boundary("step")  # an allocator failure -> ds_core.faults.OutOfMemoryError
     def step(self) -> None:
         """Call after every micro-batch's backward; updates the parameters at the boundary.
 

@@ -20,6 +20,7 @@ from torch import nn
 from ds_core import comm
 from ds_core.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from ds_core.errors import ConfigError
+from ds_core.faults import boundary
 from ds_core.zero.compat import guards as _guards
 from ds_core.zero.config import DSConfig
 from ds_core.zero.gathered import GatheredParameters
@@ -329,6 +330,7 @@ class DeepSpeedEngineAPI:
 
     # -- checkpoints (ds_core.checkpoint) ---------------------------------------------
 
+    @boundary("save")  # an allocator failure -> ds_core.faults.OutOfMemoryError
     def save_checkpoint(
         self,
         save_dir: str,
@@ -381,6 +383,7 @@ class DeepSpeedEngineAPI:
         if coordinator is not None:
             coordinator.release_all()
 
+    @boundary("save")  # an allocator failure -> ds_core.faults.OutOfMemoryError
     def save_16bit_model(
         self,
         save_dir: str,

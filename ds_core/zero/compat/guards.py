@@ -29,6 +29,8 @@ RELEASED_ATTR = "ds_core_released_by"
 
 _counter = itertools.count(1)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the fault boundaries wrapping the engine's methods (ds_core.faults): not the caller either
+_WRAPPER = os.path.join(os.path.dirname(_PACKAGE), "faults.py")
 
 
 class EngineDestroyedError(RuntimeError):
@@ -40,7 +42,7 @@ def describe_caller() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_PACKAGE + os.sep):
+        if not path.startswith(_PACKAGE + os.sep) and path != _WRAPPER:
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return "<unknown>"
