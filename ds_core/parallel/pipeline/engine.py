@@ -2,9 +2,11 @@
 
 Each rank trains the layers of its stage (:class:`~ds_core.parallel.pipeline.module.PipelineModule`
 builds only those) with the ordinary :class:`~ds_core.zero.engine.ZeroEngine` over the stage's
-data-parallel group (``comm.device_mesh(1, pp, 1).dp_group``): ZeRO 0, 1 and 2 partition and
+data-parallel group (``comm.device_mesh(tp, pp, 1).dp_group``): ZeRO 0, 1 and 2 partition and
 reduce within a stage; activations go to the next stage and gradients back through
 :func:`ds_core.comm.batch_isend_irecv` (global ranks from :meth:`ds_core.comm.Mesh.stage_rank`).
+With AutoTP, a stage's layers are tensor-parallel over its TP group (see [Note: pipeline ×
+tensor parallelism] in :mod:`ds_core.parallel.pipeline.topology`).
 
 [Note: pipeline gradients and accumulation]
 A batch is ``gradient_accumulation_steps`` micro-batches (DeepSpeed's rule). The last stage runs
@@ -41,6 +43,7 @@ from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.parallel.pipeline import schedule as sched
+from ds_core.parallel.pipeline import topology as topo
 from ds_core.parallel.pipeline.checkpoint import StageCheckpoint, load_checkpoint
 from ds_core.parallel.pipeline.module import PipelineModule
 from ds_core.types import P2POp
@@ -121,12 +124,17 @@ class PipelineEngine(ZeroEngine):
     rest of the engine's surface (``optimizer``, ``lr_scheduler``, ``global_steps``,
     ``module``: this stage's layers) is the stage's :class:`~ds_core.zero.engine.ZeroEngine`.
 
+    With ``tensor_parallel.autotp_size`` above 1 each stage's layers are tensor-parallel over
+    the stage's TP group ([Note: pipeline × tensor parallelism] in
+    :mod:`ds_core.parallel.pipeline.topology`).
+
     :raises ConfigError: ZeRO stage 3 (its gathers run per module inside one forward; a stage's
         micro-batches interleave forwards and backwards of different micro-batches, which the
-        gathering's bookkeeping does not follow); ``tensor_parallel.autotp_size`` or
-        ``sequence_parallel_size`` above 1; ``pipeline.stages`` unlike the module's
-        ``num_stages``; optimizer offload with a weight tied across stages; a stage without a
-        trainable parameter (naming the stages and the partition).
+        gathering's bookkeeping does not follow); ``sequence_parallel_size`` above 1;
+        ``pipeline.stages`` unlike the module's ``num_stages``; stages × TP size not dividing
+        the world; a tied weight AutoTP would split; optimizer offload with a weight tied
+        across stages; a stage without a trainable parameter (naming the stages and the
+        partition).
     :raises NotSupportedError: more than one stage on a backend without the ``p2p`` capability.
     """
 
@@ -141,13 +149,13 @@ class PipelineEngine(ZeroEngine):
         if not isinstance(model, PipelineModule):
             raise ConfigError(f"PipelineEngine trains a PipelineModule, got {type(model).__name__}")
         pp = model.num_stages
-        _check_config(config, model)
+        tp = topo.check_config(config, model)
         acc = get_accelerator()
         if pp > 1:
             acc.require("p2p", f"pipeline parallelism over {pp} stages (PipelineModule)")
-        mesh = comm.device_mesh(1, pp, 1)
-        _check_stages_train(model, acc, optimizer is not None or config.optimizer is not None)
-        self._tie_groups = _sync_ties(model, mesh, acc)
+        mesh = topo.pipeline_mesh(model, tp)  # see [Note: pipeline × tensor parallelism]
+        topo.check_stages_train(model, acc, optimizer is not None or config.optimizer is not None)
+        self._tie_groups = topo.sync_ties(model, mesh, acc)
         if self._tie_groups and config.zero_optimization.offload_optimizer.device != "none":
             raise ConfigError(
                 "zero_optimization.offload_optimizer with a weight tied across pipeline stages "
@@ -548,68 +556,3 @@ def _wait_all(ops: list[P2POp]) -> None:
 def _repeating(loader: Any) -> Iterator[Any]:
     while True:
         yield from loader
-
-
-def _check_config(config: DSConfig, model: PipelineModule) -> None:
-    """Refuse what the pipeline engine does not compose with, naming the key and the fix."""
-    if config.zero_optimization.stage == 3:
-        raise ConfigError(
-            "zero_optimization.stage 3 with a PipelineModule is not supported: stage 3 gathers "
-            "each module's parameters around its forward and releases them after its backward, "
-            "and a pipeline stage interleaves forwards and backwards of different micro-batches; "
-            "use stage 0, 1 or 2"
-        )
-    if config.tensor_parallel.autotp_size > 1:
-        raise ConfigError(
-            "tensor_parallel.autotp_size > 1 with a PipelineModule is not supported yet; use "
-            "pipeline and data parallelism"
-        )
-    if config.sequence_parallel_size > 1:
-        raise ConfigError(
-            "sequence_parallel_size > 1 with a PipelineModule is not supported yet; use "
-            "pipeline and data parallelism"
-        )
-    stages = config.pipeline.stages
-    if stages != "auto" and stages != model.num_stages:
-        raise ConfigError(
-            f"pipeline.stages={stages} but the PipelineModule has num_stages="
-            f'{model.num_stages}; make them equal or set pipeline.stages to "auto"'
-        )
-
-
-def _check_stages_train(model: PipelineModule, acc: Any, training: bool) -> None:
-    """Every stage must hold a trainable parameter when the engine trains; agreed over the
-    world so every rank raises, not just the empty stage's."""
-    if not training:
-        return
-    mine = float(any(p.requires_grad for p in model.parameters()))
-    flags = torch.zeros(model.num_stages, dtype=torch.float32, device=acc.device())
-    flags[model.stage_id] = mine
-    if comm.get_world_size() > 1:
-        acc.all_reduce(flags, "sum", None)
-    empty = [s for s in range(model.num_stages) if flags[s].item() == 0]
-    if empty:
-        raise ConfigError(
-            f"pipeline stage(s) {empty} hold no trainable parameter (partition {model.parts}, "
-            "layers [parts[s], parts[s+1]) per stage); choose another partition_method or "
-            "fewer stages"
-        )
-
-
-def _sync_ties(model: PipelineModule, mesh: comm.Mesh, acc: Any) -> dict[str, Any]:
-    """Create each tie's groups (collective: every rank, the same order) and broadcast its
-    weights from the tie's first stage; return this rank's group per tie it holds."""
-    mine: dict[str, Any] = {}
-    with torch.no_grad():
-        for key, stages in model.tied_stages.items():
-            for i in range(mesh.stage_size):
-                ranks = [s * mesh.stage_size + i for s in stages]
-                group = comm.new_group(ranks)
-                if comm.get_rank() not in ranks:
-                    continue
-                mine[key] = group
-                for p in model.tied_weights(key):
-                    t = p.data.to(acc.device())
-                    acc.broadcast(t, ranks[0], group)
-                    p.data.copy_(t)  # the module is still where it was built
-    return mine

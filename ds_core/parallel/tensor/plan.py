@@ -239,9 +239,10 @@ def _qkv_sizes(attn: nn.Module, qkv: nn.Module, path: str) -> Fused:
 def apply_autotp(model: nn.Module, mesh: Mesh, partition_config: Any = None) -> dict[str, str]:
     """Split ``model``'s linear layers over ``mesh``'s TP group in place (see the module doc).
 
-    Every rank must call it on the same model; each full weight is broadcast from rank 0 before
-    it is cut, so the shards are slices of one tensor. Returns module path → ``"column"`` /
-    ``"row"`` for each split module.
+    Every rank must call it on the same model (with pipeline stages: every rank of a stage on
+    that stage's layers); each full weight is broadcast from rank 0 (with stages, from the TP
+    group's first rank) before it is cut, so the shards are slices of one tensor. Returns
+    module path → ``"column"`` / ``"row"`` for each split module.
 
     :raises ConfigError: as :func:`plan_autotp`; a dimension or head count not divisible by the
         TP size (naming the module); a model already converted with another size. (The
@@ -268,6 +269,10 @@ def apply_autotp(model: nn.Module, mesh: Mesh, partition_config: Any = None) -> 
     _check_ties(model, plan)
     acc = get_accelerator()
     world = comm.get_world_size()
+    # Pipeline stages hold other layers, so a stage's weights come from its TP group's first
+    # rank (ds_core.parallel.pipeline.topology); placement then makes the shards equal over
+    # the stage's DP group (ds_core/zero/placement.py).
+    src, group = (mesh.tp_src, mesh.tp_group) if mesh.pp_size > 1 else (0, None)
     result: dict[str, str] = {}
     replaced: dict[int, nn.Parameter] = {}
     heads_done: set[str] = set()
@@ -282,10 +287,10 @@ def apply_autotp(model: nn.Module, mesh: Mesh, partition_config: Any = None) -> 
         b = None if b is None else b.detach()
         if world > 1:
             w = w.contiguous().clone()
-            acc.broadcast(w, 0, None)
+            acc.broadcast(w, src, group)
             if b is not None:
                 b = b.contiguous().clone()
-                acc.broadcast(b, 0, None)
+                acc.broadcast(b, src, group)
         grad = old.weight.requires_grad
         # A tied weight (embedding and LM head) becomes one shard Parameter in both modules.
         shared = replaced.get(id(old.weight))
