@@ -14,6 +14,11 @@ broadcast 1 x buffer) divided by the copy bandwidth measured at that size in thi
 the all-reduce and broadcast buffer, the reduce-scatter input and the all-gather output.
 Targets (issue 10): shared-memory all-reduce >= 3x gloo's at 32 MiB; reduce-scatter <= 0.6x the
 shared-memory all-reduce; every shared-memory collective within 2x its bound at >= 4 MiB.
+
+``--p2p`` instead times point-to-point between 2 ranks (issue 31): a ping-pong of synchronous
+send/recv pairs over the core's gloo path and over the backend's shared-memory channels
+(``ds_backend_cpu.shm_p2p``), interleaved rep by rep; one-way time is half a round trip
+(latency at 4 KiB, bandwidth = bytes / one-way time at 4 and 32 MiB). Printed, never asserted.
 """
 
 from __future__ import annotations
@@ -101,6 +106,77 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], out: Any) -> None:
     ds_core.comm.destroy_distributed()
 
 
+P2P_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 32 << 20)
+
+
+def _p2p_rank(rank: int, port: int, out: Any) -> None:
+    """Rank ``rank`` of 2: ping-pongs each size over gloo and over shared memory."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    from ds_backend_cpu import comm, shm_p2p
+
+    import ds_core
+
+    ds_core.init_distributed()
+    acc = ds_core.get_accelerator()
+    peer = 1 - rank
+    gloo = shm_p2p._DEFAULT  # the core's default hooks: torch.distributed over gloo
+    transports: dict[str, tuple[Callable[[torch.Tensor], object], ...]] = {
+        "gloo": (
+            lambda t: gloo.ds_comm_send(t, peer, None, 0, False),
+            lambda t: gloo.ds_comm_recv(t, peer, None, 0, False),
+        ),
+        "shm": (lambda t: acc.send(t, peer), lambda t: acc.recv(t, peer)),
+    }
+
+    def pingpong(send: Callable[[torch.Tensor], object], recv: Callable[[torch.Tensor], object],
+                 buf: torch.Tensor) -> None:  # fmt: skip
+        if rank == 0:
+            send(buf)
+            recv(buf)
+        else:
+            recv(buf)
+            send(buf)
+
+    rows: dict[tuple[str, int], float] = {}
+    for nbytes in P2P_SIZES:
+        buf = torch.ones(nbytes // 4)
+        trips = max(1, min(200, (16 << 20) // nbytes))
+        times: dict[str, list[float]] = {k: [] for k in transports}
+        for send, recv in transports.values():  # warm-up; the first sets the channel up
+            pingpong(send, recv, buf)
+        for _ in range(max(5, _reps(nbytes))):
+            for name, (send, recv) in transports.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(trips):
+                    pingpong(send, recv, buf)
+                times[name].append((time.perf_counter() - t0) / trips / 2)
+        for name, ts in times.items():
+            rows[(name, nbytes)] = statistics.median(ts)
+    shm_sends = comm.transport_counts().get(("send", "shm", ""), 0)
+    if rank == 0:
+        out.put((shm_sends, rows))
+    ds_core.comm.destroy_distributed()
+
+
+def _p2p_report(shm_sends: int, rows: dict[tuple[str, int], float]) -> None:
+    print(f"\n2 ranks, point-to-point ping-pong ({shm_sends} sends went over shared memory)")
+    print(
+        f"  {'size':>8}  {'gloo us':>9}  {'shm us':>9}  {'gloo/shm':>8}  {'gloo GB/s':>9}"
+        f"  {'shm GB/s':>9}"
+    )
+    for s in P2P_SIZES:
+        g, m = rows[("gloo", s)], rows[("shm", s)]
+        print(
+            f"  {_size(s):>8}  {g * 1e6:9.1f}  {m * 1e6:9.1f}  {g / m:8.2f}  {s / g / 1e9:9.2f}"
+            f"  {s / m / 1e9:9.2f}"
+        )
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
@@ -135,7 +211,17 @@ def main() -> None:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--min-kib", type=int, default=64)
     parser.add_argument("--max-mib", type=int, default=256)
+    parser.add_argument("--p2p", action="store_true", help="time point-to-point instead")
     args = parser.parse_args()
+    if args.p2p:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        queue = mp.get_context("spawn").SimpleQueue()
+        print(f"torch {torch.__version__}, {os.cpu_count()} cpus, fp32 buffers, 1 thread per rank")
+        mp.spawn(_p2p_rank, args=(port, queue), nprocs=2)
+        _p2p_report(*queue.get())
+        return
     sizes, s = [], args.min_kib << 10
     while s <= args.max_mib << 20:
         sizes.append(s)
