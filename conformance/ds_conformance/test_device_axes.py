@@ -1,7 +1,9 @@
-"""Device edge axes (issue 28 §2): device descriptions are the caller's."""
+"""Device edge axes (issue 28 §2): device descriptions are the caller's; an integer argument
+in range, just out of range at each end, and of the wrong type."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -19,3 +21,42 @@ pytestmark = tier("basic")
 @hooks(*axes.state_hooks("device"))
 def test_a_returned_state_object_is_the_callers(acc: Any, hook: str) -> None:
     axes.check_state_object(acc, hook, check)
+
+
+#: Hooks of the category with an integer argument that is never ``None`` (derived from the specs).
+INT_HOOKS = [
+    (name, arg)
+    for name, fn in axes.spec_hooks("device").items()
+    for arg, p in inspect.signature(fn).parameters.items()
+    if str(p.annotation) == "int"
+]
+WRONG_TYPES: tuple[object, ...] = ("0", 0.0, 1.0, None, True, False)
+
+
+@pytest.mark.parametrize(("hook", "arg"), INT_HOOKS)
+@promise("ds_device_set", ":param index: device index in ``range(ds_device_count())``.")
+@promise("ds_device_set", ":raises ValueError: when ``index`` is out of range, naming the count.")
+@promise("ds_device_set", ":raises TypeError: when ``index`` is not an ``int``")
+@promise("ds_device_current", ":returns: an index in ``range(ds_device_count())``.")
+@hooks("ds_device_set", "ds_device_current", "ds_device_count")
+def test_an_index_argument_in_range_out_of_range_and_of_the_wrong_type(
+    acc: Any, hook: str, arg: str
+) -> None:
+    impl, count, start = getattr(acc._h, hook), acc.device_count(), acc.current_device()
+    try:
+        for index in range(count):
+            check(impl(index) is True, f"{hook}({arg}={index})", "not True", "True", hook)
+            now = acc.current_device()
+            check(now == index and type(now) is int, f"current_device() after {hook}({index})",
+                  now, f"the int {index}", "ds_device_current")  # fmt: skip
+        for bad in (-1, count):  # just out of range at each end
+            with pytest.raises(ValueError, match=rf"(?<![\d-]){count}(?!\d)"):  # the count
+                impl(bad)
+        for wrong in WRONG_TYPES:
+            with pytest.raises(TypeError):
+                impl(wrong)
+            now = acc.current_device()
+            check(type(now) is int and 0 <= now < count, f"current_device() after {hook}"
+                  f"({wrong!r}) raised", now, f"an int in range({count})", "ds_device_current")  # fmt: skip
+    finally:
+        acc.set_device(start)

@@ -26,7 +26,12 @@ the vendor module: ``tests/backends/fakes/fake_device_module.py`` works for any 
 
 from __future__ import annotations
 
-from ds_core.backend_kit.checks import check_options, dtype_set, require_dist_backend
+from ds_core.backend_kit.checks import (
+    check_options,
+    dtype_set,
+    require_device_index,
+    require_dist_backend,
+)
 from ds_core.backend_kit.determinism import (
     LEAVE,
     DeterminismPolicy,
@@ -76,6 +81,7 @@ __all__ = [
     "fused_adamw_provider",
     "module_present",
     "package_file_present",
+    "require_device_index",
     "require_dist_backend",
     "torch_attr",
     "torch_deterministic_algorithms",

@@ -56,6 +56,19 @@ def require_dist_backend(name: str, hint: str) -> bool:
     return True
 
 
+def require_device_index(index: object) -> int:
+    """``index`` when it is a device index by type: an ``int`` that is not a ``bool``.
+
+    :raises TypeError: naming the type, for anything else (``1.0``, ``"1"``, ``True``,
+        ``None``); a float would otherwise become the current "device" and a bool a real one.
+    """
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(
+            f"a device index is an int, got {type(index).__name__} {index!r}; pass int(index)"
+        )
+    return index
+
+
 def check_options(backend: str, options: Mapping[str, Any], known: Collection[str]) -> bool:
     """Validate a backend's configure options: only names in ``known`` are accepted.
 

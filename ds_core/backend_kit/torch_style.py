@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ds_core.backend_kit.checks import require_device_index
 from ds_core.backend_kit.determinism import DeterminismPolicy
 from ds_core.backend_kit.host_streams import HostTimedEvent
 from ds_core.hookspecs import hookimpl
@@ -224,7 +225,7 @@ class TorchStyleHooks:
     def ds_device_set(self, index: int) -> bool:
         module = self.vendor()
         count = int(module.device_count())
-        if not 0 <= index < count:
+        if not 0 <= require_device_index(index) < count:
             raise ValueError(
                 f"device index {index} is out of range: {self.api_name} sees {count} device(s)"
             )

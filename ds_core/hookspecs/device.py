@@ -44,6 +44,7 @@ def ds_device_set(index: int) -> bool:
     :param index: device index in ``range(ds_device_count())``.
     :returns: ``True``.
     :raises ValueError: when ``index`` is out of range, naming the count.
+    :raises TypeError: when ``index`` is not an ``int`` (a ``bool`` or a ``float`` is not one).
 
     Device context: may create one.
 

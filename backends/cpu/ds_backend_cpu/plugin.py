@@ -23,7 +23,13 @@ import torch.distributed as dist
 from ds_backend_cpu import comm, memory, shm_groups, shm_p2p, shm_sync
 from ds_backend_cpu.graph import CpuGraph
 from ds_core import hookimpl
-from ds_core.backend_kit import HostDevice, HostEvent, HostStream, HostStreams
+from ds_core.backend_kit import (
+    HostDevice,
+    HostEvent,
+    HostStream,
+    HostStreams,
+    require_device_index,
+)
 from ds_core.errors import ConfigError
 from ds_core.ops.cpu_adam import cpu_adam_provider
 from ds_core.ops.quantizer import quantizer_provider
@@ -96,7 +102,7 @@ def ds_device_current() -> int:
 @hookimpl
 def ds_device_set(index: int) -> bool:
     count = _host.device_count()
-    if not 0 <= index < count:
+    if not 0 <= require_device_index(index) < count:
         raise ValueError(
             f"device index {index} is out of range: this process sees {count} cpu device(s) "
             f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', 'unset')})"
