@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_core.accelerator import get_accelerator
+from ds_core.comm import liveness
 from ds_core.errors import ConfigError
 
 _lock = threading.RLock()
@@ -133,6 +134,7 @@ def init_distributed(
         kwargs["init_method"] = init_method or "env://"
     dist.init_process_group(**kwargs)
     atexit.register(destroy_distributed)
+    liveness.start(init_method)  # a dead peer ends this rank in seconds (§3.10)
     if acc.device_type == "cpu" and local_rank < acc.device_count():
         acc.set_device(local_rank)
 
@@ -157,6 +159,7 @@ def destroy_distributed() -> None:
     otherwise destroyed during interpreter finalization, where gloo's worker threads abort the
     process ("terminate called without an active exception", seen with torch 2.13).
     """
+    liveness.stop()  # first: a rank that leaves on purpose is not a dead one
     with _lock:
         callbacks = list(_destroy_callbacks)
         _expert_groups.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
+from ds_core.comm import liveness
 from ds_core.errors import ConfigError
 
 #: the folder under ``nvme_path`` holding every rank's swap folder.
@@ -37,6 +38,8 @@ def make_swap_folder(nvme_path: str, name: str, field: str) -> str:
             f"{field}: the swap folder {folder} is not writable by this process; choose a "
             "writable folder on a local disk"
         )
+    # A rank the liveness watchdog ends (os._exit, no finally) still removes its folder.
+    liveness.on_abort(folder, lambda: remove_swap_folder(folder))
     return folder
 
 
@@ -49,6 +52,7 @@ def _cannot_create(field: str, folder: str, exc: OSError) -> ConfigError:
 
 def remove_swap_folder(folder: str) -> None:
     """Remove ``folder`` and, when no other rank's folder is left in it, the shared parent."""
+    liveness.on_abort(folder, None)
     shutil.rmtree(folder, ignore_errors=True)
     try:
         os.rmdir(os.path.dirname(folder))
