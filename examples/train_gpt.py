@@ -10,6 +10,7 @@ backend installed, the CPU), batches go to its device, and the log's loss is ave
     python -m examples.train_gpt --stage 3 --bf16 --steps 100
     torchrun --nproc_per_node 2 examples/train_gpt.py --config examples/ds_config.json
     python examples/train_gpt.py --tp 2                               # AutoTP over 2 ranks
+    python examples/train_gpt.py --ranks 4 --pp 2 --tp 2 --grad-accum 4   # PP=2 x TP=2
     python examples/train_gpt.py --ep 2                               # MoE (4 experts), AutoEP
 
 Flags or a DeepSpeed-style JSON config (``--config``); flags given explicitly override the
@@ -124,7 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pp",
         type=at_least(1),
         help="pipeline parallelism: split the layers over this many stages (1F1B schedule, "
-        "micro-batches = --grad-accum; ZeRO 0-2)",
+        "micro-batches = --grad-accum; ZeRO 0-2; with --tp each stage's layers are split over "
+        "its TP ranks)",
     )
     p.add_argument(
         "--sp",
@@ -173,7 +175,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 ("--save-dir", args.save_dir),
                 ("--resume", args.resume),
                 ("--stage 3", args.stage == 3),
-                ("--tp", (args.tp or 1) > 1),
                 ("--sp", (args.sp or 1) > 1),
                 ("--experts", args.experts),
                 ("--ep", args.ep),
@@ -184,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if clash:
             p.error(
                 f"argument --pp: not with {', '.join(clash)} (the pipeline engine has no "
-                "checkpoints, ZeRO 3, tensor, sequence or expert parallelism, or offload yet)"
+                "checkpoints, ZeRO 3, sequence or expert parallelism, or offload yet)"
             )
     if (args.sp or 1) > 1:
         heads = PRESETS[args.model].n_head
@@ -587,12 +588,13 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
         if rank == 0:
             print(f"resumed from {path} at step {start}", file=sys.stderr)
     if rank == 0:
+        pp_tp = f" x TP={tp}" if tp > 1 else ""  # each stage's layers split over TP ranks
         print(
             f"GPT {args.model}: {n_params / 1e6:.1f} M parameters | ZeRO stage "
             f"{config.zero_optimization.stage}{offload_label(config)} | {config.precision} | "
             f"{world} ranks on {acc.device_name()} ({acc.communication_backend_name()})"
-            f"{f' | TP={tp} x DP={dp}' if tp > 1 else ''}"
-            f"{f' | PP={pp} x DP={dp}' if pp > 1 else ''}"
+            f"{f' | TP={tp} x DP={dp}' if tp > 1 and pp == 1 else ''}"
+            f"{f' | PP={pp}{pp_tp} x DP={dp}' if pp > 1 else ''}"
             f"{f' | SP={sp} x DP={dp}' if sp > 1 else ''}"
             f"{f' | MoE {experts} experts' if experts else ''}"
             f"{f' | EP={ep} x EDP={dp // ep}' if ep > 1 else ''} | "
