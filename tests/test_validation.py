@@ -146,14 +146,21 @@ def test_a_version_1_backend_may_not_declare_a_version_2_capability() -> None:
     assert "declares 'p2p', which hook version 2 introduced, but targets version 1" in msg
 
 
-def test_the_current_backend_gets_point_to_point_from_the_default_plugin() -> None:
+def test_a_current_backend_without_p2p_hooks_gets_them_from_the_default_plugin() -> None:
     from ds_core.accelerator import build_accelerator
+    from ds_core.comm import DefaultCollectives
     from ds_core.plugins import BackendEntry
 
-    assert not hasattr(cpu, "ds_comm_send")  # the CPU backend relies on the core's default
-    acc = build_accelerator(BackendEntry("cpu", "ds-core-cpu", "0", "x", plugin=cpu))
+    # The CPU backend implements them (ds_backend_cpu/shm_p2p.py); a clone without them
+    # still declares p2p and is served by the core's default over torch.distributed.
+    assert hasattr(cpu, "ds_comm_send")
+    own = build_accelerator(BackendEntry("cpu", "ds-core-cpu", "0", "x", plugin=cpu))
+    assert own._h.ds_comm_send is cpu.ds_comm_send
+    bare = clone(ds_comm_send=None, ds_comm_recv=None, ds_comm_batch_isend_irecv=None)
+    acc = build_accelerator(BackendEntry("cpu", "ds-core-cpu", "0", "x", plugin=bare))
     assert acc.has("p2p")
     assert acc.binding()["ds_comm_send"] == "direct"
+    assert isinstance(getattr(acc._h.ds_comm_send, "__self__", None), DefaultCollectives)
 
 
 def test_point_to_point_arguments_are_checked_before_any_communication() -> None:
