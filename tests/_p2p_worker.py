@@ -141,3 +141,33 @@ def mismatch() -> dict[str, str]:
     out, got = torch.full((5,), float(me)), torch.empty(5)
     comm.batch_isend_irecv([P2POp("send", out, 1 - me), P2POp("recv", got, 1 - me)])[1].wait()
     return {"error": error, "world_ok": str(torch.equal(got, torch.full((5,), float(1 - me))))}
+
+
+def ring() -> dict[str, Any]:
+    """Every rank sends 64 chunks to the next rank and receives from the previous one in one
+    batch, on the world and on a subgroup of ranks {1, 3} whose group ranks differ from their
+    global ranks; both over shared memory (``DS_CPU_SHM_REQUIRE=1``)."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    nxt, prv = (me + 1) % world, (me - 1) % world
+    numel = 64 * 1024
+    before = p2p_counts()
+    pair_group = dist.new_group([1, 3])
+    os.environ[cpu_comm.ENV_REQUIRE] = "1"
+    try:
+        got = torch.empty(numel)
+        ops = [P2POp("send", message(me, nxt, 400, numel, torch.float32), nxt),
+               P2POp("recv", got, prv)]  # fmt: skip
+        for w in comm.batch_isend_irecv(ops):
+            w.wait()
+        ok = [torch.equal(got, message(prv, me, 400, numel, torch.float32))]
+        if me in (1, 3):
+            peer = 4 - me
+            got = torch.empty(numel)
+            ops = [P2POp("send", message(me, peer, 401, numel, torch.float32), peer, pair_group),
+                   P2POp("recv", got, peer, pair_group)]  # fmt: skip
+            for w in comm.batch_isend_irecv(ops):
+                w.wait()
+            ok.append(torch.equal(got, message(peer, me, 401, numel, torch.float32)))
+    finally:
+        os.environ.pop(cpu_comm.ENV_REQUIRE, None)
+    return {"ok": ok, "counts": delta(before, p2p_counts())}

@@ -3,7 +3,8 @@
 Exactness against the sent tensors (bit for bit, every dtype the transport carries), that the
 shared-memory path was taken (the backend's transport counters, and ``DS_CPU_SHM_REQUIRE=1``
 that makes any fallback an error), the gloo fallback for other dtypes, a mismatch seen by both
-ranks, and a peer that dies after the channel was set up. Ranks are real processes: the rank
+ranks, a ring of four ranks and a subgroup exchanging messages larger than the ring of slots in
+one batch, and a peer that dies after the channel was set up. Ranks are real processes: the rank
 pool (tests/rankpool.py), and for the dying peer two processes of its own.
 """
 
@@ -136,3 +137,14 @@ def test_the_worker_messages_differ_per_pair() -> None:
 
     a, b = worker.message(0, 1, 1, 64, torch.float32), worker.message(1, 0, 1, 64, torch.float32)
     assert not torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_ring_of_four_and_a_subgroup_exchange_large_messages_in_one_batch(
+    rank_pools: RankPools,
+) -> None:
+    results = rank_pools.get(4, ENV).run(f"{JOB}:ring")
+    for rank, r in enumerate(results):
+        pairs = 2 if rank in (1, 3) else 1
+        assert r["ok"] == [True] * pairs, (rank, r)
+        assert r["counts"] == {("send", "shm", ""): pairs, ("recv", "shm", ""): pairs}, r
