@@ -1,8 +1,10 @@
-"""Data, pipeline and sequence parallelism on 4 ranks: DP=4 vs PP=2×DP=2 vs SP=2×DP=2 (issue 31).
+"""Data, pipeline, tensor and sequence parallelism on 4 ranks: DP=4 vs PP=2×DP=2 vs SP=2×DP=2
+vs PP=2×TP=2 (issue 31).
 
 Run: ``python bench/parallel.py`` (about 3 minutes on a 2-core machine, where 4 ranks are
 oversubscribed, so times are indicative only); options: ``--preset small --micro-batch 4
---seq 64 --micro-batches 4,8 --warmup 1 --steps 3 --stage 1 --backend cpu|sim``.
+--seq 64 --micro-batches 4,8 --warmup 1 --steps 3 --stage 1 --backend cpu|sim --layouts
+dp4,pp2dp2,sp2dp2,pp2tp2`` (a subset of the rows; ``pp2dp2`` names every m).
 
 The GPT of ``examples/gpt.py`` (the pipeline as ``examples/train_gpt.py --pp`` builds it:
 ``pipeline_layers`` in a ``PipelineModule``, blocks balanced over the stages; SP as ``--sp``:
@@ -10,7 +12,8 @@ Ulysses around every block's attention, each rank its shard of every sequence), 
 ZeRO stage ``--stage``, gradient clipping 1.0. One optimizer step is ``m`` micro-batches of
 ``B × T`` tokens per data replica (``gradient_accumulation_steps`` m; the pipeline's
 ``train_batch`` runs them as 1F1B); DP and SP run at the first ``m`` of ``--micro-batches``,
-PP at each. PP=2×TP=2 is tried and its refusal printed (the pipeline engine refuses TP today).
+PP at each; PP=2×TP=2 (``--pp 2 --tp 2``: each stage's blocks split by AutoTP over the
+stage's 2 TP ranks, DP=1) at the first ``m``. A layout the engine refuses prints its refusal.
 
 Per layout: median step time of the slowest rank over ``--steps`` after ``--warmup``; tokens
 per second over the whole world; peak memory per rank (the accelerator's peak during the
@@ -23,8 +26,12 @@ group (``bench/zero_vs_peers.zero_formula_bytes``); logical bytes per step per r
 formula:
 
 - collectives: ZeRO's 2 × the fp32 gradient bytes this rank reduces, once per step (stages
-  1-2 reduce-scatter then all-gather); SP adds its all-to-alls: per layer and micro-batch q, k,
-  v and the output forward and the four reversed backward, 8 × ``B·(T/sp)·C`` fp32;
+  1-2 reduce-scatter then all-gather; logical bytes, so counted at PP=2×TP=2 too, where the
+  ZeRO group is one rank); SP adds its all-to-alls: per layer and micro-batch q, k, v and the output
+  forward and the four reversed backward, 8 × ``B·(T/sp)·C`` fp32; TP adds 4 all-reduces of
+  ``B·T·C`` fp32 per block of the stage and micro-batch (the row-parallel ``proj`` outputs of
+  attention and MLP forward, the column-parallel ``qkv`` and ``fc`` input gradients backward),
+  2 × the buffer each;
 - point-to-point: per boundary 2 × m × the activation ``B·T·C`` fp32 (activations forward,
   their gradients back); a rank of a 2-stage pipeline sends one direction: m × ``B·T·C·4``.
 
@@ -73,6 +80,7 @@ MiB = 2**20
 WORLD = 4
 MIN_NUMEL = 1024  # leave out norms, flags, loss means and the pipeline's shape messages
 P2P_OPS = ("send", "recv")
+LAYOUTS = ("dp4", "pp2dp2", "sp2dp2", "pp2tp2")
 
 
 def _config(args: argparse.Namespace, m: int, sp: int, tp: int) -> dict[str, Any]:
@@ -123,6 +131,7 @@ def run_one(
     rank, shape = comm.get_rank(), PRESETS[args.preset]
     shape = dataclasses.replace(shape, block_size=max(shape.block_size, args.seq))
     dp = WORLD // (pp * sp * tp)
+    group = WORLD // (pp * tp)  # ZeRO's group: one stage's ranks holding the same TP shard
     base = acc.memory_allocated()
     torch.manual_seed(0)
     if pp > 1:
@@ -175,14 +184,17 @@ def run_one(
     by_op = counter.bytes_by_op(min_numel=MIN_NUMEL)
     p2p = sum(by_op.get(k, 0) for k in P2P_OPS)
     coll = sum(v for k, v in by_op.items() if k not in P2P_OPS)
-    held = sum(p.numel() for p in model.parameters())  # this rank's stage, whole (before ZeRO)
+    # this rank's stage (its TP shards under TP), whole (before ZeRO)
+    held = sum(p.numel() for p in model.parameters())
     act = 4 * args.micro_batch * args.seq * shape.n_embd  # one micro-batch's fp32 activation
     sp_formula = shape.n_layer * m * 8 * act // sp if sp > 1 else 0
+    tp_formula = shape.n_layer // pp * m * 4 * 2 * act if tp > 1 else 0
     measured = range(args.warmup, len(times))
     out = {
         "name": name,
         "pp": pp,
         "sp": sp,
+        "tp": tp,
         "dp": dp,
         "m": m,
         "stage_id": getattr(engine, "stage_id", 0),
@@ -191,11 +203,11 @@ def run_one(
         "peak": peak,
         "state": harness.ds_state_bytes(engine) or 0,
         # ZeRO partitions over the ranks holding the same parameters: DP × SP (as DeepSpeed's
-        # sequence-data-parallel group), one stage's DP ranks under PP
-        "state_formula": harness.zero_formula_bytes(held, args.stage, WORLD // pp),
+        # sequence-data-parallel group), one stage's DP ranks under PP, TP peers excluded
+        "state_formula": harness.zero_formula_bytes(held, args.stage, group),
         "held": held,
         "coll": coll / args.steps,
-        "coll_formula": 2 * 4 * held + sp_formula,
+        "coll_formula": 2 * 4 * held + sp_formula + tp_formula,
         "p2p": p2p / args.steps,
         "p2p_formula": m * act if pp > 1 else 0,
         "tokens": args.micro_batch * args.seq * m * dp,
@@ -206,12 +218,13 @@ def run_one(
 
 
 def layouts(args: argparse.Namespace) -> list[tuple[str, int, int, int, int]]:
-    """(name, pp, sp, tp, m): DP and SP at the first m, PP at each, then the refused PP×TP."""
+    """(name, pp, sp, tp, m): DP, SP and PP×TP at the first m, PP at each; those
+    ``--layouts`` names."""
     ms = args.micro_batches
     rows = [("dp4", 1, 1, 1, ms[0])]
     rows += [(f"pp2dp2/m{m}", 2, 1, 1, m) for m in ms]
     rows += [("sp2dp2", 1, 2, 1, ms[0]), ("pp2tp2", 2, 1, 2, ms[0])]
-    return rows
+    return [r for r in rows if r[0].split("/")[0] in args.layouts]
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
@@ -261,27 +274,33 @@ def table(rows: list[dict[str, Any]]) -> str:
         f"{'p2p MiB':>7} {'formula':>7} {'time/dp4':>8} {'tok/s/dp4':>9}"
     )
     lines = [head, "-" * len(head)]
-    dp4 = next(r for r in rows if r["name"] == "dp4")
+    dp4 = next((r for r in rows if r["name"] == "dp4" and "refused" not in r), None)
     for r in rows:
         if "refused" in r:
             lines.append(f"{r['name']:<11} refused: {r['refused']}")
             continue
         tps = r["tokens"] / r["step_s"]
+        if dp4 is None:  # --layouts without dp4: no ratios
+            ratios = f"{'-':>8} {'-':>9}"
+        else:
+            ratios = (
+                f"{r['step_s'] / dp4['step_s']:>8.2f} {tps / (dp4['tokens'] / dp4['step_s']):>9.2f}"
+            )
         lines.append(
             f"{r['name']:<11} {r['m']:>2} {r['held'] / 1e6:>10.2f}M {r['step_s'] * 1e3:>8.0f} "
             f"{tps:>6.0f} {r['peak'] / MiB:>8.1f} {r['state'] / MiB:>9.2f} "
             f"{r['state_formula'] / MiB:>7.2f} {r['coll'] / MiB:>8.2f} "
             f"{r['coll_formula'] / MiB:>7.2f} {r['p2p'] / MiB:>7.2f} "
-            f"{r['p2p_formula'] / MiB:>7.2f} {r['step_s'] / dp4['step_s']:>8.2f} "
-            f"{tps / (dp4['tokens'] / dp4['step_s']):>9.2f}"
+            f"{r['p2p_formula'] / MiB:>7.2f} {ratios}"
         )
     lines += ["", "pipeline bubble (p = 2): 1 − stage compute / step, per rank (stage)"]
+    names = {1: "", 2: " pp2tp2"}
     for r in rows:
         if r.get("pp", 1) > 1 and "refused" not in r:
             p, m = r["pp"], r["m"]
             per = " ".join(f"{b:.2f}" for b in r["bubble"])
             lines.append(
-                f"  m={m}: measured {max(r['bubble']):.2f} (ranks 0-3: {per}); "
+                f"  m={m}{names[r.get('tp', 1)]}: measured {max(r['bubble']):.2f} (ranks 0-3: {per}); "
                 f"1F1B (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.2f}"
             )
     return "\n".join(lines)
@@ -297,7 +316,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--stage", type=int, default=1, choices=(0, 1, 2))  # PP refuses stage 3
     p.add_argument("--backend", default="cpu", choices=("cpu", "sim"))
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="rows to run, comma-separated")
     args = p.parse_args()
+    args.layouts = args.layouts.split(",")
+    unknown = sorted(set(args.layouts) - set(LAYOUTS))
+    if unknown:
+        p.error(f"argument --layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
     args.micro_batches = [int(v) for v in args.micro_batches.split(",")]
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # resident set follows tensors
     os.environ["DS_ACCELERATOR"] = args.backend
