@@ -13,14 +13,16 @@ Public API:
 - :class:`ResumableLoader` wraps a data loader so its position is saved (set it as
   ``engine.training_dataloader``);
 - :class:`CheckpointReader` reads and verifies a checkpoint folder;
-- :class:`CheckpointError` is raised for every bad argument or bad file.
+- :class:`CheckpointError` is raised for every bad argument or bad file; its subclass
+  :class:`DiskWriteError` (also an ``OSError``) when the file system refuses a write (full,
+  quota, read-only, file size limit), naming the file and the bytes needed.
 
 The on-disk layout is described in ``docs/checkpoints.md``.
 """
 
 from __future__ import annotations
 
-from ds_core.checkpoint._io import CheckpointError
+from ds_core.checkpoint._io import CheckpointError, DiskWriteError
 from ds_core.checkpoint._load import load_checkpoint
 from ds_core.checkpoint._reader import CheckpointReader
 from ds_core.checkpoint._save import save_checkpoint
@@ -36,6 +38,7 @@ from ds_core.checkpoint.loader import ResumableLoader
 __all__ = [
     "CheckpointError",
     "CheckpointReader",
+    "DiskWriteError",
     "ResumableLoader",
     "consolidated_state_dict",
     "convert_to_universal",

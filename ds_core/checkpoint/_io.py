@@ -9,6 +9,13 @@ process killed at any point leaves either the old ``<tag>`` (or none) and the ol
 never a half-written folder under a real tag: a ``.partial`` folder is ignored by loads and
 removed by the next save. Replacing an existing tag renames the old folder to
 ``.<tag>.replaced`` first; a load that finds no ``<tag>`` but that folder uses it.
+
+[Note: a failed write]
+A write refused by the file system (full, over quota, read-only, not permitted, over the file
+size limit: :data:`ds_core.faults.DISK_ERRNOS`) raises :class:`DiskWriteError` naming the file,
+the errno's meaning, the bytes that file needed (its tensors' bytes) and the free space there;
+the half-written file is removed at once, and the save that called the writer removes its
+``.partial`` folder (``latest`` was never touched: it moves only after the rename).
 """
 
 from __future__ import annotations
@@ -19,12 +26,14 @@ import os
 import pickle
 import re
 import shutil
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ds_core.errors import DSCoreError
+from ds_core.faults import DISK_ERRNOS
 
 MANIFEST = "manifest.json"
 META = "meta.pt"
@@ -36,6 +45,86 @@ _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*$")
 
 class CheckpointError(DSCoreError):
     """A checkpoint cannot be written or read; the message names the file and the problem."""
+
+
+class DiskWriteError(CheckpointError, OSError):
+    """A checkpoint or export file could not be written for lack of space, quota or permission
+    (see [Note: a failed write]).
+
+    :ivar path: the file that failed.
+    :ivar needed: bytes of tensor data the failed write (or, once a save adds it, that rank's
+        whole part of the save) had to store.
+    :ivar errno: the file system's error number (``ENOSPC``, ``EDQUOT``, ``EROFS``, ...).
+    """
+
+    def __init__(self, path: Path, code: int, needed: int, message: str) -> None:
+        self.path = path
+        self.needed = needed
+        super().__init__(message)
+        self.errno = code
+
+
+def mib(n: int) -> str:
+    """``n`` bytes, also in MiB, for messages."""
+    return f"{n} bytes ({n / (1 << 20):.2f} MiB)"
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of tensor data in ``obj`` (tensors inside dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def disk_error(path: Path, exc: OSError, needed: int) -> DiskWriteError:
+    """The :class:`DiskWriteError` for writer failure ``exc`` on ``path``."""
+    code = exc.errno or 0
+    free = ""
+    with suppress(OSError):
+        free = f"; {mib(shutil.disk_usage(path.parent).free)} free there"
+    return DiskWriteError(
+        path,
+        code,
+        needed,
+        f"cannot write {path}: {exc.strerror or exc} ({DISK_ERRNOS[code]}); it needs "
+        f"{mib(needed)}{free}. Free space (or raise the quota or limit), or save elsewhere",
+    )
+
+
+def is_disk_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write refused by the file system (:data:`DISK_ERRNOS`)."""
+    return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
+
+
+_OS_ERROR = re.compile(r"os error (\d+)")
+
+
+def disk_fault_of(exc: BaseException) -> OSError | None:
+    """The file system's refusal behind ``exc``, or ``None``: ``exc`` itself, its cause or
+    context (``torch.save`` raises a ``RuntimeError`` over the stream's ``OSError``), or the
+    ``os error N`` that safetensors' writer puts in its message."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is not None and is_disk_fault(e):
+            assert isinstance(e, OSError)
+            return e
+    found = _OS_ERROR.search(str(exc))
+    if found and int(found.group(1)) in DISK_ERRNOS:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    return None
+
+
+def remove_quietly(path: Path) -> None:
+    """Remove a half-written file or folder; the original fault is what gets reported."""
+    with suppress(OSError):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def rank_file(rank: int) -> str:
@@ -103,13 +192,22 @@ class _HashingWriter:
 
 
 def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
-    """Write ``data`` to ``path`` in 1 MiB chunks, fsync, and return its manifest entry."""
-    with open(path, "wb") as f:
-        w = _HashingWriter(f)
-        for start in range(0, len(data), _CHUNK):
-            w.write(data[start : start + _CHUNK])
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``data`` to ``path`` in 1 MiB chunks, fsync, and return its manifest entry.
+
+    :raises DiskWriteError: the file system refused the write (the file is removed).
+    """
+    try:
+        with open(path, "wb") as f:
+            w = _HashingWriter(f)
+            for start in range(0, len(data), _CHUNK):
+                w.write(data[start : start + _CHUNK])
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if not is_disk_fault(exc):
+            raise
+        remove_quietly(path)
+        raise disk_error(path, exc, len(data)) from exc
     return w.entry()
 
 
@@ -118,12 +216,21 @@ def save_object(path: Path, obj: Any) -> dict[str, Any]:
 
     The bytes are hashed as they stream to the file (no second copy in memory), so the entry
     describes exactly what was written.
+
+    :raises DiskWriteError: the file system refused the write (the file is removed).
     """
-    with open(path, "wb") as f:
-        w = _HashingWriter(f)
-        torch.save(obj, w)  # type: ignore[arg-type]  # any object with write() works
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            w = _HashingWriter(f)
+            torch.save(obj, w)  # type: ignore[arg-type]  # any object with write() works
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:
+        cause = disk_fault_of(exc)
+        if cause is None:
+            raise
+        remove_quietly(path)
+        raise disk_error(path, cause, tensor_bytes(obj)) from exc
     return w.entry()
 
 
@@ -256,7 +363,7 @@ def publish(root: Path, tag: str, save_latest: bool) -> Path:
 def write_latest(root: Path, tag: str) -> None:
     """Point ``latest`` at ``tag`` atomically (write, fsync, rename, fsync the folder)."""
     tmp = root / f"{LATEST}.tmp"
-    write_bytes(tmp, tag.encode())
+    write_bytes(tmp, tag.encode())  # removes its file when refused
     os.replace(tmp, root / LATEST)
     fsync_dir(root)
 

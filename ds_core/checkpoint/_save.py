@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_core.checkpoint import _io, _nvme, _state, _tp
-from ds_core.checkpoint._io import CheckpointError
+from ds_core.checkpoint._io import CheckpointError, DiskWriteError
+from ds_core.faults import is_oom, out_of_memory
 
 if TYPE_CHECKING:
     from ds_core.zero.engine import ZeroEngine
@@ -120,7 +121,12 @@ def save_checkpoint(
     :param universal: write the universal format (by parameter name, unpadded) directly.
     :returns: the published folder.
     :raises CheckpointError: bad arguments (before anything is written), state that cannot
-        be stored, or a failure on any rank (the previous checkpoint and ``latest`` stay).
+        be stored, or a failure on any rank (the previous checkpoint and ``latest`` stay, and
+        the ``.partial`` folder is removed: see [Note: a failed write] in
+        :mod:`ds_core.checkpoint._io`).
+    :raises DiskWriteError: on the rank whose write the file system refused (full, quota,
+        read-only, file size limit), naming the file and the bytes this rank's part needed.
+    :raises ds_core.faults.OutOfMemoryError: on the rank where an allocation failed.
     """
     root, tag = _validate(
         engine, save_dir, tag, {} if client_state is None else client_state, universal
@@ -134,13 +140,18 @@ def save_checkpoint(
         )
     checkpoint_id = uuid.uuid4().hex if engine.rank == 0 else ""
     error: BaseException | None = None
+    needed = planned_bytes(engine, universal, exclude_frozen_parameters)
+    tmp = _io.partial_dir(root, tag)
     if engine.rank == 0:
         try:
             _io.start_folder(root, tag)
         except OSError as exc:
-            error = CheckpointError(f"cannot create {_io.partial_dir(root, tag)}: {exc}")
+            error = (
+                _with_total(_io.disk_error(tmp, exc, needed), tag, engine.rank, needed)
+                if _io.is_disk_fault(exc)
+                else CheckpointError(f"cannot create {tmp}: {exc}")
+            )
     agree(engine, error, "creating the checkpoint folder")
-    tmp = _io.partial_dir(root, tag)
     # Param groups list members by every rank's keys: the same on every rank and EP size.
     keys = _state.master_keys(engine)
     split = _state.pieces(engine)
@@ -172,13 +183,35 @@ def save_checkpoint(
         rel = _io.rank_file(engine.rank)
         files[rel] = _io.save_object(tmp / rel, rank_payload)
         del rank_payload
+    except DiskWriteError as exc:
+        error = _with_total(exc, tag, engine.rank, needed)
     except (OSError, CheckpointError) as exc:
         error = exc
-    gathered = all_gather_json(
-        engine, {"error": None if error is None else str(error), "files": files}
-    )
+    except (RuntimeError, MemoryError) as exc:
+        if not is_oom(exc):
+            _abandon(engine, tmp)
+            raise
+        error = out_of_memory("save", exc, engine.label)
+        error.__cause__ = exc
+    except BaseException:  # a collective's error, an interrupt: nothing of it is a checkpoint
+        _abandon(engine, tmp)
+        raise
+    try:
+        gathered = all_gather_json(
+            engine, {"error": None if error is None else str(error), "files": files}
+        )
+    except BaseException as exc:  # another rank left the save's collectives
+        _abandon(engine, tmp)
+        if error is not None:
+            # this rank's own fault is the one to report, still from its original cause
+            raise error from (error.__cause__ or exc)
+        raise
     failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
     if failed:
+        if engine.rank == 0:
+            _io.remove_quietly(tmp)
+        if error is not None:
+            raise error
         raise CheckpointError(f"saving {tag} failed on rank {failed[0][0]}: {failed[0][1]}")
     if engine.rank == 0:
         try:
@@ -204,10 +237,70 @@ def save_checkpoint(
             }
             _io.write_manifest(tmp, all_files, header)
             _io.publish(root, tag, save_latest)
+        except DiskWriteError as exc:
+            error = _with_total(exc, tag, engine.rank, needed)
         except (OSError, CheckpointError) as exc:
             error = exc
+        except BaseException:
+            _io.remove_quietly(tmp)
+            raise
+        if error is not None:
+            _io.remove_quietly(tmp)  # not yet renamed: nothing of it is a checkpoint
     agree(engine, error, f"publishing {tag}")
     return root / tag
+
+
+def _abandon(engine: ZeroEngine, tmp: Path) -> None:
+    """Rank 0 removes an abandoned save's temporary folder (see [Note: a failed write])."""
+    if engine.rank == 0:
+        _io.remove_quietly(tmp)
+
+
+def _with_total(exc: DiskWriteError, tag: str, rank: int, needed: int) -> DiskWriteError:
+    """``exc`` restated for the whole save: this rank's share, and what was left behind."""
+    out = DiskWriteError(
+        exc.path,
+        exc.errno or 0,
+        needed,
+        f"saving checkpoint {tag!r} failed on rank {rank}, whose part of the save needs "
+        f"{_io.mib(needed)} of state in all: {exc}. The partial folder is removed; 'latest' "
+        "still names the previous checkpoint",
+    )
+    out.__cause__ = exc.__cause__
+    return out
+
+
+def planned_bytes(engine: ZeroEngine, universal: bool, exclude_frozen: bool) -> int:
+    """Bytes of tensor data this rank's part of a save writes, from the state it holds: its
+    fragments (native) or the full parameters it is the writer of (universal); masters and
+    optimizer tensors in fp32 (as saved), frozen weights in the model dtype. The files add a
+    few KiB of framing each."""
+    nv = _nvme.swap(engine)
+    total = 0
+    for i, zp in enumerate(engine.zparams.values()):
+        if not zp.trainable and exclude_frozen:
+            continue
+        replicated = zp.mode.value == _state.REPLICATED
+        if universal:
+            writer = zp.group_rank == (0 if replicated else i % zp.group_world)
+            if not (writer and _tp.tp_rank(engine) == 0):
+                continue
+            numel = _tp.full_shape(engine, zp).numel()
+        else:
+            if not stores(zp):
+                continue
+            numel = zp.numel if replicated else zp.hi - zp.lo
+        if zp.master is None:
+            total += numel * zp.param.element_size()
+        elif nv is not None:
+            total += numel * 4 * (1 + len(_nvme.layout(nv, zp)))
+        else:
+            tensors, _ = _state.split_state(
+                zp, _state.optimizer_state(engine, zp.master), _state.rank_local_keys(engine)
+            )
+            sizes = [zp.master.element_size()] + [t.element_size() for t in tensors.values()]
+            total += numel * sum(sizes)
+    return total
 
 
 def _native_fragments(

@@ -82,13 +82,38 @@ def convert_to_universal(
 
     :returns: the new tag folder.
     :raises CheckpointError: ``src`` is unreadable or already universal.
+    :raises DiskWriteError: the file system refused a write: the message names the file and
+        the bytes it needed; the temporary folder is removed and ``dst`` keeps what it had.
     """
     reader = open_checkpoint(src, tag)
     if reader.format != "native":
         raise CheckpointError(f"{reader.folder} is already in the universal format")
     out_root = _io.check_save_dir(dst)
     out_tag = str(reader.meta["tag"])
-    tmp = _io.start_folder(out_root, out_tag)
+    # the same tensors as the source holds: its files' sizes are what the copy needs
+    needed = sum(int(e["size"]) for e in reader.manifest["files"].values())
+    tmp = _io.partial_dir(out_root, out_tag)
+    try:
+        _io.start_folder(out_root, out_tag)
+        return _convert(reader, out_root, out_tag, tmp)
+    except BaseException as exc:
+        _io.remove_quietly(tmp)  # see [Note: a failed write] in ds_core.checkpoint._io
+        cause = _io.disk_fault_of(exc)
+        if cause is None:
+            raise
+        path = exc.path if isinstance(exc, _io.DiskWriteError) else tmp
+        raise _io.DiskWriteError(
+            path,
+            cause.errno or 0,
+            needed,
+            f"converting {reader.folder} to the universal format (it needs about "
+            f"{_io.mib(needed)}, the source's size) failed: "
+            f"{exc if isinstance(exc, _io.DiskWriteError) else _io.disk_error(tmp, cause, needed)}"
+            f". The partial folder is removed; {out_root} keeps what it had",
+        ) from exc
+
+
+def _convert(reader: CheckpointReader, out_root: Path, out_tag: str, tmp: Path) -> Path:
     files: dict[str, dict[str, Any]] = {}
     for key in reader.keys():
         entry = reader.entry(key)
@@ -125,13 +150,29 @@ def write_state_dict(state: dict[str, torch.Tensor], out: str | os.PathLike[str]
     """Write a state dict to ``.safetensors`` or ``.pt``/``.bin``, atomically (temp + rename).
 
     :raises CheckpointError: another file extension.
+    :raises DiskWriteError: the file system refused the write (full, quota, read-only, file
+        size limit): the message names ``out`` and the bytes the state needs; the temporary
+        file is removed and an existing ``out`` is left as it was.
     """
     path = Path(out)
     suffix = path.suffix.lower()
     if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise CheckpointError(f"{path}: write .safetensors, .pt, .pth or .bin")
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial")
+    try:
+        _write_file(state, path, tmp, suffix)
+    except BaseException as exc:
+        _io.remove_quietly(tmp)  # see [Note: a failed write] in ds_core.checkpoint._io
+        cause = _io.disk_fault_of(exc)
+        if cause is not None:
+            raise _io.disk_error(path, cause, _io.tensor_bytes(state)) from exc
+        raise
+    return path
+
+
+def _write_file(state: dict[str, torch.Tensor], path: Path, tmp: Path, suffix: str) -> None:
+    """Write ``tmp``, fsync it and rename it to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".safetensors":
         from safetensors.torch import save_file
 
@@ -149,7 +190,6 @@ def write_state_dict(state: dict[str, torch.Tensor], out: str | os.PathLike[str]
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _io.fsync_dir(path.parent)
-    return path
 
 
 def export_checkpoint(
