@@ -54,23 +54,35 @@ def load_checkpoint(
     :param load_lr_scheduler_states: restore the LR scheduler.
     :param load_module_only: restore weights (and buffers) only: no optimizer, scheduler,
         counters or RNG.
-    :returns: ``(checkpoint folder, client_state)``, or ``(None, None)`` when ``load_dir``
-        holds no such checkpoint (no ``latest`` file, or no folder for ``tag``).
-    :raises CheckpointError: a file that is missing, truncated, corrupted, not weights-only
-        or from another save; a model that does not match the checkpoint. The message names
-        the file or the parameter.
+    :returns: ``(checkpoint folder, client_state)``, or ``(None, None)`` when ``tag`` is
+        ``None`` and ``load_dir`` has no ``latest`` file (as DeepSpeed does).
+    :raises CheckpointError: ``tag``, or the tag ``latest`` names, has no folder in
+        ``load_dir`` (naming the tags there); a file that is missing, truncated, corrupted,
+        not weights-only or from another save; a model that does not match the checkpoint.
+        The message names the file or the parameter.
     """
     root = Path(load_dir)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"load_dir {str(root)!r} is not a folder")
-    folder = _io.resolve(root, tag)
-    if folder is None:
-        log.warning(
-            "no checkpoint to load in %s (%s); starting from scratch",
-            root,
-            f"tag {tag!r} not found" if tag is not None else "no 'latest' file",
-        )
+    named = tag if tag is not None else _io.read_latest(root)
+    if named is None:  # no `latest`: nothing saved yet, as DeepSpeed answers (None, None)
+        log.warning("no checkpoint to load in %s (no 'latest' file); starting from scratch", root)
         return None, None
+    folder = _io.resolve(root, named)
+    if folder is None:
+        # An explicit tag, or the one `latest` names, that is not there is a mistake (a typo,
+        # a folder deleted or moved): starting from scratch would silently lose the run.
+        there = root.iterdir() if root.is_dir() else iter(())
+        tags = ", ".join(sorted(p.name for p in there if (p / _io.MANIFEST).is_file()))
+        if tag is not None:
+            raise CheckpointError(
+                f"{root / named}: no checkpoint with tag {tag!r} in {str(root)!r} (tags there: "
+                f"{tags or 'none'}); pass one of those, or tag=None for the one 'latest' names"
+            )
+        raise CheckpointError(
+            f"{root / _io.LATEST}: names tag {named!r}, but {str(root / named)!r} does not exist "
+            f"(tags there: {tags or 'none'}); point 'latest' at one of those or pass tag="
+        )
     # a forward-only engine (no optimizer) takes the weights only
     want_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
     split = _state.pieces(engine)

@@ -228,7 +228,11 @@ def load_errors(root: Path) -> dict[str, Any]:
             refused[label] = str(exc)
     out["refused"] = refused
     out["bad_written"] = (root / "bad").exists()
-    out["missing_tag"] = engine.load_checkpoint(str(root / "s1" / "native"), tag="nope")
+    try:  # a tag that is not there is an error, not a silent start from scratch
+        engine.load_checkpoint(str(root / "s1" / "native"), tag="nope")
+        out["missing_tag"] = None
+    except CheckpointError as exc:
+        out["missing_tag"] = str(exc)
     bad = root / "corrupt_rank1"
     if comm.get_rank() == 0:
         shutil.copytree(root / "s1" / "native", bad, dirs_exist_ok=True)

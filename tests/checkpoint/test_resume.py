@@ -93,7 +93,10 @@ def test_load_errors_and_refusals(suite: Any, backend: str) -> None:
     res = suite("resume_load", backend)
     for r, out in enumerate(res.ranks("errors")):
         assert out["empty"] == (None, None)
-        assert out["missing_tag"] == (None, None)
+        assert (
+            out["missing_tag"] is not None and "no checkpoint with tag 'nope'" in out["missing_tag"]
+        )
+        assert "(tags there: global_step3)" in out["missing_tag"], out["missing_tag"]
         # every rank raises, naming the corrupted file, not only the rank that read it
         assert out["corrupt"] is not None and "rank_00001.pt" in out["corrupt"], (r, out["corrupt"])
         assert "SHA-256" in out["corrupt"]

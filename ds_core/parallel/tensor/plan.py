@@ -108,11 +108,17 @@ def _specs(partition_config: Any) -> list[tuple[list[str], _Split]]:
         shape = _get(spec, "shape", None)
         fused: Fused = 1
         if shape:
-            fused = (
-                tuple(int(n) for n in shape[0])
-                if isinstance(shape[0], list | tuple)
-                else int(shape[0])
-            )
+            try:  # a dict given to tp_model_init has not been through the config's schema
+                fused = (
+                    tuple(int(n) for n in shape[0])
+                    if isinstance(shape[0], list | tuple)
+                    else int(shape[0])
+                )
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"tensor_parallel.partition_config.layer_specs.{i}.shape: the first entry "
+                    f"must be a sub-parameter count or a list of sizes, got {shape[0]!r}"
+                ) from None
         patterns = list(_get(spec, "patterns", []))
         gather = bool(_get(spec, "gather_output", False))
         out.append((patterns, _Split(kind, fused, f"layer_specs.{i}", gather)))
