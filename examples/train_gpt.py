@@ -32,7 +32,10 @@ process, quiet unless ``LOGLEVEL`` is set), so what goes wrong reads as one line
   sets a flag, and the ranks agree through the per-step all-gather of the logged loss, so no
   rank is left waiting in a collective. Rank 0 prints one ``train_gpt: interrupted ...``
   line, the CSV keeps every finished step, ``--save-on-interrupt`` saves a checkpoint to
-  ``--save-dir`` first (every rank takes part), and the exit status is 130;
+  ``--save-dir`` first (every rank takes part), and the exit status is 130. An error in a
+  step (out of memory included) does not save: the state may be partly updated and the other
+  ranks are inside the step's collectives; the last checkpoint written stays the one to resume
+  from (docs/checkpoints.md, "What a failed save leaves");
 * a rank whose agent dies (``kill -9`` of the launcher or of torchrun) gets SIGTERM from the
   kernel (``prctl(PR_SET_PDEATHSIG)`` via ctypes, Linux) and exits, rather than running on
   unsupervised; where prctl is unavailable a thread polls ``os.getppid()`` each second.
