@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_conformance.helpers import check
-from ds_conformance.marks import hooks, tier
+from ds_conformance.marks import hooks, promise, tier
 from ds_core import capabilities as caps
 from ds_core.errors import ConfigError
 from ds_core.hookspecs import HOOKSPEC_VERSION
@@ -17,6 +17,8 @@ pytestmark = tier("basic")
 
 
 @hooks("ds_backend_info")
+@promise("ds_backend_info", "``name`` must equal the backend's entry point name")
+@promise("ds_backend_info", "Return the backend's identity: name, torch device type")
 def test_info_names_a_usable_torch_device(acc: Any) -> None:
     info = acc.info
     check(
@@ -44,6 +46,7 @@ def test_info_names_a_usable_torch_device(acc: Any) -> None:
 
 
 @hooks("ds_backend_probe", "ds_device_count")
+@promise("ds_backend_probe", "Report whether this backend can run on this host")
 def test_probe_reports_the_devices_it_found(acc: Any) -> None:
     probe = acc.probe()
     check(probe.available, "probe.available", probe.available, "True", "ds_backend_probe()")
@@ -64,6 +67,17 @@ def test_probe_reports_the_devices_it_found(acc: Any) -> None:
 
 
 @hooks("ds_backend_capabilities")
+@promise(
+    "ds_backend_capabilities",
+    "Return the capabilities this backend declares, from :mod:`ds_core.capabilities`.",
+)
+@promise(
+    "ds_backend_capabilities",
+    "Dtype capabilities are derived from ``ds_dtype_supported`` and must not be listed.",
+)
+@promise("ds_backend_capabilities", "A declared capability must be backed by its gated hooks")
+@promise("ds_memory_pin", "Gated by the ``pinned_memory`` capability.")
+@promise("ds_memory_alloc_pinned", "Gated by the ``pinned_memory`` capability.")
 def test_declared_capabilities_are_in_the_vocabulary(acc: Any) -> None:
     declared = frozenset(acc.entry.plugin.ds_backend_capabilities())
     problems = caps.check_declared(declared)
@@ -74,6 +88,10 @@ def test_declared_capabilities_are_in_the_vocabulary(acc: Any) -> None:
 
 
 @hooks("ds_backend_configure")
+@promise("ds_backend_configure", "The call is idempotent.")
+@promise("ds_backend_configure", ":returns: ``True`` once applied.")
+@promise("ds_backend_configure", ":param options: the backend's options; may be empty.")
+@promise("ds_backend_configure", "Use in backends: required (accept an empty mapping).")
 def test_configure_is_idempotent_and_rejects_unknown_keys(acc: Any) -> None:
     first = acc.entry.plugin.ds_backend_configure({})
     second = acc.entry.plugin.ds_backend_configure({})
@@ -86,3 +104,54 @@ def test_configure_is_idempotent_and_rejects_unknown_keys(acc: Any) -> None:
     )
     with pytest.raises(ConfigError):
         acc.entry.plugin.ds_backend_configure({"ds_conformance_no_such_option": 1})
+
+
+def _spec_functions() -> dict[str, Any]:
+    from ds_core.hookspecs import SPEC_MODULES, all_hook_names
+
+    names = set(all_hook_names())
+    return {n: getattr(m, n) for m in SPEC_MODULES for n in vars(m) if n in names}
+
+
+def _required_by_their_docstrings() -> list[str]:
+    """Hooks whose docstring says "Use in backends: required" (each linked below)."""
+    from ds_conformance.coverage import sentences
+
+    return [
+        name
+        for name, fn in _spec_functions().items()
+        if any(s.startswith("Use in backends: required") for s in sentences(fn.__doc__))
+    ]
+
+
+@hooks("ds_backend_info")
+def test_the_backend_implements_every_required_hook_with_the_spec_signature(acc: Any) -> None:
+    """Every hook its spec calls required is implemented by the backend's plugin, and every
+    hook it implements takes the spec's arguments, by the same names in the same order."""
+    import inspect
+
+    plugin = acc.entry.plugin
+    missing = [h for h in _required_by_their_docstrings() if not callable(getattr(plugin, h, None))]
+    check(not missing, "required hooks not implemented", missing, "none", "the backend's plugin")
+    for name, spec in _spec_functions().items():
+        impl = getattr(plugin, name, None)
+        if impl is None:
+            continue
+        want = [(p.name, p.kind) for p in inspect.signature(spec).parameters.values()]
+        got = [(p.name, p.kind) for p in inspect.signature(impl).parameters.values()]
+        check(
+            got == want,
+            f"{name} arguments",
+            [n for n, _ in got],
+            f"{[n for n, _ in want]} (positional, as the spec)",
+            "the backend's plugin",
+        )
+
+
+for _hook in _required_by_their_docstrings():
+    test_the_backend_implements_every_required_hook_with_the_spec_signature = promise(
+        _hook, "Use in backends: required"
+    )(test_the_backend_implements_every_required_hook_with_the_spec_signature)
+test_the_backend_implements_every_required_hook_with_the_spec_signature = promise(
+    "hookspecs", "an implementation's signature equals the spec's"
+)(test_the_backend_implements_every_required_hook_with_the_spec_signature)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ds_conformance.comm_cases import Case, cases
-from ds_conformance.marks import capability, hooks, tier
+from ds_conformance.marks import capability, hooks, promise, tier
 from ds_conformance.ranks import RankGroups
 
 pytestmark = tier("multi-rank")
@@ -40,46 +40,147 @@ def _result(acc: Any, groups: RankGroups, case: Case) -> None:
 
 
 @hooks("ds_comm_all_reduce", "ds_comm_prepare", "ds_comm_backend_name")
+@promise(
+    "ds_comm_all_reduce",
+    "Reduce ``tensor`` across the group in place, so every rank holds the result.",
+)
+@promise("ds_comm_all_reduce", ":param tensor: the buffer, reduced in place")
+@promise("ds_comm_all_reduce", ':param op: ``"sum"``')
+@promise("ds_comm_all_reduce", ":param group: a process group from")
+@promise("ds_comm_all_reduce", ":param async_op: return before completion")
+@promise(
+    "comm", "Tensors are on the backend's device; all ranks of the group call the same collective"
+)
+@promise("comm", "Collectives take a process group from ``ds_core.comm.new_group``")
+@promise("comm", "A synchronous collective blocks while any peer has not joined.")
+@promise("comm", "the hook returns without waiting for peers.")
+@promise("comm", "``handle.wait()`` orders completion before later work")
+@promise("comm", "Ordered after the current stream at call time.")
+@promise("comm", "A staged call is exact.")
+@promise(
+    "comm", "A non-contiguous in-place buffer or output is written only through its own elements"
+)
+@promise("comm", "The facade (and so ``ds_core.comm``) gives callers any strided tensor")
+@promise("comm", "``wait()`` may be called more than once; later calls do nothing.")
 def test_all_reduce(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
 
 @hooks("ds_comm_all_gather")
+@promise(
+    "ds_comm_all_gather",
+    "Gather every rank's ``input`` into ``output``, concatenated along dim 0 in rank order.",
+)
+@promise(
+    "ds_comm_all_gather",
+    ":param output: a contiguous tensor of ``world_size × input.numel()`` elements",
+)
+@promise("ds_comm_all_gather", ":param input: this rank's contribution")
 def test_all_gather(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
 
 @hooks("ds_comm_reduce_scatter")
+@promise("ds_comm_reduce_scatter", "Reduce ``input`` across ranks and leave rank")
+@promise(
+    "ds_comm_reduce_scatter",
+    ":param output: a contiguous tensor of ``input.numel() / world_size`` elements",
+)
+@promise("ds_comm_reduce_scatter", ":param op: as for ``ds_comm_all_reduce``.")
+@promise(
+    "ds_comm_reduce_scatter",
+    ":param input: the full buffer, contiguous; its numel is divisible by the group size.",
+)
 def test_reduce_scatter(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
 
 @hooks("ds_comm_broadcast")
+@promise(
+    "ds_comm_broadcast",
+    "Copy ``tensor`` from global rank ``src`` to every rank of the group, in place.",
+)
+@promise("ds_comm_broadcast", ":param src: the source's global rank.")
+@promise(
+    "ds_comm_broadcast", ":param tensor: the buffer, read on ``src`` and overwritten elsewhere"
+)
 def test_broadcast(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
 
 @hooks("ds_comm_all_to_all")
+@promise(
+    "ds_comm_all_to_all",
+    "Scatter slices of ``input`` (along dim 0) to every rank and gather theirs into ``output``.",
+)
+@promise(
+    "ds_comm_all_to_all",
+    ":param output_split_sizes: rows received from each rank, or ``None`` for equal splits.",
+)
+@promise(
+    "ds_comm_all_to_all",
+    ":param input_split_sizes: rows sent to each rank, or ``None`` for equal splits.",
+)
+@promise("ds_comm_all_to_all", ":param output: the received rows")
+@promise("ds_comm_all_to_all", ":param input: the rows to send, contiguous.")
 def test_all_to_all(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
 
 @hooks("ds_comm_send", "ds_comm_recv", "ds_comm_batch_isend_irecv")
+@promise(
+    "ds_comm_send",
+    "Send ``tensor`` to global rank ``dst``, which receives it with ``ds_comm_recv``.",
+)
+@promise(
+    "ds_comm_recv", "Receive into ``tensor`` what global rank ``src`` sends with ``ds_comm_send``."
+)
+@promise(
+    "ds_comm_batch_isend_irecv",
+    "Start every send and receive of ``ops`` before waiting for any; one handle per op.",
+)
+@promise(
+    "ds_comm_batch_isend_irecv",
+    "Two ranks that exchange (each sends to the other and receives from it), or a ring of ranks, issue their operations in one batch",
+)
+@promise("ds_comm_batch_isend_irecv", ":returns: a handle per op, in the order of ``ops``")
+@promise("ds_comm_recv", ":param async_op: return before the data arrived")
+@promise("ds_comm_send", ":param dst: the receiver's global rank")
+@promise("ds_comm_recv", ":param src: the sender's global rank")
+@promise("comm", "**Peers are global ranks**")
+@promise(
+    "comm",
+    "Point-to-point (``ds_comm_send``, ``ds_comm_recv``, ``ds_comm_batch_isend_irecv``; since hook version 2",
+)
 def test_p2p(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
 
 @hooks("ds_comm_barrier")
+@promise("ds_comm_barrier", "Block until every rank of the group has reached the barrier.")
 def test_barrier(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
 
 @hooks("ds_comm_backend_name")
+@promise("ds_comm_backend_name", "Return the ``torch.distributed`` backend name for this device")
+@promise("ds_comm_prepare", ":returns: ``True`` once the comm backend name is usable.")
+@promise("ds_comm_prepare", "Idempotent.")
+@promise(
+    "ds_comm_prepare",
+    "Import whatever registers the backend's process-group library with ``torch.distributed``.",
+)
 def test_backend_name_is_a_torch_distributed_backend(acc: Any) -> None:
     import torch.distributed as dist
 
     name = acc.communication_backend_name()
-    acc.prepare_communication()
+    prepared = [acc.prepare_communication(), acc.prepare_communication()]  # idempotent
+    if prepared != [True, True]:
+        pytest.fail(
+            f"prepare_communication() twice returned {prepared}, but should return True each "
+            "time [ds_comm_prepare]",
+            pytrace=False,
+        )
     known = {b.lower() for b in dist.Backend.backend_list} | {
         b.lower() for b in getattr(dist.Backend, "_plugins", {})
     }

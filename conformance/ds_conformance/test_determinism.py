@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_conformance.helpers import check, run_python
-from ds_conformance.marks import capability, hooks, tier
+from ds_conformance.marks import capability, hooks, promise, tier
 
 pytestmark = tier("basic")
 
@@ -40,6 +40,13 @@ def _train(acc: Any) -> list[torch.Tensor]:
 
 
 @hooks("ds_determinism_apply", "ds_determinism_restore")
+@promise(
+    "ds_determinism_apply",
+    "Turn deterministic execution on or off for this device and record every change made.",
+)
+@promise("ds_determinism_apply", "Returns the previous and new value of each setting")
+@promise("ds_determinism_restore", "Undo a ``ds_determinism_apply``")
+@promise("ds_determinism_restore", ":returns: ``True`` once every setting is restored")
 def test_record_names_what_was_set_and_restore_undoes_it(acc: Any) -> None:
     env_before = dict(os.environ)
     algos_before = torch.are_deterministic_algorithms_enabled()
@@ -136,6 +143,7 @@ def side_effects(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 @hooks("ds_determinism_apply", "ds_determinism_restore")
 @pytest.mark.parametrize("start", ["from-off", "from-on"])
+@promise("ds_determinism_apply", ":param enabled:")
 def test_apply_changes_only_what_it_records_and_restore_returns_every_setting(
     side_effects: dict[str, Any], start: str
 ) -> None:
@@ -178,6 +186,9 @@ def test_apply_changes_only_what_it_records_and_restore_returns_every_setting(
 
 @capability("determinism")
 @hooks("ds_determinism_apply")
+@promise(
+    "ds_determinism_apply", "two runs of the same program on the same device are bitwise equal"
+)
 def test_two_training_runs_are_bitwise_equal(acc: Any) -> None:
     record = acc.set_deterministic(True)
     try:
@@ -230,6 +241,7 @@ def _order_sensitive_step(acc: Any) -> list[torch.Tensor]:
 
 @capability("determinism")
 @hooks("ds_determinism_apply", "ds_determinism_restore")
+@promise("determinism", "Opt-in deterministic execution.")
 def test_order_sensitive_training_is_bitwise_repeatable(acc: Any) -> None:
     """Under the hook, twelve runs of an accumulation whose order is otherwise up to thread
     or atomic timing give one result, bit for bit. A hook that sets nothing fails this: the

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_conformance.helpers import check
-from ds_conformance.marks import capability, hooks, tier
+from ds_conformance.marks import capability, hooks, promise, tier
 from ds_core.errors import DSCoreError, NotSupportedError
 
 pytestmark = [tier("graph"), capability("graph_capture")]
@@ -49,6 +49,7 @@ def _capture(acc: Any, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tenso
 
 
 @hooks("ds_graph_create")
+@promise("ds_graph_create", "The facade refuses to call this hook until graph capture is enabled")
 def test_capture_without_enablement_is_refused(acc: Any) -> None:
     fresh = _fresh(acc)
     with pytest.raises(DSCoreError) as info:
@@ -63,6 +64,7 @@ def test_capture_without_enablement_is_refused(acc: Any) -> None:
 
 
 @hooks("ds_graph_create")
+@promise("graph", "Graph capture: record a sequence of device work once, replay it cheaply.")
 def test_replay_equals_eager(graph_acc: Any) -> None:
     x, w, b = _static(graph_acc)
     graph, out = _capture(graph_acc, lambda: _model(x, w, b))
@@ -134,6 +136,7 @@ def test_ops_with_keyword_only_arguments_capture_and_replay_as_eager(graph_acc: 
 
 
 @hooks("ds_graph_create")
+@promise("ds_graph_create", "Inside ``graph.capture()`` the work is recorded")
 def test_replay_reads_the_new_static_input(graph_acc: Any) -> None:
     x, w, b = _static(graph_acc)
     graph, out = _capture(graph_acc, lambda: _model(x, w, b))
@@ -195,12 +198,30 @@ _UNSUPPORTED: dict[str, Callable[[torch.Tensor], Any]] = {
 
 @hooks("ds_graph_create")
 @pytest.mark.parametrize("op", list(_UNSUPPORTED))
+@promise("ds_graph_create", "Work that cannot be replayed faithfully")
+@promise("ds_graph_create", "Whether capture succeeds or raises, leaving ``capture()`` restores")
 def test_capturing_an_unsupported_op_fails_loudly(graph_acc: Any, op: str) -> None:
     x = torch.ones(16, device=graph_acc.device())
     graph = graph_acc.create_graph()
+    stream, state = graph_acc.current_stream(), graph_acc.get_rng_state()
     with pytest.raises(Exception) as info:
         with graph_acc.capture_to_graph(graph):
             _UNSUPPORTED[op](x)
+    # A capture that raised still restores what it changed on entry.
+    check(
+        graph_acc.current_stream() == stream,
+        "current_stream() after the failed capture",
+        graph_acc.current_stream(),
+        repr(stream),
+        f"capture of {op}",
+    )
+    check(
+        torch.equal(graph_acc.get_rng_state(), state),
+        "device generator state after the failed capture",
+        "changed",
+        "as before the capture",
+        f"capture of {op}",
+    )
     check(
         bool(str(info.value)),
         "error message",

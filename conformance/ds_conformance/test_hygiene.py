@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ds_conformance.helpers import SNAPSHOT, check, run_python, undocumented_modules
-from ds_conformance.marks import hooks, tier
+from ds_conformance.marks import hooks, promise, tier
 
 pytestmark = tier("basic")
 
@@ -62,6 +62,7 @@ def probe_effects(acc: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 @hooks("ds_backend_probe")
+@promise("ds_backend_probe", "``imported`` lists vendor modules imported.")
 def test_probe_imports_only_documented_modules(probe_effects: dict[str, Any]) -> None:
     documented = {m.split(".")[0] for m in probe_effects["imported"]} | {probe_effects["own"]}
     documented |= set(probe_effects["backends"])
@@ -76,6 +77,13 @@ def test_probe_imports_only_documented_modules(probe_effects: dict[str, Any]) ->
 
 
 @hooks("ds_backend_probe")
+@promise(
+    "ds_backend_probe",
+    "Report whether this backend can run on this host, without touching a device.",
+)
+@promise("ds_backend_probe", "never a call that initialises the device runtime")
+@promise("backend", "so none of them may create a device context")
+@promise("hookspecs", "Only ``ds_backend_*`` hooks are called before selection")
 def test_probe_creates_no_device_context(probe_effects: dict[str, Any]) -> None:
     check(
         not probe_effects["contexts"],
@@ -196,6 +204,10 @@ MAX_POINTS = 40
 
 
 @hooks("ds_op_providers")
+@promise(
+    "ds_op_providers",
+    "Calling this hook and ``is_compatible`` must not build, load, or touch a device",
+)
 def test_keyboard_interrupt_in_op_check_or_build_propagates(acc: Any) -> None:
     providers = acc.op_providers()
     if not providers:

@@ -7,12 +7,17 @@ from typing import Any
 import pytest
 
 from ds_conformance.helpers import check, run_python
-from ds_conformance.marks import hooks, tier
+from ds_conformance.marks import hooks, promise, tier
 
 pytestmark = tier("basic")
 
 
 @hooks("ds_launcher_visible_devices_env")
+@promise(
+    "ds_launcher_visible_devices_env",
+    "Return the variables that restrict which devices a process sees",
+)
+@promise("ds_launcher_visible_devices_env", "the count the backend reports then follows it")
 def test_visible_devices_variable_round_trips(acc: Any) -> None:
     names = acc.visible_devices_envs()
     check(
@@ -44,6 +49,10 @@ def test_visible_devices_variable_round_trips(acc: Any) -> None:
 
 
 @hooks("ds_launcher_env_prefixes")
+@promise(
+    "ds_launcher_env_prefixes",
+    "Return prefixes of environment variables a multi-node launcher forwards",
+)
 def test_env_prefixes_are_variable_prefixes(acc: Any) -> None:
     prefixes = acc.export_envs()
     check(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ds_conformance.helpers import MiB, check, run_python
-from ds_conformance.marks import capability, hooks, tier
+from ds_conformance.marks import capability, hooks, promise, tier
 
 pytestmark = tier("basic")
 
@@ -34,6 +34,8 @@ def _free(acc: Any) -> None:
 
 
 @hooks("ds_memory_allocated", "ds_memory_empty_cache")
+@promise("ds_memory_allocated", "Return bytes currently held by live tensors on the device")
+@promise("memory", "All sizes are bytes.")
 def test_allocated_grows_with_a_tensor_and_falls_when_freed(acc: Any) -> None:
     # The figure is process-wide: another thread of the run releasing memory at the same
     # moment can hide one allocation, so the best of three attempts is judged. A backend that
@@ -75,6 +77,12 @@ def test_allocated_grows_with_a_tensor_and_falls_when_freed(acc: Any) -> None:
 
 
 @hooks("ds_memory_max_allocated", "ds_memory_reset_peak")
+@promise("ds_memory_max_allocated", "Return the peak of ``ds_memory_allocated`` since start")
+@promise("ds_memory_max_allocated", "Always ≥ the current value.")
+@promise(
+    "ds_memory_reset_peak",
+    "Reset the peak counters so the next peak starts from the current usage.",
+)
 def test_peak_is_at_least_current_and_resets(acc: Any) -> None:
     _free(acc)
     acc.reset_peak_memory_stats()
@@ -118,6 +126,8 @@ def test_peak_is_at_least_current_and_resets(acc: Any) -> None:
 
 
 @hooks("ds_memory_reserved", "ds_memory_stats")
+@promise("ds_memory_reserved", "Return bytes reserved by the allocator")
+@promise("ds_memory_stats", "Return allocator statistics, at least")
 def test_reserved_and_stats_cover_live_tensors(acc: Any) -> None:
     t = _alloc(acc, SIZE)
     reserved = acc.memory_reserved()
@@ -148,6 +158,7 @@ def test_reserved_and_stats_cover_live_tensors(acc: Any) -> None:
 
 
 @hooks("ds_memory_info")
+@promise("ds_memory_info", "``total ≥ available > 0`` on a usable device.")
 def test_total_at_least_available_above_zero(acc: Any) -> None:
     info = acc.memory_info()
     check(
@@ -203,6 +214,14 @@ print(json.dumps({{"imposed": imposed, "total": info.total, "available": info.av
 @capability("memory_limits")
 @hooks("ds_memory_info")
 @pytest.mark.parametrize(("source", "field"), [("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")])
+@promise(
+    "ds_memory_info",
+    "Return total and available device memory for this process, capped by its own limits.",
+)
+@promise(
+    "ds_memory_info",
+    "``total`` is never the host's or device's capacity when a lower per-process limit applies",
+)
 def test_values_follow_an_imposed_process_limit(acc: Any, source: str, field: str) -> None:
     """Impose ``source`` at current usage + 512 MiB; the figures must follow it exactly.
 
@@ -392,6 +411,7 @@ def test_values_follow_an_imposed_cgroup_limit(
 
 
 @hooks("ds_memory_is_pinned")
+@promise("ds_memory_is_pinned", "Return whether a host tensor is page-locked")
 def test_ordinary_host_memory_is_not_pinned(acc: Any) -> None:
     t = torch.ones(1024)
     check(
@@ -405,6 +425,8 @@ def test_ordinary_host_memory_is_not_pinned(acc: Any) -> None:
 
 @capability("pinned_memory")
 @hooks("ds_memory_pin", "ds_memory_is_pinned")
+@promise("ds_memory_pin", "Return a page-locked copy of a host tensor")
+@promise("ds_memory_pin", "The result's ``is_pinned()`` is ``True``.")
 def test_pinning_is_real_and_non_blocking_copies_are_correct(acc: Any) -> None:
     host = torch.arange(1 << 20, dtype=torch.float32)
     pinned = acc.pin_memory(host)
@@ -446,6 +468,11 @@ def _pattern(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 @capability("pinned_memory")
 @hooks("ds_memory_alloc_pinned")
+@promise(
+    "ds_memory_alloc_pinned", "The result is a contiguous CPU tensor of ``shape`` and ``dtype``"
+)
+@promise("ds_memory_alloc_pinned", ":param shape: the size of each dimension")
+@promise("ds_memory_alloc_pinned", ":param dtype: the element type.")
 def test_alloc_pinned_has_the_shape_and_dtype_asked_and_is_writable(acc: Any) -> None:
     for shape, dtype in PINNED_CASES:
         call = f"alloc_pinned({shape}, {dtype})"
@@ -463,6 +490,7 @@ def test_alloc_pinned_has_the_shape_and_dtype_asked_and_is_writable(acc: Any) ->
 
 @capability("pinned_memory")
 @hooks("ds_memory_alloc_pinned", "ds_memory_is_pinned")
+@promise("ds_memory_alloc_pinned", "Return a new page-locked host tensor, allocated pinned")
 def test_alloc_pinned_is_page_locked_and_non_blocking_copies_are_correct(acc: Any) -> None:
     call = "alloc_pinned((1 << 20,), torch.float32)"
     src = acc.alloc_pinned((1 << 20,), torch.float32)
@@ -493,6 +521,15 @@ def _refused(acc: Any, tensor: torch.Tensor) -> bool:
 
 @capability("pinned_memory")
 @hooks("ds_memory_free_pinned", "ds_memory_alloc_pinned")
+@promise("ds_memory_free_pinned", "Release a tensor ``ds_memory_alloc_pinned`` returned")
+@promise("ds_memory_free_pinned", "Its storage is resized to 0 bytes")
+@promise("ds_memory_free_pinned", ":returns: ``True``.")
+@promise(
+    "ds_memory_free_pinned",
+    ":raises ValueError: when ``tensor`` is not one of this backend's live pinned allocations",
+)
+@promise("ds_memory_alloc_pinned", "The backend remembers it as its own until")
+@promise("ds_memory_free_pinned", ":param tensor: the very tensor object")
 def test_free_pinned_releases_the_storage_and_refuses_any_other_tensor(acc: Any) -> None:
     t = acc.alloc_pinned((1 << 20,), torch.float32)
     t.fill_(1.0)
@@ -523,3 +560,23 @@ def test_free_pinned_releases_the_storage_and_refuses_any_other_tensor(acc: Any)
         str(4 << 10),
         "ds_memory_free_pinned",
     )
+
+
+@hooks("ds_memory_empty_cache")
+@promise("ds_memory_empty_cache", ":returns: ``True``.")
+def test_empty_cache_returns_true_every_time(acc: Any) -> None:
+    """A value, not merely no error (``None`` or ``False`` is a broken hook), on each call."""
+    t = _alloc(acc, SIZE)
+    del t
+    for n in (1, 2):
+        done = acc.empty_cache()
+        check(done is True, f"empty_cache() call {n}", done, "True", "ds_memory_empty_cache")
+
+
+@capability("pinned_memory")
+@hooks("ds_memory_alloc_pinned")
+@promise("ds_memory_alloc_pinned", ":raises ValueError: when a dimension is negative.")
+def test_alloc_pinned_refuses_a_negative_dimension(acc: Any) -> None:
+    for shape in ((-1,), (2, -1), (0, -3)):
+        with pytest.raises(ValueError):
+            acc.alloc_pinned(shape, torch.float32)

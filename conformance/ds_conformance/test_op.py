@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_conformance.helpers import SNAPSHOT, check, run_python, undocumented_modules
-from ds_conformance.marks import hooks, tier
+from ds_conformance.marks import hooks, promise, tier
 
 pytestmark = tier("ops")
 
@@ -53,6 +53,10 @@ print(json.dumps(out))
 
 
 @hooks("ds_op_providers")
+@promise(
+    "ds_op_providers",
+    "Calling this hook and ``is_compatible`` must not build, load, or touch a device",
+)
 def test_compatibility_check_has_no_side_effects(
     acc: Any, compat_effects: dict[str, Any], op_name: str
 ) -> None:
@@ -171,6 +175,8 @@ REFERENCES: dict[str, Callable[[Any, torch.device], None]] = {
 
 
 @hooks("ds_op_providers")
+@promise("ds_op_providers", "Return the op providers this plugin offers")
+@promise("ds_op_providers", "Well-known names:")
 def test_compatible_op_loads_and_matches_its_reference(acc: Any, op_name: str) -> None:
     provider = _provider(acc, op_name)
     ok, reason = provider.is_compatible()

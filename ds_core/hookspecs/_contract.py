@@ -86,3 +86,7 @@ USES_CONTEXT: Final[str] = (
 HOT_PATH: Final[str] = (
     "untestable because it asks for speed, and the suite sets no wall-clock threshold"
 )
+#: "Called by/once ..." sentences: when ds_core calls the hook.
+CALLED_BY_CORE: Final[str] = (
+    "promises nothing: when ds_core calls the hook, which is ds_core's behaviour, not the backend's"
+)

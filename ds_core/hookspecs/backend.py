@@ -7,14 +7,21 @@ a device context, allocate device memory, or import a vendor stack that is not i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
-from ds_core.hookspecs._contract import MAY_CREATE_CONTEXT, unchecked
+from ds_core.hookspecs._contract import CALLED_BY_CORE, MAY_CREATE_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import BackendInfo, ProbeResult
 
+#: Sentences of this module's docstring that no conformance check reads, and why
+#: (ds_core/hookspecs/_contract.py).
+UNCHECKED_SECTION: Final[dict[str, str]] = {
+    "Backend identity, probe, capabilities and second-phase configuration.": "promises nothing: a summary of the section; its sentences below carry the promises",
+}
+
 
 @hookspec(firstresult=True)
+@unchecked("Called once per discovery.", CALLED_BY_CORE)
 def ds_backend_info() -> BackendInfo:
     """Return the backend's identity: name, torch device type, priority, targeted hook version.
 
@@ -32,6 +39,8 @@ def ds_backend_info() -> BackendInfo:
 
 
 @hookspec(firstresult=True)
+@unchecked("Called once per process, before selection.", CALLED_BY_CORE)
+@unchecked("The result is cached by the core.", CALLED_BY_CORE)
 def ds_backend_probe() -> ProbeResult:
     """Report whether this backend can run on this host, without touching a device.
 
@@ -50,6 +59,7 @@ def ds_backend_probe() -> ProbeResult:
 
 
 @hookspec(firstresult=True)
+@unchecked("Called once at selection.", CALLED_BY_CORE)
 def ds_backend_capabilities() -> frozenset[str]:
     """Return the capabilities this backend declares, from :mod:`ds_core.capabilities`.
 
@@ -67,6 +77,7 @@ def ds_backend_capabilities() -> frozenset[str]:
 
 @hookspec(firstresult=True)
 @unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
+@unchecked("Called by ``Accelerator.configure``.", CALLED_BY_CORE)
 def ds_backend_configure(options: Mapping[str, Any]) -> bool:
     """Apply backend-specific options after selection (lazy second-phase setup).
 

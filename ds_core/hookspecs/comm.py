@@ -76,13 +76,23 @@ Layout (the non-contiguous rule of every collective hook below):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import torch
 
-from ds_core.hookspecs._contract import FACADE, OPTIONAL, USES_CONTEXT, unchecked
+from ds_core.hookspecs._contract import CALLED_BY_CORE, FACADE, OPTIONAL, USES_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import P2POp, Work
+
+#: Sentences of this module's docstring that no conformance check reads, and why
+#: (ds_core/hookspecs/_contract.py).
+UNCHECKED_SECTION: Final[dict[str, str]] = {
+    "Collective communication between ranks.": "promises nothing: a summary of the section; its sentences below carry the promises",
+    "Ordering and ownership (the stream contract of every collective hook below):": "promises nothing: a heading; the bullets under it carry the promises",
+    "Layout (the non-contiguous rule of every collective hook below):": "promises nothing: a heading; the bullets under it carry the promises",
+    "A backend may keep references to them": "promises nothing: a permission to the backend; the caller's side is the sentence before",
+    "Sizes and dtypes match on both sides.": "promises nothing: an obligation of the caller, not of the backend",
+}
 
 
 @hookspec(firstresult=True)
@@ -97,6 +107,7 @@ def ds_comm_backend_name() -> str:
 
 
 @hookspec(firstresult=True)
+@unchecked("Called by ``ds_core.init_distributed`` before", CALLED_BY_CORE)
 def ds_comm_prepare() -> bool:
     """Import whatever registers the backend's process-group library with ``torch.distributed``.
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from ds_core.hookspecs._contract import FACADE, HOT_PATH, MAY_CREATE_CONTEXT, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import DeviceProperties
+
+#: Sentences of this module's docstring that no conformance check reads, and why
+#: (ds_core/hookspecs/_contract.py).
+UNCHECKED_SECTION: Final[dict[str, str]] = {
+    "Device enumeration, selection and synchronisation.": "promises nothing: a summary of the section; its sentences below carry the promises",
+}
 
 
 @hookspec(firstresult=True)

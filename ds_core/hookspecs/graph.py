@@ -11,6 +11,10 @@ from ds_core.types import Graph
 @unchecked("Facade:", FACADE)
 @unchecked("Use in backends: optional", OPTIONAL)
 @unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
+@unchecked(
+    "Outputs are defined only after a replay",
+    "promises nothing: a permission (the work may or may not run during capture), so callers read outputs only after a replay",
+)
 def ds_graph_create() -> Graph:
     """Create an empty graph object (see :class:`ds_core.types.Graph`).
 

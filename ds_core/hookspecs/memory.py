@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 
 from ds_core.hookspecs._contract import FACADE, MAY_CREATE_CONTEXT, OPTIONAL, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import MemoryInfo
+
+#: Sentences of this module's docstring that no conformance check reads, and why
+#: (ds_core/hookspecs/_contract.py).
+UNCHECKED_SECTION: Final[dict[str, str]] = {
+    "Memory queries, the caching allocator, and pinned host memory.": "promises nothing: a summary of the section; its sentences below carry the promises",
+}
 
 
 @hookspec(firstresult=True)
@@ -118,6 +126,10 @@ def ds_memory_info(index: int | None) -> MemoryInfo:
 @unchecked("Facade:", FACADE)
 @unchecked("Use in backends: optional", OPTIONAL)
 @unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
+@unchecked(
+    "To get a pinned buffer without a pageable one first",
+    "promises nothing: a pointer to another hook",
+)
 def ds_memory_pin(tensor: torch.Tensor) -> torch.Tensor:
     """Return a page-locked copy of a host tensor, so device copies can be non-blocking.
 
