@@ -22,6 +22,8 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
   default set: ``--configs ds2,ds2_off,ds3,ds3_off`` or ``bench/offload.py``); their ``state MiB`` is what stays on the
   device, the host side is printed below the table, and ``time/peer`` compares with the same
   stage without offload
+- ``<config>+nolive`` the same with ds_core's liveness watchdog stopped (docs/architecture.md
+  §3.10), to show what the watchdog costs a step: ``--configs ds2,ds2+nolive``
 
 All use fp32, gradient clipping at 1.0 (scale-sensitive, so a wrong gradient average shows
 in the loss) and AdamW(lr 3e-4, no weight decay). Per configuration it prints: median step
@@ -432,6 +434,7 @@ class RunResult:
 def config_stage(name: str) -> int:
     """The ZeRO stage a configuration corresponds to (DDP 0, ZeroRedundancyOptimizer 1, FSDP2 3)."""
     peers = {"ddp": 0, "zero_opt": 1, "fsdp2": 3}
+    name = name.partition("+")[0]
     return peers[name] if name in peers else int(name[2])
 
 
@@ -453,6 +456,26 @@ def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
 
 
 def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunResult:
+    """:func:`measure` one configuration; ``<config>+nolive`` measures it with ds_core's
+    liveness watchdog stopped (restarted after), so its cost shows against ``<config>``."""
+    base, plus, flag = name.partition("+")
+    if not plus:
+        return measure(name, args, tokens)
+    if flag != "nolive":
+        raise ValueError(f"configuration {name!r}: the only suffix is +nolive")
+    from ds_core.comm import liveness
+
+    liveness.stop()
+    try:
+        result = measure(base, args, tokens)
+    finally:
+        dist.barrier()  # both ranks stopped theirs before either starts a new one
+        liveness.start()
+    result.name = name
+    return result
+
+
+def measure(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunResult:
     """Build one configuration from the same seed, train warm-up + measured steps, measure."""
     rank, world = dist.get_rank(), dist.get_world_size()
     result = RunResult(name)
