@@ -24,6 +24,9 @@ async, 2 and 4 ranks) hand the collective non-contiguous views (the rule under "
 buffer (the column ``x[:, 1]``), ``transposed`` makes 2-D tensors the transpose of a padded
 buffer (1-D ones are strided). Every element outside a view holds :data:`GUARD`, checked
 after the collective, so reading or writing past the view fails even where the view is right.
+
+Size cases (:data:`SIZES`: zero-size and one-element tensors, every collective but all-to-all,
+whose splits are fixed). Every asynchronous handle is waited twice: a second wait is allowed.
 """
 
 from __future__ import annotations
@@ -40,16 +43,11 @@ from ds_conformance.axes import queue_copy
 from ds_conformance.values import REDUCE_OPS, op_applies, product_values, rank_values, reduce
 
 WORLD_SIZES: tuple[int, ...] = (2, 4)
-COLLECTIVES: tuple[str, ...] = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "broadcast",
-    "all_to_all",
-    "barrier",
-)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier")
 #: Interleaved subgroups of a 4-rank world (global rank != group rank for 3 of 4 ranks).
 SUBGROUPS: tuple[tuple[int, ...], ...] = ((0, 2), (1, 3))
+#: (collective, op) of the synchronous late-peer cases besides the barrier's.
+LATE_SYNC: tuple[tuple[str, str], ...] = (("all_reduce", "sum"), ("broadcast", ""))
 #: Seconds a late rank waits before joining; only how convincing a failure is depends on it.
 LATE_S = 0.3
 #: Seconds a late rank waits for the early rank's "my async call returned" marker.
@@ -59,6 +57,8 @@ MARKER_TIMEOUT_S = 30.0
 LARGE_NUMEL = 2**22 + 13
 #: Results longer than this are reported by their first differing positions, not in full.
 REPORT_NUMEL = 64
+#: Elements per rank of the zero-size and one-element cases (sync and async, 2 and 4 ranks).
+SIZES: dict[str, int] = {"empty": 0, "one": 1}
 #: Variants whose tensors are non-contiguous views (see :class:`Placement`).
 LAYOUTS: tuple[str, ...] = ("strided", "transposed")
 #: What a layout case's buffers hold outside their views (no rank's data comes near it).
@@ -144,16 +144,14 @@ def cases(dtypes: Iterable[torch.dtype]) -> list[Case]:
     for collective in ("all_gather", "broadcast"):
         out.append(Case(collective, 2, "float32", variant="large"))
     out.append(Case("barrier", 2, "", variant="late-sync"))
-    for collective in ("all_reduce", "broadcast"):
-        op = "sum" if collective == "all_reduce" else ""
-        out.append(Case(collective, 2, "float32", op, variant="late-sync"))
+    out += [Case(c, 2, "float32", o, variant="late-sync") for c, o in LATE_SYNC]
     for collective in COLLECTIVES[:-1]:
         op = "sum" if collective in ("all_reduce", "reduce_scatter") else ""
-        out.append(Case(collective, 2, "float32", op, async_op=True, variant="late-async"))
-    for collective in COLLECTIVES[:-1]:
-        op = "sum" if collective in ("all_reduce", "reduce_scatter") else ""
-        for variant in ("stream-after-current", "stream-wait-orders"):
+        for variant in ("late-async", "stream-after-current", "stream-wait-orders"):
             out.append(Case(collective, 2, "float32", op, async_op=True, variant=variant))
+        for variant in SIZES if collective != "all_to_all" else ():  # its splits are fixed
+            out += [Case(collective, w, "float32", op, a, variant) for w in WORLD_SIZES
+                    for a in (False, True)]  # fmt: skip
     return out + _p2p_cases(names)
 
 
@@ -201,8 +199,8 @@ def _fail(ctx: Context, case: Case, what: str, got: Any, expected: Any) -> None:
 
 
 def _numel(case: Case, small: int) -> int:
-    """Elements per rank: ``small`` (a case's usual odd count) or :data:`LARGE_NUMEL`."""
-    return LARGE_NUMEL if case.variant == "large" else small
+    """Elements per rank: ``small`` (a case's usual odd count), or the variant's size."""
+    return {"large": LARGE_NUMEL, **SIZES}.get(case.variant, small)
 
 
 class Placement:
@@ -331,7 +329,7 @@ def _run_plain(ctx: Context, case: Case, late: Callable[[], None] | None = None)
     run = _COLLECTIVES[case.collective]
     place = Placement(case, device)
     got, expected, work = run(acc, case, place, dtype, members, me, world, group)
-    if case.async_op:
+    for _ in range(2 if case.async_op else 0):  # a second wait is allowed and changes nothing
         work.wait()
     acc.synchronize()
     _check(ctx, case, got, expected)
