@@ -12,6 +12,7 @@ from ds_conformance.marks import hooks, promise, tier
 from ds_core import capabilities as caps
 from ds_core.errors import ConfigError
 from ds_core.hookspecs import HOOKSPEC_VERSION
+from ds_core.types import BackendInfo
 
 pytestmark = tier("basic")
 
@@ -19,8 +20,13 @@ pytestmark = tier("basic")
 @hooks("ds_backend_info")
 @promise("ds_backend_info", "``name`` must equal the backend's entry point name")
 @promise("ds_backend_info", "Return the backend's identity: name, torch device type")
+@promise("ds_backend_info", ":returns: a :class:`ds_core.types.BackendInfo`.")
 def test_info_names_a_usable_torch_device(acc: Any) -> None:
     info = acc.info
+    raw = acc.entry.plugin.ds_backend_info()
+    check(
+        isinstance(raw, BackendInfo), "type", type(raw).__name__, "BackendInfo", "ds_backend_info()"
+    )
     check(
         info.name == acc.entry.name,
         "info.name",
@@ -78,8 +84,17 @@ def test_probe_reports_the_devices_it_found(acc: Any) -> None:
 @promise("ds_backend_capabilities", "A declared capability must be backed by its gated hooks")
 @promise("ds_memory_pin", "Gated by the ``pinned_memory`` capability.")
 @promise("ds_memory_alloc_pinned", "Gated by the ``pinned_memory`` capability.")
+@promise("ds_backend_capabilities", ":returns: a frozenset of capability names.")
 def test_declared_capabilities_are_in_the_vocabulary(acc: Any) -> None:
-    declared = frozenset(acc.entry.plugin.ds_backend_capabilities())
+    raw = acc.entry.plugin.ds_backend_capabilities()
+    check(
+        isinstance(raw, frozenset) and all(isinstance(c, str) for c in raw),
+        "ds_backend_capabilities()",
+        raw,
+        "a frozenset of capability names",
+        "ds_backend_capabilities()",
+    )
+    declared = frozenset(raw)
     problems = caps.check_declared(declared)
     check(not problems, "capability problems", problems, "none", "ds_backend_capabilities()")
     for hook, cap in caps.GATED_HOOKS.items():
@@ -92,6 +107,8 @@ def test_declared_capabilities_are_in_the_vocabulary(acc: Any) -> None:
 @promise("ds_backend_configure", ":returns: ``True`` once applied.")
 @promise("ds_backend_configure", ":param options: the backend's options; may be empty.")
 @promise("ds_backend_configure", "Use in backends: required (accept an empty mapping).")
+@promise("ds_backend_configure", "Unknown keys raise ``ds_core.ConfigError`` naming the key.")
+@promise("ds_backend_configure", ":raises ds_core.ConfigError: on an unknown key or invalid value.")
 def test_configure_is_idempotent_and_rejects_unknown_keys(acc: Any) -> None:
     first = acc.entry.plugin.ds_backend_configure({})
     second = acc.entry.plugin.ds_backend_configure({})
@@ -102,7 +119,7 @@ def test_configure_is_idempotent_and_rejects_unknown_keys(acc: Any) -> None:
         "(True, True)",
         "ds_backend_configure({})",
     )
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="ds_conformance_no_such_option"):
         acc.entry.plugin.ds_backend_configure({"ds_conformance_no_such_option": 1})
 
 

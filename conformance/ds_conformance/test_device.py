@@ -10,6 +10,7 @@ import torch
 
 from ds_conformance.helpers import check, run_python
 from ds_conformance.marks import hooks, promise, tier
+from ds_core.types import DeviceProperties
 
 pytestmark = tier("basic")
 
@@ -105,9 +106,17 @@ def test_device_objects_are_usable_by_torch(acc: Any) -> None:
 @promise(
     "ds_device_properties", "Describe a device: name, index, total memory in bytes, vendor extras."
 )
+@promise("ds_device_properties", ":returns: a :class:`ds_core.types.DeviceProperties`.")
 def test_properties_describe_each_device(acc: Any) -> None:
     for index in range(acc.device_count()):
         props = acc.device_properties(index)
+        check(
+            isinstance(props, DeviceProperties),
+            "type",
+            type(props).__name__,
+            "DeviceProperties",
+            f"ds_device_properties({index})",
+        )
         check(
             bool(props.name),
             "props.name",
@@ -170,3 +179,68 @@ def test_several_devices_are_told_apart(acc: Any) -> None:
         ("[device_properties(j).index for j] after each set_device(i)", r["props"], every),
     ):
         check(got == want, what, got, str(want), f"i = {descending}")
+
+
+@hooks("ds_device_synchronize", "ds_stream_create")
+@promise(
+    "ds_device_synchronize", "Block the host until all work queued on the device has finished."
+)
+def test_synchronize_waits_for_every_stream_of_the_device(acc: Any) -> None:
+    """Work queued on a side stream and on the current one is complete once synchronize()
+    returns: both streams answer query() True and the results are on the host as computed."""
+    side = acc.Stream()
+    x = torch.arange(1 << 18, dtype=torch.float32, device=acc.device())
+    side.wait_stream(acc.current_stream())
+    with acc.stream(side):
+        y = x * 3 + 1
+    z = x * 2
+    acc.synchronize()
+    for what, stream in (("side", side), ("current", acc.current_stream())):
+        done = stream.query()
+        check(
+            done is True,
+            f"{what} stream query() after synchronize()",
+            done,
+            "True",
+            "ds_device_synchronize(None)",
+        )
+    want = torch.arange(1 << 18, dtype=torch.float32)
+    check(
+        torch.equal(y.cpu(), want * 3 + 1),
+        "side-stream result",
+        "different",
+        "x*3+1",
+        "synchronize()",
+    )
+    check(
+        torch.equal(z.cpu(), want * 2), "current-stream result", "different", "x*2", "synchronize()"
+    )
+
+
+@hooks("ds_stream_current", "ds_stream_default", "ds_rng_get_state", "ds_rng_default_generator")
+@promise("hookspecs", "``index`` is a device index, ``None`` meaning the current device.")
+@promise("ds_stream_current", ":param index: device index, or ``None`` for the current device.")
+@promise("ds_stream_default", ":param index: device index, or ``None`` for the current device.")
+@promise("ds_rng_get_state", ":param index: device index, or ``None`` for the current device.")
+@promise(
+    "ds_rng_default_generator", ":param index: device index, or ``None`` for the current device."
+)
+@promise("ds_memory_info", ":param index: device index, or ``None`` for the current device.")
+def test_none_means_the_current_device_for_every_index_argument(acc: Any) -> None:
+    """With each device current in turn, a hook given ``None`` answers as given that index."""
+    start = acc.current_device()
+    try:
+        for index in range(acc.device_count()):
+            acc.set_device(index)
+            where = f"set_device({index})"
+            for what, none, explicit in (
+                ("current_stream", acc.current_stream(None), acc.current_stream(index)),
+                ("default_stream", acc.default_stream(None), acc.default_stream(index)),
+                ("default_generator", acc.default_generator(None), acc.default_generator(index)),
+                ("memory_info().total", acc.memory_info(None).total, acc.memory_info(index).total),
+            ):
+                check(none == explicit, f"{what}(None)", none, f"{what}({index})", where)
+            same = torch.equal(acc.get_rng_state(None), acc.get_rng_state(index))
+            check(same, "get_rng_state(None)", "different", f"get_rng_state({index})", where)
+    finally:
+        acc.set_device(start)

@@ -104,3 +104,26 @@ def test_keeps_every_bit_of_the_dtype(acc: Any, dtype: torch.dtype) -> None:
             f"{want[what].tolist()} ({dtype}, exact)",
             f"{what} on the device",
         )
+
+
+@hooks("ds_dtype_supported", "ds_backend_capabilities")
+@promise(
+    "ds_dtype_supported",
+    "The ``fp16``/``bf16``/``fp64``/``fp8`` capabilities are derived from this set.",
+)
+def test_dtype_capabilities_follow_the_supported_set(acc: Any) -> None:
+    supported = acc.supported_dtypes()
+    want = {
+        "fp16": torch.float16 in supported,
+        "bf16": torch.bfloat16 in supported,
+        "fp64": torch.float64 in supported,
+        "fp8": any(d in _FLOAT8 for d in supported),
+    }
+    got = {cap: cap in acc.capabilities for cap in want}
+    check(
+        got == want,
+        "dtype capabilities declared",
+        got,
+        str(want),
+        "capabilities vs ds_dtype_supported()",
+    )
