@@ -27,6 +27,7 @@ from torch import nn
 import ds_core
 from ds_core.parallel.tensor import TP_ATTR, TP_FUSED_ATTR
 from ds_core.pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
+from ds_core.zero.config import load_config
 from examples.gpt import PRESETS, next_token_loss, pipeline_layers
 
 LR, EPS, WD = 1e-2, 1e-6, 0.01
@@ -224,6 +225,15 @@ def bad_inputs() -> dict[str, str]:
     out["world"] = _message(lambda: _engine(_module("mlp", 2), _config(1, 2, 4)))
     # 2 stages × TP=3 does not divide 4
     out["world3"] = _message(lambda: _engine(_module("mlp", 2), _config(1, 2, 3)))
+
+    def direct() -> None:
+        # The engine's own check, for a config validated for the whole world (4 ranks, where
+        # TP=4 fits) rather than initialize's world // stages
+        module = _module("mlp", 2)
+        opt = torch.optim.AdamW(module.parameters(), lr=LR)
+        PipelineEngine(module, load_config(_config(1, 2, 4), 4), opt)
+
+    out["direct"] = _message(direct)
     tied_split = {
         "autotp_size": 2,
         "partition_config": {

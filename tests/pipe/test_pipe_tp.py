@@ -133,4 +133,7 @@ def test_pp_tp_bad_inputs_are_named(run_ranks: RunJob) -> None:
         for key, size in (("world", 4), ("world3", 3)):
             assert "ConfigProblemsError" in msgs[key], msgs
             assert f"autotp_size: {size} does not divide the 2 ranks" in msgs[key], msgs
+        assert "ConfigError" in msgs["direct"], msgs
+        assert "autotp_size=4 × PipelineModule num_stages=2" in msgs["direct"], msgs
+        assert "world size 4" in msgs["direct"], msgs
         assert "ConfigError" in msgs["tied"] and "tied_modules.emb" in msgs["tied"], msgs
