@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ds_core.checkpoint import inspect_checkpoint
+from ds_core.faults import OutOfMemoryError, boundary, is_oom
 from tests.zero._common import backend_env
 from tests.zero.conftest import installed_backends
 
@@ -46,7 +48,58 @@ KNOBS = {
     "save": "universal=False",
 }
 
-pytestmark = pytest.mark.slow
+
+# -- the classification and the boundary, in process (fast) --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "oom"),
+    [
+        (torch.OutOfMemoryError("sim:0 out of memory: tried to allocate 4096 bytes"), True),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"), True),
+        (MemoryError(), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
+        (ValueError("out of memory"), False),  # not an allocator's error type
+    ],
+)  # fmt: skip
+def test_allocator_failures_are_recognised(exc: BaseException, oom: bool) -> None:
+    assert is_oom(exc) is oom
+
+
+class _Engine:
+    label = "engine #0 (test)"
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    @boundary("backward")
+    def backward(self) -> None:
+        raise self.exc
+
+
+def test_the_boundary_shapes_an_oom_and_passes_the_rest_through() -> None:
+    original = RuntimeError(
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes"
+    )
+    with pytest.raises(OutOfMemoryError) as info:
+        _Engine(original).backward()
+    err = info.value
+    assert err.__cause__ is original and err.phase == "backward" and err.requested == 4096
+    assert str(err).startswith("engine #0 (test): out of memory in backward on ")
+    assert "allocating 4096 bytes (0.0 MiB)" in str(err) and "reduce_bucket_size" in str(err)
+    assert err.free is not None and err.total is not None and err.free <= err.total
+    other = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    with pytest.raises(RuntimeError) as passed:
+        _Engine(other).backward()
+    assert passed.value is other
+    with pytest.raises(OutOfMemoryError) as again:  # already shaped: not wrapped twice
+        _Engine(err).backward()
+    assert again.value is err
+    with pytest.raises(ValueError, match="phase 'fwd'"):
+        boundary("fwd")
+
+
+# -- child processes with the fault injected -------------------------------------------------
 
 
 def run_worker(work: Path, backend: str, spec: dict[str, Any]) -> list[list[dict[str, Any]]]:
@@ -101,6 +154,7 @@ def assert_shaped(case: dict[str, Any], phase: str, backend: str) -> None:
     assert msg.count("out of memory in") == 1, msg  # one error, not one wrapped in another
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", PHASES)
 def test_oom_names_the_phase_and_loses_nothing(single: Any, phase: str) -> None:
     backend, cases = single
@@ -109,6 +163,7 @@ def test_oom_names_the_phase_and_loses_nothing(single: Any, phase: str) -> None:
     assert_nothing_lost(case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_oom_in_a_two_rank_universal_save(backend: str, tmp_path: Path) -> None:
     """The save's gather buffers do not fit: the rank that failed to allocate says so, no rank
@@ -132,6 +187,7 @@ def _tree_hashes(folder: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("sim-threads" not in BACKENDS, reason="needs the sim backend")
 def test_example_oom_with_save_on_interrupt_keeps_the_previous_checkpoint(
     tmp_path: Path,
