@@ -32,7 +32,10 @@ process, quiet unless ``LOGLEVEL`` is set), so what goes wrong reads as one line
   sets a flag, and the ranks agree through the per-step all-gather of the logged loss, so no
   rank is left waiting in a collective. Rank 0 prints one ``train_gpt: interrupted ...``
   line, the CSV keeps every finished step, ``--save-on-interrupt`` saves a checkpoint to
-  ``--save-dir`` first (every rank takes part), and the exit status is 130. An error in a
+  ``--save-dir`` first (every rank takes part), and the exit status is 130. Before the
+  process group is up (imports, the rendezvous) Ctrl+C ends each rank at once and the
+  launcher's one line is ``interrupted before the first step``; a second Ctrl+C changes none
+  of this. An error in a
   step (out of memory included) does not save: the state may be partly updated and the other
   ranks are inside the step's collectives; the last checkpoint written stays the one to resume
   from (docs/checkpoints.md, "What a failed save leaves");
@@ -59,6 +62,15 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":
+    # Ctrl+C ends a rank (or the single process) outright until its process group is up:
+    # a Python handler does not run while the rendezvous blocks in C++ (a rank would wait out
+    # the 300 s timeout), and a KeyboardInterrupt inside an import prints a traceback. Nothing
+    # is in /dev/shm yet (the CPU backend creates its segments at the first collective); the
+    # launcher prints the one line. main() hands SIGINT to StopFlag once the group is up, and
+    # relaunch_under_torchrun() to Python's handler (KeyboardInterrupt) before torchrun starts.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script, examples/ is on sys.path but not the repo
@@ -257,6 +269,7 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl+C'd command
 def relaunch_under_torchrun(args: argparse.Namespace) -> None:
     """Started as a plain script: run ``torchrun --standalone --nproc_per_node N`` of ourselves
     in this process (this process is the agent), then exit with one line for what went wrong."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # caught below, then torchrun's
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; torchrun's default
     run_dir = Path(tempfile.mkdtemp(prefix="train_gpt-run-"))
     os.environ[RUN_DIR_ENV] = str(run_dir)
@@ -496,7 +509,6 @@ def main(argv: list[str] | None = None) -> None:
         if args.ranks > 1:
             relaunch_under_torchrun(args)
     exit_with_parent()
-    stop = StopFlag()
     # one thread per rank on the host, unless asked otherwise
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -505,6 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # init distributed
         ds_core.init_distributed(timeout=300)
+        stop = StopFlag()  # from here a Ctrl+C stops every rank at a step boundary
         rank, world = comm.get_rank(), comm.get_world_size()
         acc = ds_core.get_accelerator()
         if not train(args, rank, world, acc, stop):

@@ -82,6 +82,8 @@ def _outcome(report: pytest.TestReport, call: pytest.CallInfo[Any]) -> str:
     exc = call.excinfo
     if exc is None:
         return "traceback"
+    if "Traceback" in str(exc.value):  # a case that found one printed (a subprocess's)
+        return "traceback"
     if "DID NOT RAISE" in str(exc.value) or "accepted" in report.nodeid:
         return "silent wrong result"
     if isinstance(exc.value, AssertionError | pytest.fail.Exception):  # type: ignore[misc]

@@ -2,7 +2,9 @@
 processes: Ctrl+C (SIGINT to the launcher's process group, as a terminal sends it) stops every
 rank, prints one line and keeps the CSV rows (and a loadable checkpoint with
 ``--save-on-interrupt``); ``kill -9`` of the agent takes its ranks with it; a rank that fails
-is one line naming the rank. Bounds are generous timeouts, never timing thresholds."""
+is one line naming the rank. Ctrl+C during start-up (a rank at the rendezvous included) and a
+second Ctrl+C during the first's cleanup (issue 29 §5): one line, no traceback, every rank
+gone, nothing left in /dev/shm. Bounds are generous timeouts, never timing thresholds."""
 
 from __future__ import annotations
 
@@ -157,3 +159,136 @@ def test_a_failing_rank_is_one_line_naming_the_rank(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
     tb = errors[0].rsplit("(traceback: ", 1)[1].rstrip(")")
     assert "Traceback" in Path(tb).read_text()  # the full story is kept, one path away
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl+C during start-up, and a second Ctrl+C during the first's cleanup (issue 29 §5)
+
+
+def shm_segments() -> set[str]:
+    """The CPU backend's shared-memory segments now in /dev/shm."""
+    return {p.name for p in Path("/dev/shm").glob("ds_core-shm-*")}
+
+
+def leaked(before: set[str]) -> list[str]:
+    """Segments that appeared since ``before`` and that no live process maps (ours are all
+    gone by then; other runs on this machine map theirs)."""
+    new = shm_segments() - before
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        mapped |= {name for name in new if name in text}
+    return sorted(new - mapped)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def listening(port: int) -> bool:
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                return True
+    return False
+
+
+def starting(pid: int) -> bool:
+    """Whether rank ``pid`` runs the script's start-up: past its first lines (``_ctypes`` is
+    loaded by its imports, not by the interpreter's own start) and SIGINT not caught by a
+    Python handler (the script leaves it to the kernel until the process group is up). Before
+    that, in the interpreter's start (site packages), Python's fatal-error report of a
+    KeyboardInterrupt is out of the script's reach."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+    caught = int(next(ln for ln in status.splitlines() if ln.startswith("SigCgt:")).split()[1], 16)
+    return "_ctypes" in maps and not caught & (1 << (signal.SIGINT - 1))
+
+
+def test_ctrl_c_at_the_rendezvous_ends_a_waiting_rank_at_once(tmp_path: Path) -> None:
+    """Rank 0 of 2 started alone waits at the rendezvous for a rank that never comes (the
+    store listens on MASTER_PORT): Ctrl+C ends it at once, not after the 300 s timeout."""
+    before = shm_segments()
+    port = free_port()
+    env = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *TINY]
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(tmp_path / "out")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not listening(port):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no rendezvous within 180 s"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)  # a hang guard: the timeout it waited for is 300 s
+    assert proc.returncode == -signal.SIGINT, err  # ended by the signal, as a shell shows it
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert not leaked(before)
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_ctrl_c_during_start_up_stops_every_rank_with_one_line(tmp_path: Path, twice: bool) -> None:
+    before = shm_segments()
+    proc = start(tmp_path, "--steps", "100000")
+    deadline = time.monotonic() + 180
+    while len(ranks := children(proc.pid)) < 2 or not all(map(starting, ranks)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no ranks starting within 180 s"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    if twice:
+        os.killpg(proc.pid, signal.SIGINT)
+    _out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err
+    assert not any(alive(pid) for pid in ranks)
+    assert "Traceback" not in err and "Error" not in err, err
+    assert [line for line in err.splitlines() if "interrupted" in line] == [
+        "train_gpt: interrupted before the first step: nothing to keep"
+    ], err
+    assert not rows(tmp_path)
+    assert not leaked(before)
+
+
+def test_a_second_ctrl_c_during_the_first_cleanup(tmp_path: Path) -> None:
+    """The second Ctrl+C lands while the ranks save on the first (``--save-on-interrupt``):
+    still one line and status 130, every rank gone, nothing in /dev/shm, and ``latest`` (when
+    the save got that far) names a checkpoint that verifies."""
+    from ds_core.checkpoint import inspect_checkpoint
+
+    before = shm_segments()
+    ckpt = tmp_path / "ckpt"
+    proc = start(tmp_path, "--steps", "100000", "--save-dir", str(ckpt), "--save-on-interrupt")
+    wait_for_rows(proc, tmp_path)
+    ranks = children(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.killpg(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + 120
+    while not (ckpt.is_dir() and any(ckpt.iterdir())):  # the save has begun
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no save within 120 s of the first Ctrl+C"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert not any(alive(pid) for pid in ranks)
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and lines[0].startswith("train_gpt: interrupted "), err
+    if (ckpt / "latest").exists():
+        assert inspect_checkpoint(ckpt)["verified"] is True
+    assert not leaked(before)
