@@ -72,6 +72,8 @@ def load_checkpoint(
     if folder is None:
         # An explicit tag, or the one `latest` names, that is not there is a mistake (a typo,
         # a folder deleted or moved): starting from scratch would silently lose the run.
+        # DeepSpeed 0.19.8 fails there too (an AssertionError in SDLoaderBase.check_ckpt_list,
+        # deepspeed/runtime/state_dict_factory.py); docs/checkpoints.md, "Checked arguments".
         there = root.iterdir() if root.is_dir() else iter(())
         tags = ", ".join(sorted(p.name for p in there if (p / _io.MANIFEST).is_file()))
         if tag is not None:
