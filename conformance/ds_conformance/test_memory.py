@@ -83,6 +83,9 @@ def test_allocated_grows_with_a_tensor_and_falls_when_freed(acc: Any) -> None:
     "ds_memory_reset_peak",
     "Reset the peak counters so the next peak starts from the current usage.",
 )
+@promise(
+    "ds_memory_reset_peak", ":returns: ``True`` when reset; ``False`` when the platform forbids it"
+)
 def test_peak_is_at_least_current_and_resets(acc: Any) -> None:
     _free(acc)
     acc.reset_peak_memory_stats()

@@ -168,6 +168,10 @@ def ds_comm_all_gather(
 @unchecked("Facade:", FACADE)
 @unchecked("Use in backends: optional", OPTIONAL)
 @unchecked("Device context: uses the existing one", USES_CONTEXT)
+@unchecked(
+    "Implementations may use it as scratch",
+    "promises nothing: a permission to the backend, so an obligation of the caller",
+)
 def ds_comm_reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: str, group: Any, async_op: bool
 ) -> Work:

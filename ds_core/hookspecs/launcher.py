@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from ds_core.hookspecs._contract import FACADE, OPTIONAL, unchecked
+from ds_core.hookspecs._contract import CALLED_BY_CORE, FACADE, OPTIONAL, unchecked
 from ds_core.hookspecs._markers import hookspec
 
 #: Sentences of this module's docstring that no conformance check reads, and why
@@ -31,6 +31,7 @@ def ds_launcher_visible_devices_env() -> list[str]:
 @hookspec
 @unchecked("Facade:", FACADE)
 @unchecked("Use in backends: optional", OPTIONAL)
+@unchecked("Called on every plugin; results are concatenated", CALLED_BY_CORE)
 def ds_launcher_env_prefixes() -> list[str]:
     """Return prefixes of environment variables a multi-node launcher forwards to every node.
 

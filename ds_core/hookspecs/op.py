@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from ds_core.hookspecs._contract import FACADE, OPTIONAL, unchecked
+from ds_core.hookspecs._contract import CALLED_BY_CORE, FACADE, OPTIONAL, unchecked
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import OpProvider
 
@@ -22,6 +22,7 @@ UNCHECKED_SECTION: Final[dict[str, str]] = {
     "Compiled ops are built through",
     "promises nothing: guidance for backend authors on building ops",
 )
+@unchecked("Called on every plugin; results are concatenated, later plugins first.", CALLED_BY_CORE)
 def ds_op_providers() -> list[OpProvider]:
     """Return the op providers this plugin offers (see :class:`ds_core.types.OpProvider`).
 

@@ -44,6 +44,10 @@ UNCHECKED_SECTION: Final[dict[str, str]] = {
 @hookspec(firstresult=True)
 @unchecked("Facade:", FACADE)
 @unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
+@unchecked(
+    ":param priority: vendor stream priority",
+    "untestable because a priority changes only the order in which a device scheduler picks work, which no portable check observes",
+)
 def ds_stream_create(index: int | None, priority: int) -> Stream:
     """Create a new stream on a device.
 
