@@ -16,10 +16,19 @@ from typing import Any
 
 import pytest
 
-#: test file -> category of every test in it (cases kept outside the corpus's files)
+#: test file, or file::test, -> category (cases kept outside the corpus's files); a load at
+#: another layout is a case whose right outcome is a correct load (docs/checkpoints.md)
 ELSEWHERE = {
     "tests/checkpoint/test_corruption.py": "checkpoint",
     "tests/checkpoint/test_faults.py": "checkpoint",
+    "tests/checkpoint/test_resume.py::test_load_errors_and_refusals": "checkpoint",
+    "tests/pipe/test_pipe_checkpoint.py::test_bad_loads_name_the_value": "checkpoint",
+    "tests/checkpoint/test_tp.py::test_native_save_of_a_tp_engine_is_refused": "checkpoint",
+    "tests/checkpoint/test_ep.py::test_tp_ep_native_save_is_refused": "checkpoint",
+    "tests/checkpoint/test_reshard.py::test_gathered_state_equals_saved": "checkpoint layout",
+    "tests/checkpoint/test_reshard.py::test_continued_training_matches": "checkpoint layout",
+    "tests/checkpoint/test_tp.py::test_fused_gqa_and_tied_vocab_parallel_checkpoint_reloads_at_tp1": "checkpoint layout",
+    "tests/checkpoint/test_ep.py::test_tp_ep_checkpoint_loads_at_other_ep_and_tp_sizes": "checkpoint layout",
     "tests/test_interrupts.py": "interrupts",
 }
 
@@ -59,9 +68,10 @@ _results: dict[str, Counter[str]] = {}
 def category(item: pytest.Item) -> str | None:
     """The corpus category of ``item``, or ``None`` when it is not a corpus case."""
     path = item.nodeid.split("::", 1)[0]
-    if path in ELSEWHERE:
-        return ELSEWHERE[path]
     name = item.name.split("[", 1)[0]
+    for key in (path, f"{path}::{name}"):
+        if key in ELSEWHERE:
+            return ELSEWHERE[key]
     case = item.name.partition("[")[2].rstrip("]")
     if path.startswith("tests/test_bad_inputs"):
         for prefix, cat in _BY_CASE:
@@ -111,7 +121,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     tr = terminalreporter
     tr.section("bad-input corpus (issue 29 §6)")
-    width = max(len(c) for c in _results) + 2
+    width = max(len("category"), *(len(c) for c in _results)) + 2
     tr.write_line("category".ljust(width) + "  ".join(COLUMNS))
     total: Counter[str] = Counter()
     for cat in sorted(_results):

@@ -355,6 +355,8 @@ CLI_CASES: dict[str, tuple[list[str], int, tuple[str, ...]]] = {
         2,
         ("--output", "cannot write there"),
     ),
+    # --backend is optional to argparse since conformance --coverage, which runs no test
+    "conformance_without_backend": (["conformance"], 2, ("--backend NAME is required",)),
     "conformance_report_unwritable": (
         ["conformance", "--backend", "cpu", "--report", "{bad}"],
         2,
@@ -398,7 +400,6 @@ def test_new_backend_refuses_an_installed_distribution(
     [
         ([], "the following arguments are required: command"),
         (["nosuch"], "invalid choice: 'nosuch'"),
-        (["conformance"], "the following arguments are required: --backend"),
     ],
 )
 def test_cli_usage_errors_exit_2(
