@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -200,6 +201,41 @@ def train_case(kind: str, pp: int, tp: int, stage: int, gas: int, steps: int) ->
         }
     finally:
         engine.destroy()
+
+
+def resume_case(kind: str, pp: int, tp: int, stage: int, gas: int, out: str) -> dict[str, Any]:
+    """PP=``pp`` × TP=``tp``: 4 batches uninterrupted; then 2, save, a fresh engine loads and
+    trains 2 more. Both runs' losses and this rank's parameters (its TP shards), and the
+    layer files of the checkpoint."""
+    world = ds_core.comm.get_world_size()
+    batches = data(kind, 4, world // (pp * tp), gas)
+
+    def run(steps: range, engine: PipelineEngine) -> list[float]:
+        return [float(engine.train_batch(_iter(batches[t][engine.mesh.dp_rank]))) for t in steps]
+
+    def params(engine: PipelineEngine) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
+
+    engine = _engine(_module(kind, pp), _config(stage, gas, tp))
+    try:
+        straight, want = run(range(4), engine), params(engine)
+    finally:
+        engine.destroy()
+    engine = _engine(_module(kind, pp), _config(stage, gas, tp))
+    try:
+        resumed = run(range(2), engine)
+        engine.save_checkpoint(out, universal=True)  # TP engines save universally
+    finally:
+        engine.destroy()
+    engine = _engine(_module(kind, pp), _config(stage, gas, tp))
+    try:
+        engine.load_checkpoint(out)
+        resumed += run(range(2, 4), engine)
+        got = params(engine)
+    finally:
+        engine.destroy()
+    files = sorted(p.name for p in (Path(out) / "global_step2").glob("layer_*"))
+    return {"straight": straight, "resumed": resumed, "want": want, "got": got, "files": files}
 
 
 def train_cases(cases: list[tuple[str, int, int, int, int, int]]) -> list[dict[str, Any]]:
