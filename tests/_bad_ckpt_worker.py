@@ -16,7 +16,20 @@ import torch
 from torch import nn
 
 import ds_core
-from tests._bad_api_worker import engine, net, outcome, train_losses
+from tests._bad_api_worker import batch, engine, net, outcome
+
+
+def train_losses(eng: Any, steps: int) -> list[float]:
+    """``steps`` steps on the selected backend's device (cpu or sim)."""
+    device = ds_core.get_accelerator().device()
+    x, y = (t.to(device) for t in batch())
+    out = []
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(eng(x), y)
+        eng.backward(loss)
+        eng.step()
+        out.append(float(loss.detach()))
+    return out
 
 
 def _loaded(eng: Any, root: Path, **kw: Any) -> str:

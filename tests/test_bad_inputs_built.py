@@ -1,7 +1,8 @@
 """The bad-input corpus, extended (issue 29 §6): checkpoints, NVMe folders, AutoTP/AutoEP
 configs, the sim backend's variables and the interop adapters. Each bad input is one clear
 error naming the value and the fix; each odd-but-valid one is accepted and gives the right
-result. Engine cases run in one worker process (tests/_bad_ckpt_worker.py, one rank).
+result. Engine cases run in one worker process per backend (tests/_bad_ckpt_worker.py, one
+rank, cpu and sim).
 
 Checkpoint cases already covered elsewhere, counted in the corpus report
 (tests/_bad_inputs_report.py): truncated, corrupted, deleted and foreign-manifest files
@@ -26,12 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module")
-def worker() -> dict[str, Any]:
+@pytest.fixture(scope="module", params=["cpu", "sim"])
+def worker(request: pytest.FixtureRequest) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "tests._bad_ckpt_worker"],
         cwd=ROOT,
-        env=ENV,
+        env={**ENV, "DS_ACCELERATOR": request.param},
         capture_output=True,
         text=True,
         timeout=600,
@@ -114,6 +115,13 @@ def test_odd_checkpoint_or_nvme_input_is_accepted_correctly(
     worker: dict[str, Any], case: str
 ) -> None:
     assert worker[case] == WORKER_ACCEPTED[case]
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes anywhere")
+def test_read_only_nvme_path_is_one_clear_error(worker: dict[str, Any]) -> None:
+    got = worker["nvme_path_read_only"]
+    assert got.startswith("ConfigError: offload_optimizer.nvme_path: "), got
+    assert "locked" in got and "writable" in got, got
 
 
 # ---------------------------------------------------------------------------------------------
