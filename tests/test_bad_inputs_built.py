@@ -244,6 +244,26 @@ def test_autotp_size_not_dividing_a_layer_is_one_clear_error() -> None:
         _check_divisible("0.o_proj", nn.Linear(6, 8), _Split("row", 1), 4)
 
 
+def test_autotp_size_not_dividing_the_heads_is_one_clear_error() -> None:
+    from ds_core import ConfigError
+    from ds_core.parallel.tensor.plan import _local_heads, plan_autotp
+
+    attn = _Attention()
+    attn.num_heads = 3  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match=r"0\.num_heads = 3 is not divisible by autotp_size 2"):
+        _local_heads(attn, "0", 2)
+    assert attn.num_heads == 3  # left as it was
+
+    class Fused(nn.Module):  # grouped-query qkv whose rows are not (q + 2 kv) heads
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_heads, self.num_key_value_heads = 4, 2
+            self.qkv, self.out_proj = nn.Linear(8, 10), nn.Linear(8, 8)
+
+    with pytest.raises(ConfigError, match=r"0\.qkv: out_features 10 is not \(num_heads 4 \+ 2"):
+        plan_autotp(nn.Sequential(Fused()), 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # the sim backend's variables (backends/sim/ds_backend_sim/device.py: settings())
 
