@@ -80,6 +80,81 @@ class ShmWork:
         return self._done.is_set()
 
 
+class CallQueue:
+    """Calls that run one at a time, in issue order, on the caller's thread when nothing is
+    queued and the call is synchronous, else on one worker thread (started on first use).
+
+    A process group's collectives (:class:`ShmGroup`) and each direction of a point-to-point
+    pair (``shm_p2p``) each own one: later calls never overtake earlier ones, and an
+    asynchronous call returns at once.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._queue: deque[ShmWork] = deque()
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], None], async_op: bool) -> ShmWork:
+        """Run ``fn`` after every earlier call; wait for it unless ``async_op``."""
+        work = ShmWork(fn)
+        with self._cond:
+            inline = not async_op and not self._queue and not self._busy
+            if inline:
+                self._busy = True
+            else:
+                self._queue.append(work)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+        if inline:
+            try:
+                work.run()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+        if not async_op:
+            work.wait()
+        return work
+
+    def idle(self) -> bool:
+        """Whether no call is queued or running."""
+        with self._cond:
+            return not self._queue and not self._busy
+
+    def drain(self) -> None:
+        """Block until every queued call has run."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Stop the worker once the queue is empty."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue or self._busy:
+                    if self._closed and not self._queue:
+                        return
+                    self._cond.wait()
+                work = self._queue.popleft()
+                self._busy = True
+            try:
+                work.run()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
 class ShmGroup:
     """The transport of one process group on this rank: its protocol and its call queue.
 
@@ -96,11 +171,7 @@ class ShmGroup:
         self.protocol: ShmProtocol | None = None
         self.reason = ""
         self._set_up = False
-        self._cond = threading.Condition()
-        self._queue: deque[ShmWork] = deque()
-        self._busy = False
-        self._closed = False
-        self._thread: threading.Thread | None = None
+        self._calls = CallQueue("ds_core-shm-collectives")
 
     def ready(self) -> ShmProtocol | None:
         """Set the group up if this is its first call (run only from a call on this group).
@@ -129,60 +200,15 @@ class ShmGroup:
 
         The mapping goes with the last reference to this object.
         """
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self._calls.close()
 
     def submit(self, fn: Callable[[], None], async_op: bool) -> ShmWork:
         """Run ``fn`` after every earlier call on this group; wait for it unless ``async_op``."""
-        work = ShmWork(fn)
-        with self._cond:
-            inline = not async_op and not self._queue and not self._busy
-            if inline:
-                self._busy = True
-            else:
-                self._queue.append(work)
-                self._start_worker()
-                self._cond.notify_all()
-        if inline:
-            try:
-                work.run()
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-        if not async_op:
-            work.wait()
-        return work
+        return self._calls.submit(fn, async_op)
 
     def drain(self) -> None:
         """Block until every queued call has run (before a gloo call on the same group)."""
-        with self._cond:
-            while self._queue or self._busy:
-                self._cond.wait()
-
-    def _start_worker(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._loop, name="ds_core-shm-collectives", daemon=True
-            )
-            self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue or self._busy:
-                    if self._closed and not self._queue:
-                        return
-                    self._cond.wait()
-                work = self._queue.popleft()
-                self._busy = True
-            try:
-                work.run()
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+        self._calls.drain()
 
 
 # --------------------------------------------------------------------------- registry

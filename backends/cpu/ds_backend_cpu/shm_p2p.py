@@ -25,7 +25,8 @@ A message whose tensor the shared-memory collectives would not carry (the rule o
 :func:`ds_backend_cpu.comm.route`) goes over gloo too, decided alike on both sides since both
 tensors have the same dtype and device.
 
-Threads: each direction of a pair has its own queue (:class:`_Lane`), so a send never waits
+Threads: each direction of a pair has its own queue (a
+:class:`~ds_backend_cpu.shm_groups.CallQueue`), so a send never waits
 behind a receive from the same peer; an asynchronous call (and every op of a batch) is queued
 and returns at once, which is how a batch starts every operation before waiting for any. A
 synchronous call with nothing queued runs on the caller's thread.
@@ -44,7 +45,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from ds_backend_cpu import comm, shm, shm_groups, shm_sync
 from ds_backend_cpu import shm_segment as seg_mod
-from ds_backend_cpu.shm_groups import ShmWork
+from ds_backend_cpu.shm_groups import CallQueue
 from ds_core import hookimpl
 from ds_core.comm import DefaultCollectives
 from ds_core.comm_staging import require_contiguous
@@ -74,68 +74,6 @@ _DEFAULT = DefaultCollectives()
 _STORE_PREFIX = "ds_cpu_p2p"
 
 
-class _Lane:
-    """One direction of one pair on this rank: calls run one at a time, in issue order."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._cond = threading.Condition()
-        self._queue: deque[ShmWork] = deque()
-        self._busy = False
-        self._closed = False
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[[], None], async_op: bool) -> ShmWork:
-        """Run ``fn`` after every earlier call of this lane; wait for it unless ``async_op``."""
-        work = ShmWork(fn)
-        with self._cond:
-            inline = not async_op and not self._queue and not self._busy
-            if inline:
-                self._busy = True
-            else:
-                self._queue.append(work)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                    self._thread.start()
-                self._cond.notify_all()
-        if inline:
-            try:
-                work.run()
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-        if not async_op:
-            work.wait()
-        return work
-
-    def idle(self) -> bool:
-        """Whether no call of this lane is queued or running (a gloo call may then go direct)."""
-        with self._cond:
-            return not self._queue and not self._busy
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue or self._busy:
-                    if self._closed and not self._queue:
-                        return
-                    self._cond.wait()
-                work = self._queue.popleft()
-                self._busy = True
-            try:
-                work.run()
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-
 class Pair:
     """This rank's end of the channels to one peer in one group (see [Note: p2p channels]).
 
@@ -151,8 +89,8 @@ class Pair:
         self.side = 0 if me < peer else 1
         self.timeout = shm.timeout_s(shm_groups._group_timeout(pg))
         self.lanes = {
-            "send": _Lane(f"ds_core-shm-p2p-{me}to{peer}"),
-            "recv": _Lane(f"ds_core-shm-p2p-{peer}to{me}"),
+            "send": CallQueue(f"ds_core-shm-p2p-{me}to{peer}"),
+            "recv": CallQueue(f"ds_core-shm-p2p-{peer}to{me}"),
         }
         self.reason = ""  # why the pair uses gloo, once set up
         self.set_up = False
