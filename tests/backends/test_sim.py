@@ -228,6 +228,31 @@ def test_copies_across_devices_and_rng_per_device() -> None:
     assert r["gen_device"] == "sim:1"
 
 
+def test_an_event_takes_its_device_at_its_first_record() -> None:
+    """As a CUDA event: made while sim:0 is current, it may first be recorded on sim:1's
+    stream (a rank that never set its device does this), and is then sim:1's."""
+    r = run(
+        """
+        device.init()
+        errors = []
+        for timing in (True, False):
+            e = device.Event(enable_timing=timing)
+            e.record(device.current_stream(1))
+            e.synchronize()
+            try:
+                e.record(device.current_stream(0))
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        out(errors=errors)
+        """,
+        DS_SIM_DEVICES="2",
+    )
+    assert len(r["errors"]) == 2, r
+    assert all(
+        "an event of sim:1 cannot be recorded on a stream of sim:0" in e for e in r["errors"]
+    )
+
+
 def test_torch_manual_seed_seeds_the_device_without_creating_it() -> None:
     # torch.manual_seed seeds every registered device module, as it does CUDA's: before the
     # device exists the seed is kept for init() rather than creating the device.

@@ -385,7 +385,9 @@ def Event(  # noqa: N802
     event made without timing, or one it has not seen recorded, so every sim event is made
     with timing at torch's level and recorded once (on the default stream, where a record of
     nothing changes nothing), then the device guard is told its real timing and that it is
-    not recorded (``ds_core/hookspecs/stream.py``: an event never recorded marks no work).
+    not recorded (``ds_core/hookspecs/stream.py``: an event never recorded marks no work). That
+    also unbinds it from the current device: its first real record may be on any device's
+    stream, as a CUDA event's.
     """
     if interprocess:
         raise ValueError("sim events cannot be shared between processes")

@@ -258,6 +258,9 @@ struct Mark {
 
 struct SimEvent {
   bool timing = false;
+  // Set by mark_unrecorded: the record that created the event was device.Event's own, so the
+  // event has no device yet and its first real record may be on any device (as CUDA's).
+  bool unbound = false;
   SimStream* stream = nullptr;
   int64_t seq = 0;
   std::shared_ptr<Mark> mark;
@@ -657,15 +660,16 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   }
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
               const c10::EventFlag flag) const override {
-    TORCH_CHECK(device_index == -1 || device_index == stream.device_index(),
-                "an event of sim:", device_index, " cannot be recorded on a stream of sim:",
-                stream.device_index());
     auto* e = static_cast<SimEvent*>(*event);
+    TORCH_CHECK(device_index == -1 || device_index == stream.device_index() || (e && e->unbound),
+                "an event of sim:", static_cast<int>(device_index),
+                " cannot be recorded on a stream of sim:", static_cast<int>(stream.device_index()));
     if (!e) {
       e = new SimEvent();
       e->timing = flag == c10::EventFlag::BACKEND_DEFAULT;
       *event = e;
     }
+    e->unbound = false;
     record_event(e, get_stream(stream.device_index(), stream.id()));
   }
   void block(void* event, const c10::Stream& stream) const override {
@@ -1296,6 +1300,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mark_unrecorded", [](int64_t event) {
     auto* e = reinterpret_cast<SimEvent*>(event);
     TORCH_CHECK(e != nullptr, "mark_unrecorded needs a recorded sim event");
+    e->unbound = true;
     e->stream = nullptr;
     e->seq = 0;
     e->mark.reset();
