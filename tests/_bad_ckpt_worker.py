@@ -98,6 +98,13 @@ def checkpoint_cases(work: Path) -> dict[str, Any]:
     out["optimizer_adam"] = with_engine(
         lambda e: _loaded(e, root), optimizer={"type": "Adam", "params": {"lr": 1e-2}}
     )
+    lamb = {"type": "Lamb", "params": {"lr": 1e-2}}  # stage 0: Lamb's only stage
+    out["optimizer_lamb"] = with_engine(lambda e: _loaded(e, root), 0, optimizer=lamb)
+    out["optimizer_lamb_weights_only"] = with_engine(
+        lambda e: (_loaded(e, root, load_optimizer_states=False), params_equal(e, ref)),
+        0,
+        optimizer=lamb,
+    )
     out["other_model"] = with_engine(
         lambda e: _loaded(e, root), model=nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
     )

@@ -59,6 +59,10 @@ WORKER_ERRORS: dict[str, tuple[str, tuple[str, ...]]] = {
         "CheckpointError: ",
         ("manifest.json: missing", "not a complete ds_core checkpoint"),
     ),
+    "optimizer_lamb": (
+        "CheckpointError: ",
+        ("saved by AdamW", "optimizer is Lamb", "load_optimizer_states=False"),
+    ),
     "other_model": (
         "CheckpointError: parameter '0.weight'",
         ("(4, 8) in the model, (8, 8) in", "t2"),
@@ -94,6 +98,8 @@ WORKER_ACCEPTED: dict[str, Any] = {
     "stage_2": "ok: ('t2 at step 2', True)",
     "stage_3": "ok: ('t2 at step 2', True)",
     "optimizer_adam": "ok: t2 at step 2",  # AdamW -> Adam: the same state tensors
+    # another optimizer on purpose: the weights only
+    "optimizer_lamb_weights_only": "ok: ('t2 at step 2', True)",
     "nvme_stale_folder": "ok: (True, True)",  # trains beside a dead run's folder, untouched
     "nvme_stale_after": ["rank0.999999"],  # and removes only its own
 }

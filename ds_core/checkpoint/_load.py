@@ -98,6 +98,8 @@ def load_checkpoint(
         if split is not None:
             split.check(reader)
         plan = _plan(engine, reader, load_module_strict, whole)
+        if want_opt:
+            _check_optimizer(engine, reader.meta, folder)
     except CheckpointError as exc:
         error = exc
     agree(engine, error, f"checking {folder}")
@@ -155,6 +157,34 @@ def load_checkpoint(
                 engine.world,
             )
     return str(folder), dict(meta["client_state"])
+
+
+#: Optimizer classes whose state means the same thing (Adam's moments and step count): a
+#: checkpoint of one loads into another. Optimizer offload runs the user's Adam as
+#: DeepSpeedCPUAdam, so a run may change offload between save and load.
+_SAME_STATE: tuple[frozenset[str], ...] = (
+    frozenset({"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "AdamNoBiasCorrection"}),
+)
+
+
+def _check_optimizer(engine: ZeroEngine, meta: dict[str, Any], folder: Path) -> None:
+    """Refuse optimizer state saved by an optimizer whose state means something else.
+
+    Matching states by name would load, say, Adam's moments into LAMB's or 1-bit Adam's
+    without a word; a run that changes optimizer on purpose loads the weights only.
+
+    :raises CheckpointError: naming both optimizers and ``load_optimizer_states=False``.
+    """
+    saved = meta.get("optimizer", {}).get("type")
+    mine = type(engine.optimizer).__name__
+    if saved is None or saved == mine or any(saved in f and mine in f for f in _SAME_STATE):
+        return
+    raise CheckpointError(
+        f"{folder}: its optimizer state was saved by {saved}, and this engine's optimizer is "
+        f"{mine}, whose state means something else; load the weights only "
+        "(load_checkpoint(..., load_optimizer_states=False)) or build the engine with "
+        f"{saved}"
+    )
 
 
 def _plan(
