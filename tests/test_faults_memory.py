@@ -193,7 +193,10 @@ def test_example_oom_with_save_on_interrupt_keeps_the_previous_checkpoint(
     tmp_path: Path,
 ) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", **backend_env("sim-threads", 2))
-    env.pop("LOGLEVEL", None)
+    # the example launches its ranks only when it is not one itself: launcher variables that
+    # an earlier in-process test left in this process's environment must not reach it
+    for name in ("LOGLEVEL", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
     ck = tmp_path / "ck"
     base = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--model", "tiny"]
     base += ["--seq", "64", "--no-plot", "--ranks", "2", "--out", str(tmp_path / "out")]
