@@ -262,6 +262,17 @@ def ranks(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     ds_core.destroy_distributed()
 
 
+def assert_nothing_lost(case: dict[str, Any]) -> None:
+    """What a case's result must show after a fault (the tests' check of :func:`one_case`):
+    ``latest`` still names checkpoint A, nothing of the failed write is left, A's files are
+    unchanged, verify, and load back bit for bit."""
+    assert case["latest"] == "A", case
+    assert case["leftovers"] == [], case
+    assert case["files"] >= 3 and case["hashes_equal"], case
+    assert case["verified"] is True, case
+    assert case["bitwise"] is True, case
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec.get("mount"):

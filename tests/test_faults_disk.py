@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from tests._faults_worker import assert_nothing_lost
 from tests.zero._common import backend_env
 from tests.zero.conftest import installed_backends
 
@@ -96,14 +97,6 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return done[backend, fault]
 
     return get
-
-
-def assert_nothing_lost(case: dict[str, Any]) -> None:
-    assert case["latest"] == "A", case
-    assert case["leftovers"] == [], case
-    assert case["files"] >= 3 and case["hashes_equal"], case
-    assert case["verified"] is True, case
-    assert case["bitwise"] is True, case
 
 
 def check(case: dict[str, Any], kind: str, fault: str) -> None:

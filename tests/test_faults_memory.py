@@ -32,6 +32,7 @@ import torch
 
 from ds_core.checkpoint import inspect_checkpoint
 from ds_core.faults import OutOfMemoryError, boundary, is_oom
+from tests._faults_worker import assert_nothing_lost
 from tests.zero._common import backend_env
 from tests.zero.conftest import installed_backends
 
@@ -131,14 +132,6 @@ def single(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     spec = {"fault": "oom", "dim": 1024, "layers": 2, "big_rows": 8192, "phases": PHASES}
     cases = run_worker(tmp_path_factory.mktemp(f"oom-{backend}"), backend, spec)[0]
     return backend, {c["phase"]: c for c in cases}
-
-
-def assert_nothing_lost(case: dict[str, Any]) -> None:
-    assert case["latest"] == "A", case
-    assert case["leftovers"] == [], case
-    assert case["files"] >= 3 and case["hashes_equal"], case
-    assert case["verified"] is True, case
-    assert case["bitwise"] is True, case
 
 
 def assert_shaped(case: dict[str, Any], phase: str, backend: str) -> None:
