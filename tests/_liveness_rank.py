@@ -120,7 +120,7 @@ def main() -> None:
         engine.step()
     elif phase == "step":
         if rank == VICTIM:
-            engine._boundary_step = lambda: _die(work, rank)
+            engine.updater.apply = lambda: _die(work, rank)
         train(engine, sc, 1)
     elif phase == "save":
         from ds_core.checkpoint import _io

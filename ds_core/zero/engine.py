@@ -15,12 +15,13 @@ bytes of one full gradient:
 
 The gradient path is :class:`~ds_core.zero.reducer.GradReducer`; the layout is
 :class:`~ds_core.zero.partition.FlatUnit`; stage 3's gathering is
-:class:`~ds_core.zero.stage3.ParamCoordinator`. Gradients are averaged (mean) over
-data-parallel ranks; ``backward`` divides the loss by the accumulation steps; ``step`` is
-called every micro-batch and updates at the boundary. The step keeps the global norm, the clip
-coefficient and the scaling on the device: the host reads a value only to print a log line,
-when the caller asks (:meth:`ZeroEngine.get_global_grad_norm`), or to decide an fp16 / bf16
-overflow skip (one flag per step, as DeepSpeed's loss scaler does).
+:class:`~ds_core.zero.stage3.ParamCoordinator`; the update at the boundary and its bookkeeping
+are :class:`~ds_core.zero.steps.Updater` and :class:`~ds_core.zero.steps.StepBook`. Gradients
+are averaged (mean) over data-parallel ranks; ``backward`` divides the loss by the accumulation
+steps; ``step`` is called every micro-batch and updates at the boundary. The step keeps the
+global norm, the clip coefficient and the scaling on the device: the host reads a value only
+to print a log line, when the caller asks (:meth:`ZeroEngine.get_global_grad_norm`), or to
+decide an fp16 / bf16 overflow skip (one flag per step, as DeepSpeed's loss scaler does).
 
 PyTorch-style backward (DeepSpeed 0.19's ``loss.backward()``; see [Note: PyTorch-style
 backward]): ``forward`` hooks its outputs, so a plain ``.backward()`` of anything computed from
@@ -56,10 +57,10 @@ from ds_core.zero.offload.nvme_param import ParamSwapper
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, set_param_data
 from ds_core.zero.partitioned_init import INIT_ATTR
 from ds_core.zero.placement import Placement
-from ds_core.zero.precision import LossScaler, step_skips_on_device, step_with_found_inf
+from ds_core.zero.precision import LossScaler
 from ds_core.zero.reducer import GradReducer
 from ds_core.zero.stage3 import ParamCoordinator
-from ds_core.zero.steps import SkipTracker, StepBook, Verdict
+from ds_core.zero.steps import SkipTracker, StepBook, Updater
 from ds_core.zero.torch_backward import TorchStyleBackward, bind_zero_grad, explicit_backward
 from ds_core.zero.zeropp import configure_zeropp
 
@@ -80,7 +81,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
     ``lr_scheduler``, ``global_steps`` (boundaries seen, skipped ones included),
     ``global_samples``, ``skipped_steps``, ``micro_steps``, ``zparams`` (one
     :class:`ZeroParam` per unique parameter, by name), ``units`` (the flat units they live in),
-    ``reducer`` (the gradient path), ``loss_scaler`` (fp16), ``last_grad_norm`` and ``mesh``
+    ``reducer`` (the gradient path), ``updater`` (the update), ``loss_scaler`` (fp16), ``last_grad_norm`` and ``mesh``
     (the data-parallel × tensor-parallel :class:`~ds_core.comm.Mesh`; AutoTP in
     :mod:`ds_core.parallel.tensor`).
 
@@ -246,19 +247,29 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         if self.optimizer is not None:  # its zero_grad() clears the model's p.grad too
             bind_zero_grad(self.optimizer, [zp.param for zp in self._trainable])
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
-        #: a non-finite step is skipped inside the optimizer, on the device; otherwise
-        #: (offload, or an optimizer without ``found_inf``) the host reads the verdict.
-        self._skips_on_device = self.offload is None and step_skips_on_device(self.optimizer)
-        if self.check_overflow and self.optimizer is not None and not self._skips_on_device:
-            log.info(
-                "%s: the non-finite check reads one flag on the host per step (%s)",
-                type(self.optimizer).__name__,
-                "optimizer offload steps on the host"
-                if self.offload is not None
-                else "its step() does not accept found_inf; torch's fused=True optimizers do",
-            )
+        #: run at each update once the gradients are reduced, before the norm (a pipeline
+        #: sums tied weights' gradients over their stages here: ds_core.parallel.pipeline).
+        self.after_reduction: list[Callable[[], None]] = []
+        #: the update at each boundary (see :mod:`ds_core.zero.steps`).
+        self.updater = Updater(
+            self.acc,
+            self.reducer,
+            self.book,
+            lambda: self.optimizer,
+            self.mesh,
+            self.world,
+            self._trainable,
+            self._gathered_after_step,
+            loss_scaler=self.loss_scaler,
+            offload=self.offload,
+            param_swap=self.param_swap,
+            clip=self.clip,
+            check_overflow=self.check_overflow,
+            norm_dtype=self.norm_dtype,
+            overlap_comm=self.overlap_comm,
+            after_reduction=self.after_reduction,
+        )
 
-        self._last_norm: torch.Tensor | None = None
         self._boundary_override: bool | None = None
         self._loss_sum: torch.Tensor | None = None
         #: backwards (micro-batches) since the last update, PyTorch-style ones included.
@@ -285,9 +296,6 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         self.training_dataloader: Any = None
         #: gradients this engine's current backward received (0 after it: not connected).
         self._grads_seen = 0
-        #: run at each update once the gradients are reduced, before the norm (a pipeline
-        #: sums tied weights' gradients over their stages here: ds_core.parallel.pipeline).
-        self.after_reduction: list[Callable[[], None]] = []
         _guards.claim(model, self.label)
 
     # ------------------------------------------------------------------ Initialization #
@@ -467,7 +475,11 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
             )
         self.book.micro_steps += 1
         if boundary:
-            self._boundary_step()
+            self.book.settle()  # the previous step's verdict, long computed by now
+            verdict = self.updater.apply()
+            self.zero_grad()
+            self.book.close(verdict)
+            self._close_window()
         self.tput_timer.stop(global_step=boundary, report_speed=False)
 
     def zero_grad(self) -> None:
@@ -482,62 +494,15 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
     def last_grad_norm(self) -> float | None:
         """The last step's global gradient norm before clipping, unscaled (reads the device);
         ``None`` when neither clipping nor an overflow check needed it."""
-        return None if self._last_norm is None else float(self._last_norm.item())
+        norm = self.updater.last_norm
+        return None if norm is None else float(norm.item())
 
     def get_global_grad_norm(self) -> float | None:
         """DeepSpeed's name for :attr:`last_grad_norm`."""
         return self.last_grad_norm
 
-    # -- the update --------------------------------------------------------------------------
-
-    def _boundary_step(self) -> None:
-        self.book.settle()  # the previous step's verdict, long computed by now
-        self.reducer.finish()
-        self.reducer.check_every_gradient_arrived()
-        for fn in self.after_reduction:
-            fn()
-        scale = self.loss_scaler.scale_tensor if self.loss_scaler is not None else 1.0
-        # Sums over ranks become means; the loss scale comes off in the same multiply.
-        coef = self.reducer.post_scale / scale
-        norm: torch.Tensor | None = None
-        if self.clip > 0 or self.check_overflow:
-            norm = self.reducer.global_norm(self.norm_dtype) * coef
-        self._last_norm = norm
-        mult = coef
-        if self.clip > 0 and norm is not None:
-            # torch's clip_grad_norm_ coefficient, kept on the device.
-            mult = ((self.clip / (norm + 1e-6)).clamp(max=1.0) * coef).to(torch.float32)
-        found_inf = None if norm is None or not self.check_overflow else ~norm.isfinite()
-        if found_inf is not None and not self.reducer.communicate and self.world > 1:
-            # Local gradients: every rank must skip together, or the optimizer's own
-            # collectives would not match (DeepSpeed's CheckOverflow does the same).
-            any_inf = found_inf.to(torch.float32)
-            group = self.mesh.dp_group if self.mesh.pp_size == 1 else None  # every stage too
-            self.acc.all_reduce(any_inf, "sum", group)
-            found_inf = any_inf > 0
-        step = self.global_steps + 1
-        if found_inf is None:
-            verdict = Verdict.APPLIED
-            self._update(mult)
-        elif self._skips_on_device:
-            self._update(mult, found_inf.to(torch.float32))
-            verdict = self.book.defer(found_inf, step)
-        elif self.offload is not None:
-            # Offload steps on the host: the verdict lands with the gradients, in one wait.
-            flag = found_inf
-            host_mult = self._offload_land(mult, lambda: self.book.record(flag, step))
-            verdict = self.book.verdict()
-            if verdict is Verdict.APPLIED:
-                self._offload_step(host_mult)
-        else:
-            # An optimizer without ``found_inf`` support: the host needs the flag now.
-            verdict = self.book.decide(found_inf, step)
-            if verdict is Verdict.APPLIED:
-                self._update(mult)
-        if self.loss_scaler is not None and found_inf is not None:
-            self.loss_scaler.update(found_inf)
-        self.zero_grad()
-        self.book.close(verdict)
+    def _close_window(self) -> None:
+        """After an update: the window's mean loss for the log, and the log line."""
         if self._loss_sum is not None and self._loss_known:
             self._last_loss_t = self._loss_sum / self._loss_known
         elif self._loss_count:
@@ -547,111 +512,10 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         if every is not None and self.global_steps % every == 0:
             self._log_step()
 
-    def _update(self, mult: float | torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
-        """Scale the reduced gradients by ``mult``, step the optimizer (a no-op on the device
-        where ``found_inf`` is 1) and publish the masters into the parameters."""
-        if self.offload is not None:
-            self._offload_step(self._offload_land(mult))
-            return
-        self.reducer.scale_(mult)
-        for zp in self._trainable:
-            if zp.master is not None:
-                zp.master.grad = self.reducer.grad(zp)
-        if found_inf is None:
-            self.optimizer.step()
-        else:
-            step_with_found_inf(self.optimizer, found_inf)
-        self._publish_params()
-
-    def _settle(self) -> None:
-        """Take the host side of the last step's verdict (see :class:`StepBook`)."""
-        self.book.settle()
-
-    # The counters live in the step book; these are plain views of it.
-
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps taken (boundaries seen, skipped ones included)."""
-        return self.book.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.book.global_steps = int(value)
-
-    @property
-    def global_samples(self) -> int:
-        """Samples seen over all ranks."""
-        return self.book.global_samples
-
-    @global_samples.setter
-    def global_samples(self, value: int) -> None:
-        self.book.global_samples = int(value)
-
-    @property
-    def micro_steps(self) -> int:
-        """``step()`` calls (micro-batches) so far."""
-        return self.book.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.book.micro_steps = int(value)
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped for non-finite gradients, the last one included (may wait
-        for the last step's verdict; advances nothing)."""
-        return self.book.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.book.skipped_steps = value
-
-    def _offload_land(
-        self, mult: float | torch.Tensor, verdict: Callable[[], None] | None = None
-    ) -> float | None:
-        """Bring the window's gradients, the multiplier and ``verdict`` to the host in one
-        wait (see [Note: offload data path]); return the multiplier the host step applies
-        (``None``: already applied on the device)."""
-        assert self.offload is not None
-        fused = self.offload.uses_fused_scale(self.optimizer)
-        on_host = self.reducer.host is not None  # the window was summed on the host already
-        if not fused and not on_host:
-            self.reducer.scale_(mult)  # on the device, before the copy
-        host_mult = self.offload.gradients_to_host(self.reducer.reduced_ranges(), mult, verdict)
-        return host_mult if fused or on_host else None
-
-    def _offload_step(self, host_mult: float | None) -> None:
-        """The optimizer step with masters on the host, after :meth:`_offload_land`."""
-        assert self.offload is not None
-        self.offload.step(self.optimizer, host_mult)
-        self._publish_params()
-
-    def _publish_params(self) -> None:
-        """Move updated masters into the parameters the module computes with: each rank
-        writes its own range, then one all-gather per stage-1/2 unit rebuilds the rest."""
-        with torch.no_grad():
-            if self.offload is not None:
-                self.offload.publish()
-            for zp in self._trainable:
-                master = zp.master
-                if master is None or (self.offload is not None and self.offload.holds(zp.unit)):
-                    continue
-                if zp.mode is Mode.REPLICATED:
-                    if master is not zp.param:
-                        zp.param.data.copy_(master.detach())
-                    continue
-                assert zp.unit is not None
-                zp.unit.write_owned(zp, master.detach())
-            pending = FlatUnit.all_gather_each(self._gathered_after_step, self.overlap_comm)
-            if self.param_swap is not None:
-                self.param_swap.flush()  # updated shards to their files, asynchronously
-            for h in pending:
-                h.wait()
-
     def sync_params_from_masters(self) -> None:
         """Rebuild the module's parameters (and stage-3 ranges) from the fp32 masters, in the
         model's dtype. Collective: every rank calls it (after loading masters, say)."""
-        self._publish_params()
+        self.updater.publish()
 
     def _log_step(self) -> None:
         self._settle()  # the line reports this step's skip and schedule

@@ -26,6 +26,7 @@ from ds_core.zero.config import DSConfig
 from ds_core.zero.gathered import GatheredParameters
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
 from ds_core.zero.reducer import GradReducer
+from ds_core.zero.steps import StepBook
 
 if TYPE_CHECKING:  # the engine subclasses this mixin
     from ds_core.zero.engine import ZeroEngine
@@ -58,6 +59,7 @@ class DeepSpeedEngineAPI:
     zparams: dict[str, ZeroParam]
     _by_param: dict[int, ZeroParam]
     _no_sync: bool
+    book: StepBook
     units: list[FlatUnit]
     reducer: GradReducer
     _trainable: list[ZeroParam]
@@ -82,8 +84,47 @@ class DeepSpeedEngineAPI:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def _settle(self) -> None:
-        """Read the last step's skip verdict and take its host-side effects (the engine's)."""
-        raise NotImplementedError
+        """Take the host side of the last step's verdict (see :class:`StepBook`)."""
+        self.book.settle()
+
+    # -- counters (views of the engine's StepBook) -------------------------------------------
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (boundaries seen, skipped ones included)."""
+        return self.book.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.book.global_steps = int(value)
+
+    @property
+    def global_samples(self) -> int:
+        """Samples seen over all ranks."""
+        return self.book.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.book.global_samples = int(value)
+
+    @property
+    def micro_steps(self) -> int:
+        """``step()`` calls (micro-batches) so far."""
+        return self.book.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.book.micro_steps = int(value)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients, the last one included (may wait
+        for the last step's verdict; advances nothing)."""
+        return self.book.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.book.skipped_steps = value
 
     # -- ranks and sizes -----------------------------------------------------------------
 
