@@ -44,27 +44,8 @@ import torch
 from ds_core.accelerator import Accelerator
 from ds_core.comm.quantized import NodeGroups, quantized_reduce_scatter
 from ds_core.types import Work
+from ds_core.zero.grad_norm import GlobalNorm, sum_of_squares
 from ds_core.zero.partition import PIPE_REPLICATED_ATTR, FlatUnit, Mode, ZeroParam
-
-#: elements per fp32 partial norm in :func:`_sum_of_squares`.
-_NORM_CHUNK = 1 << 16
-
-
-def _sum_of_squares(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Sum of squares of ``buf``'s elements, accumulated in ``dtype``.
-
-    fp32 norms of 64 Ki-element chunks, their squares summed in ``dtype``: one fp32 norm over
-    a whole-model buffer drifts (4e-3 relative at 57 M elements on one CPU thread), and a
-    ``dtype=float64`` norm copies the buffer to float64 first (8 bytes an element, ~30x the
-    time; bench/README.md). Chunking keeps fp32 speed with ~1e-7 relative error.
-    """
-    flat = buf.reshape(-1)
-    whole = flat.numel() // _NORM_CHUNK * _NORM_CHUNK
-    partial = torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_CHUNK), 2, dim=1)
-    total: torch.Tensor = partial.to(dtype).square().sum()
-    if whole < flat.numel():
-        total = total + torch.linalg.vector_norm(flat[whole:], 2).to(dtype).square()
-    return total
 
 
 @dataclass(frozen=True)
@@ -182,8 +163,8 @@ class GradReducer:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.world = world
-        #: ranks the global norm sums over (the whole mesh).
-        self._norm_ranks = world * tp_size * pp_size
+        #: the global norm over the whole mesh's ranks.
+        self._norm = GlobalNorm(acc, world * tp_size * pp_size)
         self.acc = acc
         self.device = acc.device()
         self.comm_dtype = comm_dtype
@@ -400,7 +381,7 @@ class GradReducer:
         if self.host is not None:  # optimizer offload: the window sums on the host
             if first:
                 counts = not self._norm_replica(ug)
-                part = _sum_of_squares(
+                part = sum_of_squares(
                     out if out.dtype == torch.float32 else out.float(), self.norm_dtype
                 )
                 self._host_partials.append(part if counts else part * 0)
@@ -479,55 +460,20 @@ class GradReducer:
         """Global L2 norm of the reduced gradients, as a 0-dim ``dtype`` device tensor (one
         all-reduce over the world; never read on the host here). Non-finite when any rank
         holds a non-finite gradient, TP replicas included."""
-        total = torch.zeros((), dtype=dtype, device=self.device)
         if not self.communicate:
             # Local gradients (an optimizer that communicates itself): this rank's own norm,
             # as DeepSpeed clips them; the engine agrees on skipping across ranks apart.
-            for ug in self.units:
-                if ug.reduced is not None:
-                    total += _sum_of_squares(ug.reduced, dtype)
-            return total.sqrt()
+            return self._norm.local(
+                (ug.reduced for ug in self.units if ug.reduced is not None), dtype
+            )
         if self.host is not None and self._host_single and dtype == self.norm_dtype:
             # Offload, one contribution per unit this window: the device saw every gradient.
-            for part in self._host_partials:
-                total += part
-            if self._norm_ranks > 1:
-                self.acc.all_reduce(total, "sum", None)
-            return total.sqrt()
+            return self._norm.of_squares(self._host_partials, dtype)
         if self.host is not None:
-            return self._host_norm(dtype)
-        for buf in self.reduced_buffers():
-            total += _sum_of_squares(buf, dtype)
-        for buf in self._tp_replica_buffers():
-            # Counted on TP rank 0, but an inf/NaN here (0 × inf is NaN) must still reach the
-            # norm, so every rank of the mesh skips the step and clips alike.
-            total += _sum_of_squares(buf, dtype) * 0
-        if self._norm_ranks > 1:
-            # Every range and expert is held by exactly one rank (replicas are counted on the
-            # group's first rank only, TP replicas on TP rank 0), so the sum over the world
-            # counts each once.
-            self.acc.all_reduce(total, "sum", None)
-        return total.sqrt()
-
-    def _host_norm(self, dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`global_norm` from the host accumulators (offload, a window of several
-        contributions): the host waits for them once, sums, and sends one number to the
-        device for the all-reduce (non-blocking from pinned memory where the backend has it).
-        """
-        self.host.land()
-        local = torch.zeros((), dtype=dtype)
-        for buf in self.reduced_buffers():
-            local += _sum_of_squares(buf, dtype)
-        for buf in self._tp_replica_buffers():
-            local += _sum_of_squares(buf, dtype) * 0  # NaN/inf still reaches the norm
-        pinned = "pinned_memory" in self.acc.capabilities
-        if pinned:
-            local = self.acc.pin_memory(local)
-        total = torch.empty((), dtype=dtype, device=self.device)
-        total.copy_(local, non_blocking=pinned)
-        if self._norm_ranks > 1:
-            self.acc.all_reduce(total, "sum", None)
-        return total.sqrt()
+            # Offload, several contributions: the host waits for its accumulators once.
+            self.host.land()
+            return self._norm.of_host(self.reduced_buffers(), self._tp_replica_buffers(), dtype)
+        return self._norm.of(self.reduced_buffers(), self._tp_replica_buffers(), dtype)
 
     def attach_host(self, host: Any) -> bool:
         """Optimizer offload: sum each micro-batch's reduced range straight into ``host``'s
