@@ -73,14 +73,14 @@ class CommRecorder:
         self.original: Any = None
 
     def install(self) -> None:
-        from ds_backend_sim import collectives
+        from ds_backend_sim import collectives, work
 
         original = collectives.SimProcessGroup._run
         recorder = self
 
         def _run(pg: Any, collective: str, tensors: Any, nbytes: int, *a: Any, **k: Any) -> Any:
             if tensors and not all(t.device.type == "cpu" for t in tensors):
-                wire = collectives.wire_bytes(collective, nbytes, pg._size)
+                wire = work.wire_bytes(collective, nbytes, pg._size)
                 seconds = recorder.latency_us * 1e-6 + wire / (recorder.gbps * 1e9)
                 with recorder.lock:
                     recorder.records.append((recorder.phase, collective, nbytes, seconds))

@@ -549,7 +549,7 @@ def test_the_link_model_makes_a_collective_take_its_modelled_time(tmp_path: Any)
         textwrap.dedent(
             """
             import json, socket, torch, torch.distributed as dist, torch.multiprocessing as mp
-            from ds_backend_sim import device, collectives
+            from ds_backend_sim import device, collectives, work
 
             def rank_main(rank, port, q):
                 device.init()
@@ -563,7 +563,7 @@ def test_the_link_model_makes_a_collective_take_its_modelled_time(tmp_path: Any)
                     dist.all_reduce(t)
                 end.record(device.current_stream(rank)); end.synchronize()
                 ms = start.elapsed_time(end) / 3
-                q.put((rank, ms, collectives.modelled_seconds("all_reduce", t.numel() * 4, 2)))
+                q.put((rank, ms, work.modelled_seconds("all_reduce", t.numel() * 4, 2)))
                 dist.destroy_process_group()
 
             if __name__ == "__main__":
@@ -592,7 +592,7 @@ def test_the_link_model_makes_a_collective_take_its_modelled_time(tmp_path: Any)
 
 
 def test_wire_bytes_follow_a_ring() -> None:
-    from ds_backend_sim.collectives import wire_bytes
+    from ds_backend_sim.work import wire_bytes
 
     assert wire_bytes("all_reduce", 1000, 4) == 1500
     assert wire_bytes("all_gather", 1000, 4) == 750
