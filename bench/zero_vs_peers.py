@@ -49,20 +49,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -72,106 +70,28 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bench.instruments import (  # noqa: E402
+    MIN_NUMEL,
+    PeakRSS,
+    TorchCommCounter,
+    free_port,
+    rss_bytes,
+    wchar_bytes,
+)
+from bench.peers_report import (  # noqa: E402
+    DS_STAGES,
+    OFFLOAD,
+    PEERS,
+    MiB,
+    RunResult,
+    summarize,
+)
 from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
 
-PEERS = ("ddp", "zero_opt", "fsdp2")
-DS_STAGES = ("ds0", "ds1", "ds2", "ds3")
-OFFLOAD = ("ds1_off", "ds2_off", "ds3_off", "ds3_param", "ds3_off_param", "ds2_nvme", "ds3_nvme")
-OFFLOAD += ("ds3_param_nvme", "ds3_off_param_nvme")
 #: where the ``*_nvme`` configurations keep their swap files (a real disk, not tmpfs)
 NVME_DIR = os.environ.get("DS_CORE_BENCH_NVME_DIR") or None
 LR, CLIP, SEED = 3e-4, 1.0, 1234
 REDUCE_BUCKET = 6_000_000  # elements: 23 MiB of fp32 gradients, like DDP's 25 MiB buckets
-# collectives with fewer elements are bookkeeping (norms, flags), left out of byte counts
-MIN_NUMEL = 1024
-
-
-# ------------------------------------------------------------------------------ measuring
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process, bytes."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def wchar_bytes() -> int:
-    """Bytes this process has passed to write-like system calls (sockets included)."""
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    return 0
-
-
-class PeakRSS:
-    """Peak resident set: the kernel's high-water mark where it can be reset, else sampled."""
-
-    def reset(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-            self.kernel = True
-        except OSError:
-            self.kernel = False
-        self.sampled = rss_bytes()
-
-    def sample(self) -> None:
-        self.sampled = max(self.sampled, rss_bytes())
-
-    def peak(self) -> int:
-        if self.kernel:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return max(int(line.split()[1]) * 1024, self.sampled)
-        return self.sampled
-
-
-class TorchCommCounter:
-    """Logical bytes of torch.distributed collectives called from Python, by wrapping them."""
-
-    # name -> (index of the counted tensor among positional args, its keyword, factor)
-    RULES: ClassVar[dict[str, tuple[int, str, int]]] = {
-        "all_reduce": (0, "tensor", 2),
-        "broadcast": (0, "tensor", 1),
-        "all_gather_single": (0, "output_tensor", 1),
-        "all_gather_into_tensor": (0, "output_tensor", 1),
-        "reduce_scatter_single": (1, "input", 1),
-        "reduce_scatter_tensor": (1, "input", 1),
-    }
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.originals: dict[str, Callable[..., Any]] = {}
-
-    def add(self, t: torch.Tensor, factor: int) -> None:
-        if t.numel() >= MIN_NUMEL:
-            self.bytes += factor * t.numel() * t.element_size()
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[TorchCommCounter]:
-        for name, (pos, kw, factor) in self.RULES.items():
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self.originals[name] = original
-
-            def wrapper(
-                *args: Any, _o: Any = original, _p: int = pos, _k: str = kw, _f: int = factor,
-                **kwargs: Any,
-            ) -> Any:  # fmt: skip
-                tensor = args[_p] if len(args) > _p else kwargs[_k]
-                self.add(tensor, _f)
-                return _o(*args, **kwargs)
-
-            setattr(dist, name, functools.wraps(original)(wrapper))
-        try:
-            yield self
-        finally:
-            for name, original in self.originals.items():
-                setattr(dist, name, original)
-            self.originals.clear()
 
 
 # ---------------------------------------------------------------------------- the engines
@@ -402,40 +322,7 @@ def build_ds(
     )
 
 
-def zero_formula_bytes(n_params: int, stage: int, world: int) -> float:
-    """ZeRO model-state bytes per rank in fp32: params 4, grads 4, Adam moments 8 per parameter."""
-    p, g, o = 4.0 * n_params, 4.0 * n_params, 8.0 * n_params
-    return {0: p + g + o, 1: p + g + o / world, 2: p + (g + o) / world, 3: (p + g + o) / world}[
-        stage
-    ]
-
-
-def expected_comm_bytes(n_params: int, stage: int) -> float:
-    """The paper's logical bytes per step: 2Ψ (stages 0-2), 3Ψ (stage 3), Ψ in bytes (fp32)."""
-    return (3 if stage == 3 else 2) * 4.0 * n_params
-
-
 # ------------------------------------------------------------------------------- one run
-
-
-@dataclass
-class RunResult:
-    name: str
-    step_s: list[float] = field(default_factory=list)  # slowest rank's wall time per step
-    cpu_s: list[float] = field(default_factory=list)  # mean over ranks of CPU time per step
-    peak_above_baseline: list[int] = field(default_factory=list)  # per rank
-    state_bytes: list[int] = field(default_factory=list)  # per rank
-    logical_per_step: float = 0.0  # per rank
-    wire_per_step: float = 0.0  # per rank, mean
-    losses: list[float] = field(default_factory=list)  # mean over ranks, per measured step
-    error: str | None = None
-
-
-def config_stage(name: str) -> int:
-    """The ZeRO stage a configuration corresponds to (DDP 0, ZeroRedundancyOptimizer 1, FSDP2 3)."""
-    peers = {"ddp": 0, "zero_opt": 1, "fsdp2": 3}
-    name = name.partition("+")[0]
-    return peers[name] if name in peers else int(name[2])
 
 
 def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
@@ -551,102 +438,6 @@ def math_nan() -> float:
     return float("nan")
 
 
-# --------------------------------------------------------------------------------- report
-
-MiB = 2**20
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def summarize(runs: dict[str, list[RunResult]], args: argparse.Namespace, n_params: int) -> str:
-    """The table and ratios, as text."""
-    world = args.world
-    tokens_per_step = args.micro_batch * args.seq * world
-    rows: dict[str, dict[str, Any]] = {}
-    for name, results in runs.items():
-        ok = [r for r in results if r.error is None]
-        if not ok:
-            rows[name] = {"error": results[0].error if results else "not run"}
-            continue
-        steps = [s for r in ok for s in r.step_s]
-        med = statistics.median(steps)
-        stage = config_stage(name)
-        rows[name] = {
-            "stage": stage,
-            "median_s": med,
-            "p10_s": _pct(steps, 0.1),
-            "p90_s": _pct(steps, 0.9),
-            "cpu_s": statistics.median(s for r in ok for s in r.cpu_s),
-            "tok_s": tokens_per_step / med,
-            "peak_mib": [max(r.peak_above_baseline[i] for r in ok) / MiB for i in range(world)],
-            "state": max(max(r.state_bytes) for r in ok),
-            "logical": statistics.median(r.logical_per_step for r in ok),
-            "wire": statistics.median(r.wire_per_step for r in ok),
-            "loss": ok[-1].losses[-1],
-            "runs": len(ok),
-        }
-    formula_stage = {"ddp": 0, "zero_opt": 1, "fsdp2": 3}
-    lines = []
-    head = (
-        f"{'config':<13} {'step ms':>8} {'p10-p90 ms':>13} {'cpu ms':>7} {'tok/s':>7} "
-        f"{'peak MiB/rank':>14} {'pk/form':>7} {'state MiB':>9} {'formula':>8} {'st/form':>7} "
-        f"{'comm MiB':>8} {'/ideal':>6} {'wire MiB':>8} {'loss':>9} {'Δ vs DDP':>9}"
-    )
-    lines += [head, "-" * len(head)]
-    ddp = rows.get("ddp", {})
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"{name:<13} not measured: {r['error']}")
-            continue
-        stage = formula_stage.get(name, r["stage"])
-        formula = zero_formula_bytes(n_params, stage, world)
-        ideal = expected_comm_bytes(n_params, r["stage"])
-        dloss = f"{(r['loss'] - ddp['loss']) / abs(ddp['loss']):+.1e}" if "loss" in ddp else "n/a"
-        lines.append(
-            f"{name:<13} {r['median_s'] * 1e3:>8.1f} "
-            f"{r['p10_s'] * 1e3:>6.0f}-{r['p90_s'] * 1e3:<6.0f} {r['cpu_s'] * 1e3:>7.1f} "
-            f"{r['tok_s']:>7.0f} {'/'.join(f'{m:.0f}' for m in r['peak_mib']):>14} "
-            f"{max(r['peak_mib']) * MiB / formula:>7.2f} "
-            f"{r['state'] / MiB:>9.1f} {formula / MiB:>8.1f} {r['state'] / formula:>7.2f} "
-            f"{r['logical'] / MiB:>8.1f} {r['logical'] / ideal:>6.2f} {r['wire'] / MiB:>8.1f} "
-            f"{r['loss']:>9.5f} {dloss:>9}"
-        )
-    lines.append("")
-    lines.append(
-        "formula: ZeRO fp32 model states per rank (zero_opt as stage 1, fsdp2 as stage 3); "
-        "pk/form: peak during the measured steps over it; "
-        "/ideal: logical bytes over 2Ψ (stages 0-2) or 3Ψ (stage 3)"
-    )
-    best_peer = {0: "ddp", 1: "zero_opt", 2: "zero_opt", 3: "fsdp2"}
-    lines.append("")
-    lines.append(f"{'config':<13} {'time/DDP':>9} {'time/peer':>10} {'peer':>9} {'cpu/DDP':>8}")
-    for name, r in rows.items():
-        if "error" in r:
-            continue
-        peer = best_peer[r["stage"]] if name in DS_STAGES else name
-        if name in OFFLOAD:
-            peer = name[:3]  # the same stage without offload
-        pr = rows.get(peer, {})
-        vs_peer = f"{r['median_s'] / pr['median_s']:.2f}" if "median_s" in pr else "n/a"
-        vs_ddp = f"{r['median_s'] / ddp['median_s']:.2f}" if "median_s" in ddp else "n/a"
-        cpu_ddp = f"{r['cpu_s'] / ddp['cpu_s']:.2f}" if "cpu_s" in ddp else "n/a"
-        lines.append(f"{name:<13} {vs_ddp:>9} {vs_peer:>10} {peer:>9} {cpu_ddp:>8}")
-    for name in OFFLOAD:
-        if name in rows and "state" in rows[name] and name[:3] in rows and name in HOST_BYTES:
-            dev, base = rows[name]["state"], rows[name[:3]].get("state", 0)
-            lines.append(
-                f"{name}: device model states {dev / MiB:.1f} MiB vs {base / MiB:.1f} MiB "
-                f"without offload ({(base - dev) / MiB:.1f} MiB saved, {dev / base:.2f}x); "
-                f"host {HOST_BYTES[name] / MiB:.1f} MiB (rank 0)"
-            )
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------------- driver
 
 
@@ -706,15 +497,9 @@ def run_preset(
             f"{args.seq}, {args.world} gloo ranks × 1 thread, {args.rounds} rounds × "
             f"{args.steps} measured steps (after {args.warmup} warm-up), torch {torch.__version__}"
         )
-        print(summarize(runs, args, n_params))
+        print(summarize(runs, args, n_params, HOST_BYTES))
         print(flush=True)
     return runs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
