@@ -33,6 +33,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.rankpool import rank_env
+
 #: spare bytes left to the phase (address space on cpu, device memory on sim): far below what
 #: each faulted allocation asks for (whole activations, gradients, optimizer temporaries).
 MARGIN = 2 << 20
@@ -243,14 +245,7 @@ def one_case(spec: dict[str, Any], phase: str, rank: int, world: int) -> dict[st
 
 
 def ranks(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     # RLIMIT_FSIZE's SIGXFSZ would kill the process; ignored, the write fails with EFBIG
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -44,6 +44,48 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """torchrun's variables for rank ``rank`` of a ``world``-rank run on this host, with its
+    rendezvous at ``127.0.0.1:port``, and ``extra`` on top (``DS_ACCELERATOR``, ...)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        **extra,
+    }
+
+
+def run_script_ranks(code: str, argv: list[str], world: int, timeout: float, **env: str) -> str:
+    """Run ``python -c code *argv`` as each rank of a ``world``-rank run on this host (one
+    thread each, ``env`` on top); return rank 0's output (stdout and stderr) once it exits
+    within ``timeout`` seconds (a hang guard), the others then waited for 60 s and any rank
+    still running killed."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *argv],
+            cwd=ROOT,
+            env={**os.environ, **rank_env(rank, world, port, OMP_NUM_THREADS="1", **env)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=timeout)
+        for p in procs[1:]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
 class RankPool:
     """``world`` rank processes with a gloo (or the backend's) process group, serving jobs.
 
@@ -60,23 +102,16 @@ class RankPool:
         port = free_port()
         self._procs: list[subprocess.Popen[bytes]] = []
         for rank in range(world):
-            rank_env = dict(
-                env,
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-                PYTHONUNBUFFERED="1",
-            )
+            env_r = {
+                **env,
+                **rank_env(rank, world, port, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+            }
             with open(self._logdir / f"rank{rank}.log", "wb") as log:
                 self._procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "tests.rankpool", str(self._listener.address[1])],
                         cwd=ROOT,
-                        env=rank_env,
+                        env=env_r,
                         stdin=subprocess.PIPE,
                         stdout=log,
                         stderr=subprocess.STDOUT,

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.rankpool import rank_env
+
 WORLD = 2
 
 
@@ -21,15 +23,7 @@ def _port() -> int:
 
 def _ranks(rank: int, port: int, errors: mp.Queue) -> None:  # type: ignore[type-arg]
     try:
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            DS_ACCELERATOR="cpu",
-        )
+        os.environ.update(rank_env(rank, WORLD, port, DS_ACCELERATOR="cpu"))
         torch.set_num_threads(1)
         import ds_core
         from ds_core import comm

@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distfactory import make_backend
+from tests.rankpool import rank_env
 
 WORLD = 2
 SENTINEL = -7.0
@@ -163,16 +164,7 @@ def _scenarios(acc: Any, rank: int) -> None:
 
 def _rank(rank: int, port: int, backend: str, root: str, shm: str, errors: mp.Queue) -> None:  # type: ignore[type-arg]
     try:
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            DS_ACCELERATOR=backend,
-            DS_CPU_SHM=shm,
-        )
+        os.environ.update(rank_env(rank, WORLD, port, DS_ACCELERATOR=backend, DS_CPU_SHM=shm))
         if root:
             sys.path.insert(0, root)
         torch.set_num_threads(1)

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from ds_backend_cpu import shm_segment, shm_sync
 
+from tests.rankpool import rank_env
+
 ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 600  # only against a hang; never a speed check
 
@@ -34,23 +36,16 @@ def _launch(scenario: str, world: int, **env: str) -> list[subprocess.Popen[str]
     port = _port()
     procs = []
     for rank in range(world):
-        rank_env = {
+        env_r = {
             **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "DS_ACCELERATOR": "cpu",
-            "OMP_NUM_THREADS": "1",
+            **rank_env(rank, world, port, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             **env,
         }
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "tests._shm_rank", scenario],
-                env=rank_env,
+                env=env_r,
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

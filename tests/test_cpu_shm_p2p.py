@@ -10,18 +10,13 @@ pool (tests/rankpool.py), and for the dying peer two processes of its own.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import _p2p_worker as worker
-from tests.rankpool import RankPools, free_port
+from tests.rankpool import RankPools, run_script_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 JOB = "tests._p2p_worker"
 ENV = {"DS_ACCELERATOR": "cpu", "DS_CPU_SHM_SLOT_BYTES": "4096"}
 
@@ -92,37 +87,8 @@ os._exit(0)  # dies without sending the reply
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_peer_dying_after_setup_is_named_by_the_transport(mode: str) -> None:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            DS_ACCELERATOR="cpu",
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", DYING_PEER, mode],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        out, _ = procs[0].communicate(timeout=600)  # a hang guard, not a speed check
-        procs[1].wait(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    # a hang guard, not a speed check
+    out = run_script_ranks(DYING_PEER, [mode], 2, 600, DS_ACCELERATOR="cpu")
     lines = [line for line in out.splitlines() if line.startswith(("RAISED", "NO ERROR"))]
     assert lines and lines[-1].startswith("RAISED"), out[-3000:]
     assert "recv from rank 1" in lines[-1], lines[-1]

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from tests.rankpool import rank_env
+
 RANK_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
@@ -41,16 +43,7 @@ def test_survivor_fails_with_a_message_when_a_peer_dies() -> None:
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "DS_ACCELERATOR": "cpu",
-        }
+        env = {**os.environ, **rank_env(rank, 2, port, DS_ACCELERATOR="cpu")}
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", RANK_SCRIPT],

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ds_core.comm import liveness
 from ds_core.errors import ConfigError
 from tests.checkpoint.test_resume import equal
+from tests.rankpool import rank_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PERIOD_S, MISSES = 0.5, 10
@@ -58,14 +59,7 @@ SURVIVOR_PHASE = {
 def _env(rank: int, port: int) -> dict[str, str]:
     return {
         **os.environ,
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
+        **rank_env(rank, 2, port, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
         "DS_LIVENESS_PERIOD_S": str(PERIOD_S),
         "DS_LIVENESS_MISSES": str(MISSES),
     }

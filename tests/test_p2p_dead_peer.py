@@ -8,16 +8,10 @@ timeout."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.rankpool import free_port
+from tests.rankpool import run_script_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300  # the process group's timeout; the error must not be that timeout
 
 RANK_SCRIPT = """
@@ -49,34 +43,8 @@ os._exit(1)
 
 
 def _launch(backend: str, mode: str) -> str:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            DS_ACCELERATOR=backend,
-            OMP_NUM_THREADS="1",
-        )
-        code = RANK_SCRIPT.format(timeout=TIMEOUT_S)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", code, mode],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    out, _ = procs[0].communicate(timeout=TIMEOUT_S)
-    procs[1].wait(timeout=60)
-    return out
+    code = RANK_SCRIPT.format(timeout=TIMEOUT_S)
+    return run_script_ranks(code, [mode], 2, TIMEOUT_S, DS_ACCELERATOR=backend)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from tests.checkpoint._common import RESUME
 from tests.checkpoint._worker import build, seed_all, train
+from tests.rankpool import rank_env
 
 
 def _arm(rank: int, kill_rank: int, kill_event: int) -> list[int]:
@@ -54,15 +55,7 @@ def _arm(rank: int, kill_rank: int, kill_event: int) -> list[int]:
 def _rank(
     rank: int, port: int, root: str, tag: str, fmt: str, kill: tuple[int, int], out: str
 ) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
+    os.environ.update(rank_env(rank, 2, port, DS_ACCELERATOR="cpu"))
     torch.set_num_threads(1)
     import ds_core
 

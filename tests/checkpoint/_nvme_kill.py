@@ -27,6 +27,8 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
+from tests.rankpool import rank_env
+
 KILL_RANK = 1
 
 
@@ -53,15 +55,7 @@ def _kill_after(obj: object, name: str, rank: int, nth: int, work: str) -> None:
 
 
 def _rank(rank: int, port: int, work: str, phase: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
+    os.environ.update(rank_env(rank, 2, port, DS_ACCELERATOR="cpu"))
     torch.set_num_threads(1)
     from pathlib import Path
 

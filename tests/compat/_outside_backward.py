@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests.compat._loops import DIM, NZ, Discriminator, Generator
+from tests.rankpool import rank_env
 
 WORLD = 2
 MICRO = 2
@@ -236,15 +237,7 @@ def run_one(ds: Any, name: str, stage: int, rank: int) -> dict[str, Any]:
 
 
 def _rank(rank: int, port: int, impl: str, outfile: str, names: list[str]) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(WORLD),
-        LOCAL_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(rank_env(rank, WORLD, port, LOCAL_SIZE=str(WORLD)))
     torch.set_num_threads(1)
     if impl == "deepspeed":
         import deepspeed as ds

@@ -17,6 +17,8 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
+from tests.rankpool import rank_env
+
 WORLD = 2
 STEPS = 3
 MICRO = 2
@@ -91,15 +93,7 @@ def run_stage(deepspeed: object, stage: int, rank: int, kind: str = "simple") ->
 
 
 def _rank(rank: int, port: int, mode: str, outdir: str, stages: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(WORLD),
-        LOCAL_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(rank_env(rank, WORLD, port, LOCAL_SIZE=str(WORLD)))
     torch.set_num_threads(1)
     if mode == "adapter":
         import ds_core.interop.deepspeed

@@ -30,9 +30,9 @@ from ds_core.parallel.tensor import TP_ATTR, TP_FUSED_ATTR
 from ds_core.pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
 from ds_core.zero.config import load_config
 from examples.gpt import PRESETS, next_token_loss, pipeline_layers
+from tests.pipe._worker import MICRO, batches, message_of
 
 LR, EPS, WD = 1e-2, 1e-6, 0.01
-MICRO = 2  # samples per micro-batch
 HID, WIDE = 8, 16
 SEQ = 6
 BASE_SEED = 4321
@@ -70,24 +70,8 @@ def loss_fn(kind: str) -> Any:
 
 def data(kind: str, steps: int, replicas: int, gas: int) -> list[list[list[Any]]]:
     """``[step][replica][micro]`` of ``(inputs, labels)``."""
-    g = torch.Generator().manual_seed(11)
-    vocab = PRESETS["tiny"].vocab_size
-    out = []
-    for _ in range(steps):
-        reps = []
-        for _ in range(replicas):
-            mbs = []
-            for _ in range(gas):
-                if kind == "gpt":
-                    x = torch.randint(0, vocab, (MICRO, SEQ), generator=g)
-                    y = torch.randint(0, vocab, (MICRO, SEQ), generator=g)
-                else:
-                    x = torch.randn(MICRO, HID, generator=g)
-                    y = torch.randn(MICRO, 4, generator=g)
-                mbs.append((x, y))
-            reps.append(mbs)
-        out.append(reps)
-    return out
+    vocab = PRESETS["tiny"].vocab_size if kind == "gpt" else None
+    return batches(11, steps, replicas, gas, vocab, SEQ, HID)
 
 
 def _built(kind: str) -> list[Any]:
@@ -243,24 +227,16 @@ def train_cases(cases: list[tuple[str, int, int, int, int, int]]) -> list[dict[s
     return [train_case(*case) for case in cases]
 
 
-def _message(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def bad_inputs() -> dict[str, str]:
     """Each refusal's message on this rank (4 ranks)."""
     out: dict[str, str] = {}
     # fc1's width 15 is not divisible by TP=2 (a column split of its output features)
-    out["indivisible"] = _message(lambda: _engine(_module("mlp", 2, wide=15), _config(1, 2, 2)))
+    out["indivisible"] = message_of(lambda: _engine(_module("mlp", 2, wide=15), _config(1, 2, 2)))
     # 2 stages × TP=4 = 8 ranks do not fit a world of 4 (initialize's config check, on the
     # world // stages ranks a stage has)
-    out["world"] = _message(lambda: _engine(_module("mlp", 2), _config(1, 2, 4)))
+    out["world"] = message_of(lambda: _engine(_module("mlp", 2), _config(1, 2, 4)))
     # 2 stages × TP=3 does not divide 4
-    out["world3"] = _message(lambda: _engine(_module("mlp", 2), _config(1, 2, 3)))
+    out["world3"] = message_of(lambda: _engine(_module("mlp", 2), _config(1, 2, 3)))
 
     def direct() -> None:
         # The engine's own check, for a config validated for the whole world (4 ranks, where
@@ -269,7 +245,7 @@ def bad_inputs() -> dict[str, str]:
         opt = torch.optim.AdamW(module.parameters(), lr=LR)
         PipelineEngine(module, load_config(_config(1, 2, 4), 4), opt)
 
-    out["direct"] = _message(direct)
+    out["direct"] = message_of(direct)
     tied_split = {
         "autotp_size": 2,
         "partition_config": {
@@ -287,7 +263,7 @@ def bad_inputs() -> dict[str, str]:
         module = PipelineModule(specs, num_stages=2, loss_fn=F.mse_loss)
         _engine(module, _config(1, 2, 2, {"tensor_parallel": tied_split}))
 
-    out["tied"] = _message(tied)
+    out["tied"] = message_of(tied)
     return out
 
 

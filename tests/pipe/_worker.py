@@ -66,25 +66,35 @@ def loss_fn(kind: str) -> Any:
     return F.mse_loss
 
 
-def data(kind: str, steps: int, replicas: int, gas: int) -> list[list[list[Any]]]:
-    """``[step][replica][micro]`` of ``(inputs, labels)``."""
-    g = torch.Generator().manual_seed(7)
+def batches(
+    seed: int, steps: int, replicas: int, gas: int, vocab: int | None, seq: int, hid: int = HID
+) -> list[list[list[Any]]]:
+    """``[step][replica][micro]`` of ``(inputs, labels)``, drawn from one generator seeded
+    ``seed``: ``MICRO × seq`` token ids below ``vocab`` for both, or (``vocab`` ``None``)
+    ``MICRO × hid`` inputs and ``MICRO × 4`` labels from a normal distribution. The pipeline
+    workers' (this one's and tests/pipe/_tp_worker.py's) data."""
+    g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         reps = []
         for _ in range(replicas):
             mbs = []
             for _ in range(gas):
-                if kind == "tied":
-                    x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
-                    y = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+                if vocab is not None:
+                    x = torch.randint(0, vocab, (MICRO, seq), generator=g)
+                    y = torch.randint(0, vocab, (MICRO, seq), generator=g)
                 else:
-                    x = torch.randn(MICRO, HID, generator=g)
+                    x = torch.randn(MICRO, hid, generator=g)
                     y = torch.randn(MICRO, 4, generator=g)
                 mbs.append((x, y))
             reps.append(mbs)
         out.append(reps)
     return out
+
+
+def data(kind: str, steps: int, replicas: int, gas: int) -> list[list[list[Any]]]:
+    """``[step][replica][micro]`` of ``(inputs, labels)``."""
+    return batches(7, steps, replicas, gas, VOCAB if kind == "tied" else None, SEQ)
 
 
 def _built(kind: str) -> tuple[list[Any], dict[str, str]]:
@@ -229,7 +239,7 @@ def train_cases(cases: list[tuple[int, int, str, int, int, int]]) -> list[dict[s
     return [train_case(*case) for case in cases]
 
 
-def _message(fn: Any) -> str:
+def message_of(fn: Any) -> str:
     try:
         fn()
     except Exception as exc:
@@ -241,15 +251,17 @@ def bad_inputs() -> dict[str, Any]:
     """Each refusal's message on this rank (2 ranks, 2 stages), and the losses of training
     from ``initialize(training_data=...)``."""
     out: dict[str, Any] = {}
-    out["few_layers"] = _message(lambda: PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=2))
-    out["bad_stages"] = _message(lambda: PipelineModule(layers("mlp"), num_stages=3))
+    out["few_layers"] = message_of(
+        lambda: PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=2)
+    )
+    out["bad_stages"] = message_of(lambda: PipelineModule(layers("mlp"), num_stages=3))
 
     def stage3() -> None:
         module = PipelineModule(layers("mlp"), num_stages=2, loss_fn=F.mse_loss)
         opt = torch.optim.AdamW(module.parameters(), lr=LR)
         ds_core.initialize(model=module, optimizer=opt, config=_config(3, 2, 0.0))
 
-    out["stage3"] = _message(stage3)
+    out["stage3"] = message_of(stage3)
 
     def without_p2p() -> None:
         # A backend without point-to-point (a hook-version-1 backend): the facade says so.
@@ -260,16 +272,16 @@ def bad_inputs() -> dict[str, Any]:
             opt = torch.optim.AdamW(module.parameters(), lr=LR)
             _pipeline(module, opt, _config(0, 2, 0.0))
 
-    out["no_p2p"] = _message(without_p2p)
+    out["no_p2p"] = message_of(without_p2p)
 
     module = PipelineModule(layers("mlp"), num_stages=2, loss_fn=F.mse_loss)
     opt = torch.optim.AdamW(module.parameters(), lr=LR)
     engine = _pipeline(module, opt, _config(1, 2, 0.0))
     try:
         one = data("mlp", 1, 1, 1)[0][0]  # one micro-batch where a batch needs two
-        out["exhausted"] = _message(lambda: engine.train_batch(_iter(one)))
-        out["forward"] = _message(lambda: engine(torch.zeros(2, HID)))
-        out["checkpoint"] = _message(lambda: engine.save_16bit_model("/nonexistent"))
+        out["exhausted"] = message_of(lambda: engine.train_batch(_iter(one)))
+        out["forward"] = message_of(lambda: engine(torch.zeros(2, HID)))
+        out["checkpoint"] = message_of(lambda: engine.save_16bit_model("/nonexistent"))
         # the engine still trains after the refusal
         two = data("mlp", 1, 1, 2)[0][0]
         out["after"] = repr(float(engine.train_batch(_iter(two))))
@@ -296,14 +308,14 @@ def bad_inputs() -> dict[str, Any]:
 def partition_errors() -> dict[str, str]:
     """Refusals of a one-stage module's arguments (1 rank)."""
     return {
-        "regex": _message(
+        "regex": message_of(
             lambda: PipelineModule(layers("mlp"), num_stages=1, partition_method="type:Conv")
         ),
-        "method": _message(
+        "method": message_of(
             lambda: PipelineModule(layers("mlp"), num_stages=1, partition_method="bogus")
         ),
-        "layer": _message(lambda: PipelineModule([torch.tanh, 3], num_stages=1)),
-        "topology": _message(lambda: PipelineModule(layers("mlp"), num_stages=1, topology=1)),
+        "layer": message_of(lambda: PipelineModule([torch.tanh, 3], num_stages=1)),
+        "topology": message_of(lambda: PipelineModule(layers("mlp"), num_stages=1, topology=1)),
     }
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 
+from tests.rankpool import rank_env
 from tests.zero._common import IN, MICRO, OUT, Scenario, TinyNet, load_reference, reference_state
 
 STEPS = 20
@@ -126,15 +127,7 @@ def jobs() -> dict[str, dict[str, Any]]:
 
 
 def _rank(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
+    os.environ.update(rank_env(rank, world, port, DS_ACCELERATOR="cpu"))
     torch.set_num_threads(1)
     import ds_core
 
