@@ -17,6 +17,7 @@ tests/test_faults_disk.py assert on them.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -163,6 +164,13 @@ def run_phase(engine: Any, phase: str, spec: dict[str, Any], root: Path, fault: 
         loss = engine(batch(spec, big)).pow(2).mean()
         with fault:
             engine.backward(loss)
+    elif phase.startswith("torch_backward"):  # PyTorch-style: the engine's hooks only
+        out = engine(batch(spec, big))
+        # the mean of squares fails in the loss's own gradient (as large as the output), before
+        # the engine's backward begins; the sum's gradient is a view: the engine's nodes fail
+        loss = out.sum() if phase == "torch_backward_in_engine" else out.pow(2).mean()
+        with fault:
+            loss.backward()
     elif phase == "step":
         loss = engine(batch(spec)).pow(2).mean()
         engine.backward(loss)
@@ -187,9 +195,101 @@ def run_phase(engine: Any, phase: str, spec: dict[str, Any], root: Path, fault: 
         raise ValueError(f"phase {phase!r}")
 
 
+def described(error: BaseException | None) -> dict[str, Any]:
+    """What a case's result records of the error its phase raised (nothing for none)."""
+    if error is None:
+        return {}
+    return dict(
+        error_type=f"{type(error).__module__}.{type(error).__name__}",
+        message=str(error),
+        error_phase=getattr(error, "phase", None),
+        errno=getattr(error, "errno", None),
+        needed=getattr(error, "needed", None),
+        cause=type(error.__cause__).__name__ if error.__cause__ is not None else None,
+        trace="".join(traceback.format_exception(error))[-3000:],
+    )
+
+
+#: the fault :class:`_Gate` enters on the way back (one per process: the pipeline case's)
+_GATE_FAULT: list[Fault] = []
+
+
+class _Gate(torch.autograd.Function):
+    """Identity; its backward injects :data:`_GATE_FAULT`, so the first allocation after it (the
+    stage's own backward, inside the pipeline engine's) is the one that fails."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        for fault in _GATE_FAULT:
+            fault.__enter__()
+        return grad
+
+
+def _gate(x: torch.Tensor) -> torch.Tensor:
+    return _Gate.apply(x)  # type: ignore[no-any-return]
+
+
+def pipeline_case(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Two pipeline stages, one micro-batch; stage 0's backward (a non-last stage: a backward
+    through its outputs with the received gradient) runs out of memory. Stage 1 then waits for
+    stage 0 in the step: stage 0 records its error and ends its process without a word (as one
+    that raised would), which fails stage 1's collective; neither waits for ever."""
+    import ds_core
+    from ds_core.pipe import LayerSpec, PipelineModule
+
+    dim, rows = spec["dim"], spec["big_rows"]
+    linear = LayerSpec(nn.Linear, dim, dim)
+    module = PipelineModule(
+        [
+            linear,
+            LayerSpec(nn.Tanh),
+            linear,
+            _gate,
+            linear,
+            LayerSpec(nn.Tanh),
+            linear,
+            nn.Identity(),
+        ],
+        num_stages=2,
+        loss_fn=lambda out, y: (out - y).pow(2).mean(),
+        partition_method="uniform",
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": rows,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    engine = ds_core.initialize(model=module, model_parameters=module.parameters(), config=config)[
+        0
+    ]
+    if rank == 0:
+        _GATE_FAULT.append(Fault("oom", None))
+    x = batch(spec, rows).cpu()
+    data = [(x, -x)]
+    error: BaseException | None = None
+    try:
+        engine.train_batch(iter(data))
+    except BaseException as exc:  # what the stage raised is the result
+        error = exc
+    finally:
+        for fault in _GATE_FAULT:
+            fault.__exit__()
+    return {"phase": "pipeline", "rank": rank, "stage": engine.stage_id, **described(error)}
+
+
 def one_case(spec: dict[str, Any], phase: str, rank: int, world: int) -> dict[str, Any]:
+    import ds_core
     from ds_core.checkpoint import consolidated_state_dict, inspect_checkpoint
 
+    # an earlier case's error holds its frames (and their activations) in a reference cycle:
+    # collected now, so each case starts from the same free memory
+    gc.collect()
+    ds_core.get_accelerator().empty_cache()
     base = Path(spec["dir"]) / phase
     root = base / "ckpt"
     fault = Fault(spec["fault"], Path(spec["mount"]) if spec.get("mount") else None)
@@ -210,17 +310,12 @@ def one_case(spec: dict[str, Any], phase: str, rank: int, world: int) -> dict[st
             run_phase(engine, phase, spec, root, fault)
     except BaseException as exc:  # what the phase raised is the result
         error = exc
-    result: dict[str, Any] = {"phase": phase, "rank": rank}
-    if error is not None:
-        result.update(
-            error_type=f"{type(error).__module__}.{type(error).__name__}",
-            message=str(error),
-            error_phase=getattr(error, "phase", None),
-            errno=getattr(error, "errno", None),
-            needed=getattr(error, "needed", None),
-            cause=type(error.__cause__).__name__ if error.__cause__ is not None else None,
-            trace="".join(traceback.format_exception(error))[-3000:],
-        )
+    result: dict[str, Any] = {"phase": phase, "rank": rank, **described(error)}
+    if phase.startswith("torch_backward") and error is not None and engine is not None:
+        # the shaped error says "call zero_grad() before going on": the engine then trains
+        engine.zero_grad()
+        train_step(engine, spec)
+        result["trained_after"] = True
     if world > 1:
         torch.distributed.barrier()
     if rank == 0:
@@ -251,7 +346,12 @@ def ranks(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     import ds_core
 
+    if spec.get("pipeline"):  # stage 0 ends without a word: the watchdog would name it
+        os.environ["DS_LIVENESS"] = "0"
     ds_core.init_distributed(timeout=120)
+    if spec.get("pipeline"):
+        Path(f"{spec['out']}.rank{rank}.json").write_text(json.dumps([pipeline_case(spec, rank)]))
+        os._exit(0)  # a rank that failed leaves no word: see pipeline_case
     results = [one_case(spec, phase, rank, world) for phase in spec["phases"]]
     Path(f"{spec['out']}.rank{rank}.json").write_text(json.dumps(results))
     ds_core.destroy_distributed()

@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ import torch
 
 from ds_core.checkpoint import inspect_checkpoint
 from ds_core.faults import OutOfMemoryError, boundary, is_oom
+from ds_core.zero import torch_backward
+from ds_core.zero.torch_backward import shape_torch_backward_faults
 from tests._faults_worker import assert_nothing_lost
 from tests.zero._common import backend_env
 from tests.zero.conftest import installed_backends
@@ -40,6 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: cpu, and sim in its threads mode when installed (the fault is injected on both)
 BACKENDS = [b for b in installed_backends() if b in ("cpu", "sim-threads")]
 PHASES = ["initialize", "forward", "backward", "step"]
+#: ``loss.backward()`` cases (tests/_faults_worker.py): the allocation fails before the
+#: engine's backward begins (in the loss's nodes), or inside it
+TORCH_STYLE = ["torch_backward", "torch_backward_in_engine"]
 #: what the message must name for each phase: the knob a user would turn first
 KNOBS = {
     "initialize": "offload_optimizer",
@@ -100,6 +106,59 @@ def test_the_boundary_shapes_an_oom_and_passes_the_rest_through() -> None:
         boundary("fwd")
 
 
+class _Fails(torch.autograd.Function):
+    """Identity whose backward raises ``error`` (the host allocator's, or another)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, error: BaseException) -> torch.Tensor:
+        ctx.error = error
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        raise ctx.error
+
+
+class _Outputs:
+    """What the wrapper reads of an engine: its label, the outputs its forward hooked."""
+
+    label = "engine #0 (test)"
+    _backward_kind = None
+
+    def __init__(self, *outs: torch.Tensor) -> None:
+        self._hooked = [weakref.ref(t) for t in outs]
+
+
+def test_loss_backward_is_shaped_only_through_an_engines_outputs() -> None:
+    """[Note: faults in a PyTorch-style backward]: torch.autograd.backward, wrapped, shapes
+    an allocator failure in a graph that reaches an engine's hooked outputs, and passes every
+    other error, and every other graph's, through as torch raised it."""
+    shape_torch_backward_faults()
+    shape_torch_backward_faults()  # idempotent: wrapped once
+    assert getattr(torch.autograd.backward, "__wrapped__", None) is not None
+    assert not hasattr(torch.autograd.backward.__wrapped__, "_ds_core_shaped")
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 bytes")
+    x = torch.randn(4, requires_grad=True)
+    out = x * 2  # "the engine's output"
+    engine = _Outputs(out)
+    torch_backward._hooking.add(engine)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(OutOfMemoryError) as info:
+            _Fails.apply(out, oom).pow(2).sum().backward()  # fails in the loss's nodes
+        assert info.value.__cause__ is oom and info.value.phase == "backward"
+        assert str(info.value).startswith("engine #0 (test): out of memory in backward on ")
+        other = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+        with pytest.raises(RuntimeError) as passed:
+            _Fails.apply(x * 2, other).sum().backward()
+        assert passed.value is other
+        elsewhere = torch.randn(4, requires_grad=True)  # a graph without the engine's outputs
+        with pytest.raises(RuntimeError) as unrelated:
+            _Fails.apply(elsewhere * 3, oom).sum().backward()
+        assert unrelated.value is oom
+    finally:
+        torch_backward._hooking.discard(engine)  # type: ignore[arg-type]
+
+
 # -- child processes with the fault injected -------------------------------------------------
 
 
@@ -129,7 +188,8 @@ def run_worker(work: Path, backend: str, spec: dict[str, Any]) -> list[list[dict
 @pytest.fixture(scope="module", params=BACKENDS)
 def single(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     backend = request.param
-    spec = {"fault": "oom", "dim": 1024, "layers": 2, "big_rows": 8192, "phases": PHASES}
+    phases = [*PHASES, *TORCH_STYLE]
+    spec = {"fault": "oom", "dim": 1024, "layers": 2, "big_rows": 8192, "phases": phases}
     cases = run_worker(tmp_path_factory.mktemp(f"oom-{backend}"), backend, spec)[0]
     return backend, {c["phase"]: c for c in cases}
 
@@ -154,6 +214,34 @@ def test_oom_names_the_phase_and_loses_nothing(single: Any, phase: str) -> None:
     case = cases[phase]
     assert_shaped(case, phase, backend)
     assert_nothing_lost(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_name", TORCH_STYLE)
+def test_oom_in_a_pytorch_style_backward_is_shaped_too(single: Any, case_name: str) -> None:
+    """``loss.backward()`` in place of ``engine.backward(loss)`` ([Note: faults in a
+    PyTorch-style backward] in ds_core/zero/torch_backward.py), failing in the loss's nodes
+    or in the engine's: the same error, the same checkpoint guarantees, and after
+    ``zero_grad()`` the engine trains on."""
+    backend, cases = single
+    case = cases[case_name]
+    assert_shaped(case, "backward", backend)
+    assert_nothing_lost(case)
+    assert case["trained_after"] is True, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_oom_in_a_pipeline_stage_backward(backend: str, tmp_path: Path) -> None:
+    """A non-last pipeline stage back-propagates the received gradient through its outputs
+    (not ``engine.backward``): its out-of-memory error is shaped as the last stage's is; the
+    other stage ends with an error of its own instead of waiting for ever."""
+    spec = {"fault": "oom", "world": 2, "dim": 1024, "big_rows": 2048, "pipeline": True}
+    first, last = (r[0] for r in run_worker(tmp_path, backend, spec))
+    assert (first["stage"], last["stage"]) == (0, 1)
+    assert_shaped(first, "backward", backend)
+    assert "PipelineEngine" in first["trace"] or "_exec_backward" in first["trace"], first
+    assert "error_type" in last and last["error_type"] != "ds_core.faults.OutOfMemoryError", last
 
 
 @pytest.mark.slow

@@ -7,17 +7,25 @@ epilogue around a plain backward.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ds_core.faults import is_oom, out_of_memory
 from ds_core.zero.compat import guards as _guards
 from ds_core.zero.precision import LossScaler
 from ds_core.zero.stage3 import ParamCoordinator
 
-__all__ = ["TorchStyleBackward", "bind_zero_grad", "explicit_backward"]
+__all__ = [
+    "TorchStyleBackward",
+    "bind_zero_grad",
+    "explicit_backward",
+    "shape_torch_backward_faults",
+]
 
 #: ``engine.backward(loss)`` calls in progress, over every engine of the process: an output
 #: hook firing inside another engine's explicit backward (a GAN's ``G_engine.backward(errG)``
@@ -83,6 +91,89 @@ def bind_zero_grad(optimizer: torch.optim.Optimizer, params: list[torch.nn.Param
 # has already begun the backward and divided the loss, and ends it itself.
 
 
+# [Note: faults in a PyTorch-style backward]
+# ``engine.backward(loss)`` is a fault boundary (ds_core.faults): an allocator failure in it
+# raises ``ds_core.faults.OutOfMemoryError`` for "backward". ``loss.backward()`` never enters
+# the engine: the failing allocation is most often autograd's own (an activation gradient of
+# some node), and no hook sees an error raised elsewhere in the graph task, nor does the
+# queued epilogue run after one. So :func:`shape_torch_backward_faults` wraps
+# ``torch.autograd.backward`` (which ``Tensor.backward`` looks up at each call), once per
+# process, when an engine first hooks its outputs: each call records the engines whose
+# PyTorch-style backward it began (``_began``, saved and restored around nested calls such as
+# reentrant activation checkpointing). When the call raises, those engines drop the backward
+# as ``engine.backward``'s ``finally`` does (stage 3's gathered parameters are released), and
+# an allocator failure is raised shaped, from the original, naming the last engine begun.
+# An allocation can also fail before any engine's backward begins, in the loss's own nodes
+# (``out.pow(2).mean()``'s gradient is as large as the output): an allocator failure in a call
+# that began none is shaped for the engine whose last forward's outputs the graph reaches
+# from the call's roots (a walk of ``next_functions``, on the failure path only). Any other
+# call is passed through untouched. DeepSpeed 0.19.8 also
+# replaces torch functions while it runs (``zero.Init`` swaps ``torch.empty`` and the other
+# tensor constructors: runtime/zero/partition_parameters.py).
+
+#: engines whose PyTorch-style backward began inside the innermost wrapped
+#: ``torch.autograd.backward`` call in progress; ``None`` outside any such call.
+_began: list[TorchStyleBackward] | None = None
+#: engines that hooked outputs (each keeps its last forward's, weakly: ``_hooked``)
+_hooking: weakref.WeakSet[TorchStyleBackward] = weakref.WeakSet()
+
+
+def _reached(roots: Any) -> TorchStyleBackward | None:
+    """The engine whose last forward's outputs the autograd graph of ``roots`` (a tensor or
+    tensors, as ``torch.autograd.backward`` takes them) reaches, if any."""
+    # node objects are kept referenced while compared: their ids stay theirs
+    outputs = {
+        id(fn): (fn, engine)
+        for engine in list(_hooking)
+        for ref in engine._hooked
+        if (t := ref()) is not None and (fn := t.grad_fn) is not None
+    }
+    roots = [roots] if isinstance(roots, torch.Tensor) else list(roots or ())
+    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: dict[int, Any] = {}
+    while todo and outputs:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        if id(node) in outputs:
+            return outputs[id(node)][1]
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return None
+
+
+def shape_torch_backward_faults() -> None:
+    """Wrap ``torch.autograd.backward`` so an allocator failure in a PyTorch-style backward
+    through an engine's outputs raises :class:`ds_core.faults.OutOfMemoryError` (see [Note:
+    faults in a PyTorch-style backward]). Idempotent; other calls behave exactly as torch's.
+    """
+    original: Callable[..., None] = torch.autograd.backward
+    if getattr(original, "_ds_core_shaped", False):
+        return
+
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> None:
+        global _began
+        outer, _began = _began, []
+        began = _began
+        try:
+            original(*args, **kwargs)
+        except (RuntimeError, MemoryError) as exc:
+            for engine in began:
+                engine._drop_torch_backward()
+            if not is_oom(exc):
+                raise
+            who = began[-1] if began else _reached(kwargs.get("tensors", args[0] if args else None))
+            if who is None:
+                raise
+            raise out_of_memory("backward", exc, who.label) from exc
+        finally:
+            _began = outer
+
+    backward._ds_core_shaped = True  # type: ignore[attr-defined]
+    torch.autograd.backward = backward
+
+
 class TorchStyleBackward:
     """The engine's output hooks and :meth:`scale` (see [Note: PyTorch-style backward]).
 
@@ -102,6 +193,9 @@ class TorchStyleBackward:
     _torch_task: int
     #: the PyTorch-style backward in progress began inside another engine's backward(loss).
     _torch_nested: bool = False
+    #: the outputs the last forward hooked, weakly (see [Note: faults in a PyTorch-style
+    #: backward])
+    _hooked: list[weakref.ref[torch.Tensor]] = []  # noqa: RUF012  # replaced, never mutated
 
     if TYPE_CHECKING:  # the engine's; not defined here, so nothing shadows them in the MRO
 
@@ -114,6 +208,9 @@ class TorchStyleBackward:
         """Register :meth:`_output_grad_hook` on each tensor of ``outputs`` (tuples, lists and
         dicts searched) that autograd computed; each tensor once, or its gradient would be
         divided twice."""
+        shape_torch_backward_faults()  # before any backward through them can run
+        _hooking.add(self)
+        self._hooked = []
         seen: set[int] = set()
         todo = [outputs]
         while todo:
@@ -122,6 +219,7 @@ class TorchStyleBackward:
                 if obj.grad_fn is not None and id(obj) not in seen:
                     seen.add(id(obj))
                     obj.register_hook(self._output_grad_hook)  # type: ignore[no-untyped-call]
+                    self._hooked.append(weakref.ref(obj))
             elif isinstance(obj, (tuple, list)):
                 todo.extend(obj)
             elif isinstance(obj, dict):
@@ -171,7 +269,19 @@ class TorchStyleBackward:
         self._backward_kind = "torch"
         self._torch_task = task
         self._torch_nested = _explicit_backwards > 0
+        if _began is not None:
+            _began.append(self)  # see [Note: faults in a PyTorch-style backward]
         torch.autograd.Variable._execution_engine.queue_callback(self._end_torch_backward)
+
+    def _drop_torch_backward(self) -> None:
+        """A PyTorch-style backward that raised: leave it as ``engine.backward`` leaves one
+        that raised (gradients of the micro-batch incomplete, gathered parameters released)."""
+        if self._backward_kind == "torch":
+            self._backward_kind = None
+            self._torch_task = -1
+            self._in_backward = False
+            if self.coordinator is not None:
+                self.coordinator.release_all()
 
     def _end_torch_backward(self) -> None:
         """The epilogue of a PyTorch-style backward, run by autograd once the pass is done.

@@ -42,6 +42,7 @@ import torch
 from ds_core import comm
 from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
+from ds_core.faults import boundary
 from ds_core.parallel.pipeline import schedule as sched
 from ds_core.parallel.pipeline import topology as topo
 from ds_core.parallel.pipeline.checkpoint import StageCheckpoint, load_checkpoint
@@ -404,6 +405,7 @@ class PipelineEngine(ZeroEngine):
         if self.is_last_stage():
             self._buf("labels")[b] = self._to_device(item[1])
 
+    @boundary("forward")  # the loss function's allocations too (ds_core.faults)
     def _exec_forward(self, b: int) -> None:
         inputs = self._buf("inputs")[b]
         outputs = ZeroEngine.forward(self, inputs)
@@ -427,8 +429,11 @@ class PipelineEngine(ZeroEngine):
         value = loss.detach() if isinstance(loss, torch.Tensor) else loss
         self._losses.append(value)
 
+    @boundary("backward")  # the stage backward and the input gradients (ds_core.faults)
     def _exec_backward(self, b: int) -> None:
-        # See [Note: pipeline gradients and accumulation].
+        # See [Note: pipeline gradients and accumulation]. A stage's backward through its
+        # outputs is also shaped by the engine's wrapper of torch.autograd.backward ([Note:
+        # faults in a PyTorch-style backward] in ds_core/zero/torch_backward.py).
         self.set_gradient_accumulation_boundary(self._backwards == self.gas - 1)
         self._backwards += 1
         if self.is_last_stage():
