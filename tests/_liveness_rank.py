@@ -3,7 +3,7 @@ by the test or by torchrun).
 
 Every phase but ``load`` first trains one step of a stage-2 engine (NVMe-resident optimizer
 state for ``swap``) and saves checkpoint ``A`` into ``WORKDIR/ckpt``, storing what it saved as
-``saved.rank<r>.pt``. Then rank :data:`VICTIM` SIGKILLs itself:
+``saved.rank<r>.pt``. Then each victim (below) SIGKILLs itself:
 
 - ``collective``: before joining an all_reduce the survivor is waiting in;
 - ``backward``: inside ``engine.backward``, before any gradient is produced;
@@ -11,12 +11,17 @@ state for ``swap``) and saves checkpoint ``A`` into ``WORKDIR/ckpt``, storing wh
 - ``save``: after a second step, when the save of ``B`` writes its first file;
 - ``swap``: right after submitting the second NVMe write-back of the next step.
 
-Before dying it writes ``victim.json`` (rank, pid, the /dev/shm files it maps); the survivor,
-ended by the liveness watchdog, writes ``survivor.json`` from an abort callback (the same, at
-its exit). ``load``: fresh ranks load ``latest`` and store what landed as ``loaded.rank<r>.pt``.
+The victims: the ranks in ``DS_TEST_VICTIMS`` (default ``1``); under torchrun with
+``DS_TEST_KILL_NODE=1`` in its agent's environment, every worker of that agent, which takes its
+agent and itself down together (the whole node dies). Before dying a victim writes
+``victim.rank<r>.json`` (rank, pid, the /dev/shm files it maps, ``time.monotonic()``: one clock
+for every process of the machine); each survivor, ended by the liveness watchdog, writes
+``survivor.rank<r>.json`` from an abort callback (the same, at its exit).
+``load``: fresh ranks load ``latest`` and store what landed as ``loaded.rank<r>.pt``.
 ``clean``: one all_reduce, then rank 0 leaves while rank 1 waits twice the watchdog's bound.
-``idle``: no kill; every rank loops on all_reduce until
-killed from outside (the two-agent torchrun test), after writing ``pid.rank<r>``.
+``ring``: no engine; one all_reduce, then the victims die and the others loop on all_reduce
+(any number of ranks). ``idle``: no kill; every rank loops on all_reduce until killed from
+outside (the two-agent torchrun test), after writing ``pid.rank<r>``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,18 @@ from typing import Any
 
 import torch
 
-VICTIM = 1
+
+def is_victim(rank: int) -> bool:
+    """Whether this rank dies (see the module docstring)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return os.environ.get("DS_TEST_KILL_NODE") == "1"
+    return str(rank) in os.environ.get("DS_TEST_VICTIMS", "1").split(",")
+
+
+def _record(rank: int) -> str:
+    return json.dumps(
+        {"rank": rank, "pid": os.getpid(), "shm": _shm_maps(), "at": time.monotonic()}
+    )
 
 
 def _shm_maps() -> list[str]:
@@ -43,9 +59,12 @@ def _shm_maps() -> list[str]:
 
 
 def _die(work: Path, rank: int) -> None:
-    (work / "victim.json").write_text(
-        json.dumps({"rank": rank, "pid": os.getpid(), "shm": _shm_maps()})
-    )
+    (work / f"victim.rank{rank}.json").write_text(_record(rank))
+    if os.environ.get("DS_TEST_KILL_NODE") == "1":
+        # the node dies: its agent (the leader of its own process group), then this worker's
+        # group (torchrun starts each worker in a session of its own), this process with it
+        os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -57,7 +76,7 @@ class _DieInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if ctx.rank == VICTIM:
+        if is_victim(ctx.rank):
             _die(Path(ctx.work), ctx.rank)
         return grad, None, None
 
@@ -75,10 +94,7 @@ def main() -> None:
     # A group timeout far beyond the test's guard: only liveness can end the survivor in time.
     ds_core.init_distributed(timeout=900)
     liveness.on_abort(
-        "tests.survivor",
-        lambda: (work / f"survivor.rank{rank}.json").write_text(
-            json.dumps({"rank": rank, "pid": os.getpid(), "shm": _shm_maps()})
-        ),
+        "tests.survivor", lambda: (work / f"survivor.rank{rank}.json").write_text(_record(rank))
     )
     acc = ds_core.get_accelerator()
     if phase == "clean":
@@ -89,6 +105,13 @@ def main() -> None:
             time.sleep(2 * settings.misses * settings.period_s)
         ds_core.destroy_distributed()
         return
+    if phase == "ring":
+        t = torch.ones(4)
+        acc.all_reduce(t)
+        if is_victim(rank):
+            _die(work, rank)
+        while True:
+            acc.all_reduce(t)
     if phase == "idle":
         (work / f"pid.rank{rank}").write_text(str(os.getpid()))
         t = torch.ones(4)
@@ -108,7 +131,7 @@ def main() -> None:
     engine.save_checkpoint(ckpt, tag="A")
     torch.save(opt_state(engine), work / f"saved.rank{rank}.pt")
     if phase == "collective":
-        if rank == VICTIM:
+        if is_victim(rank):
             _die(work, rank)
         t = torch.ones(4)
         for _ in range(100):
@@ -119,7 +142,7 @@ def main() -> None:
         engine.backward(loss_of(out, y))
         engine.step()
     elif phase == "step":
-        if rank == VICTIM:
+        if is_victim(rank):
             engine.updater.apply = lambda: _die(work, rank)
         train(engine, sc, 1)
     elif phase == "save":
@@ -129,7 +152,7 @@ def main() -> None:
         save = _io.save_object
 
         def dying_save(path: Path, obj: object) -> Any:
-            if rank == VICTIM:
+            if is_victim(rank):
                 _die(work, rank)
             return save(path, obj)
 
@@ -144,7 +167,7 @@ def main() -> None:
         def dying_write(self: Any, *args: Any) -> Any:
             out = write(self, *args)
             count[0] += 1
-            if rank == VICTIM and count[0] == 2:
+            if is_victim(rank) and count[0] == 2:
                 _die(work, rank)
             return out
 

@@ -197,6 +197,7 @@ class Watchdog:
         self.failed = False  # the main thread ended on an uncaught exception
         self.stood_down = False  # a rank left cleanly: the run is ending, no verdicts
         self.phase: str | None = None  # what the main thread was doing, once it has ended
+        self.hosts_store = False  # the store lives in this process (set by start())
         self._stop = threading.Event()
         gen = (int(store.add(_PREFIX + "inits", 1)) - 1) // world
         self.ns = f"{_PREFIX}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{gen}/"
@@ -252,11 +253,14 @@ class Watchdog:
         peer_hb, left = self.ns + f"hb/{self.peer}", self.ns + "left"
         last_seen: bytes | None = None
         seen_at = time.monotonic()
-        self._host(0), self._host(self.peer)  # cached while the store answers
         while not self._stop.wait(period):
             now = time.monotonic()
             try:
                 self._beat()
+                if 0 not in self.hosts or self.peer not in self.hosts:
+                    # cached while the store answers (a rank may publish its host after
+                    # this thread starts): named when the store is gone, or the peer
+                    self._host(0), self._host(self.peer)
                 if self.store.check([left]):
                     self.stood_down = True
                     self.store.add(self.ns + "down", 1)  # tells the leaving store host
@@ -343,7 +347,25 @@ class Watchdog:
                     callback()
                 except Exception:
                     pass  # best effort: the process is ending on a peer's failure already
+            self._let_others_read(found)
             os._exit(EXIT_CODE)
+
+    def _let_others_read(self, found: dict[str, Any]) -> None:
+        """Publish the verdict (a rank that diagnosed its own error has not) and count this
+        rank out. The process serving the store (rank 0 under env:// or tcp://) then waits,
+        up to the watchdog's bound, until every other rank but the dead one has counted
+        out: gone first, it would take the store with it, and ranks yet to read the verdict
+        would name rank 0, the store's host, instead of the dead rank."""
+        try:
+            if "rank" in found:
+                self.store.compare_set(self.ns + "verdict", "", json.dumps(found))
+            out = int(self.store.add(self.ns + "aborted", 1))
+            deadline = time.monotonic() + self.settings.misses * self.settings.period_s
+            while self.hosts_store and out < self.world - 1 and time.monotonic() < deadline:
+                time.sleep(self.settings.period_s / 4)
+                out = int(self.store.add(self.ns + "aborted", 0))
+        except Exception:
+            pass  # the store is gone: nobody can read a verdict any more
 
     def stop(self, clean: bool) -> None:
         """End the thread; ``clean`` publishes that this rank left on purpose."""
@@ -408,6 +430,10 @@ def start(init_method: str | None = None) -> Watchdog | None:
     )
     _current = _last = Watchdog(
         store, dist.get_rank(), world, settings, f"{address[0]}:{address[1]}"
+    )
+    # env:// and tcp:// start the store in rank 0's process; torchrun's agent serves its own
+    _current.hosts_store = _current.rank == 0 and (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
     )
     _current.thread.start()
     if _previous_hook is None:
