@@ -205,6 +205,14 @@ class Watchdog:
         self.beats = 0
         self._beat()
         self.hosts: dict[int, str] = {}
+        try:  # rank 0's host names the store's when it is gone: known from the start
+            store.wait(
+                [self.ns + "host/0"],
+                datetime.timedelta(seconds=settings.misses * settings.period_s),
+            )
+            self._host(0)
+        except Exception:
+            pass  # rank 0 has not published it in the bound: "unknown", as before
         self.answered_at = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="ds_core-liveness", daemon=True)
 
