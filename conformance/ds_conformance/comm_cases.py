@@ -25,6 +25,10 @@ buffer (the column ``x[:, 1]``), ``transposed`` makes 2-D tensors the transpose 
 buffer (1-D ones are strided). Every element outside a view holds :data:`GUARD`, checked
 after the collective, so reading or writing past the view fails even where the view is right.
 
+Two-group cases (``two-groups`` variant, 4 ranks, every collective): a collective on this
+rank's subgroup and one on the world are both in flight before either is waited for, and
+they are waited in the reverse order of issue.
+
 Size cases (:data:`SIZES`: zero-size and one-element tensors, every collective but all-to-all,
 whose splits are fixed). Every asynchronous handle is waited twice: a second wait is allowed.
 """
@@ -72,7 +76,8 @@ class Case:
     dtype: str  # torch dtype name without "torch."
     op: str = ""
     async_op: bool = False
-    # "", "group", "equal-splits", "large", "late-sync", "late-async", "stream-*", or a LAYOUT
+    # "", "group", "two-groups", "equal-splits", "large", "late-sync", "late-async", "stream-*",
+    # or a LAYOUT
     variant: str = ""
 
     @property
@@ -137,6 +142,7 @@ def cases(dtypes: Iterable[torch.dtype]) -> list[Case]:
     for collective in COLLECTIVES[:-1]:
         op = "avg" if collective in ("all_reduce", "reduce_scatter") else ""
         out.append(Case(collective, 4, "float32", op, variant="group"))
+        out.append(Case(collective, 4, "float32", op, async_op=True, variant="two-groups"))
     for op in ("sum", "avg"):
         out.append(Case("all_reduce", 2, "float32", op, variant="large"))
     out.append(Case("all_reduce", 4, "float32", "sum", variant="large"))
@@ -303,6 +309,8 @@ def run_case(ctx: Context, case: Case) -> None:
         _run_late(ctx, case)
     elif case.variant.startswith("stream-"):
         _run_stream(ctx, case)
+    elif case.variant == "two-groups":
+        _run_two_groups(ctx, case)
     elif case.collective == "barrier":
         for _ in range(3):
             if ctx.acc.barrier() is not True:
@@ -334,6 +342,26 @@ def _run_plain(ctx: Context, case: Case, late: Callable[[], None] | None = None)
     acc.synchronize()
     _check(ctx, case, got, expected)
     place.check_guards(ctx, case)
+
+
+def _run_two_groups(ctx: Context, case: Case) -> None:
+    """Two collectives in flight at once on different groups: this rank's subgroup (of
+    :data:`SUBGROUPS`) and the world, both issued asynchronously before either is waited for,
+    then waited in the reverse order. Every rank issues them in the same order; the groups'
+    results differ, so one group's data landing in the other's buffers fails."""
+    acc, dtype = ctx.acc, getattr(torch, case.dtype)
+    run = _COLLECTIVES[case.collective]
+    place = Placement(case, acc.device())
+    sub = next(g for g in SUBGROUPS if ctx.rank in g)
+    world = tuple(range(case.world))
+    first = run(acc, case, place, dtype, sub, sub.index(ctx.rank), len(sub), ctx.groups[sub])
+    second = run(acc, case, place, dtype, world, ctx.rank, case.world, None)
+    for _ in range(2):  # a second wait is allowed and changes nothing
+        second[2].wait()
+        first[2].wait()
+    acc.synchronize()
+    _check(ctx, case, first[0], first[1])
+    _check(ctx, case, second[0], second[1])
 
 
 Run = Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]

@@ -62,6 +62,7 @@ def _result(acc: Any, groups: RankGroups, case: Case) -> None:
 )
 @promise("comm", "The facade (and so ``ds_core.comm``) gives callers any strided tensor")
 @promise("comm", "``wait()`` may be called more than once; later calls do nothing.")
+@promise("comm", "Collectives on different groups may be in flight at once")
 def test_all_reduce(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 

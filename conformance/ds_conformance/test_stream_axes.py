@@ -182,3 +182,24 @@ def test_polling_query_sees_queued_work_complete_without_a_sync(acc: Any, what: 
     acc.synchronize()
     diff = axes.first_difference(got, axes.expected(9.0) * 2)
     check(diff == "equal", f"a buffer {what}() answered True for", diff, "equal", what)
+
+
+#: Priorities past any device's range at both ends (CUDA's is a few levels below 0).
+PRIORITIES: tuple[int, ...] = (0, -1, 1, -100, 100)
+
+
+@promise("hookspecs", axes.PRIORITY_RULE)
+@hooks("ds_stream_create", "ds_stream_use")
+def test_a_priority_in_and_past_any_range_and_of_the_wrong_type(acc: Any) -> None:
+    axes.skip_before_ranges(acc)
+    src = axes.source(acc, salt=5.0)
+    for priority in PRIORITIES:
+        stream = acc._h.ds_stream_create(None, priority)
+        dst = axes.queue_copy(acc, stream, src)
+        stream.synchronize()
+        diff = axes.first_difference(dst, axes.expected(5.0))
+        check(diff == "equal", f"a copy on Stream(priority={priority}) after its synchronize()",
+              diff, "equal", "ds_stream_create")  # fmt: skip
+    for wrong in (*axes.NOT_INTS, None):
+        with pytest.raises(TypeError):
+            acc._h.ds_stream_create(None, wrong)

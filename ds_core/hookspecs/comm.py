@@ -26,6 +26,8 @@ Ordering and ownership (the stream contract of every collective hook below):
   Either way, work queued after ``wait()`` sees the result; nothing read before ``wait()``
   returns is guaranteed to (an implementation may complete the collective only in
   ``wait()``). ``wait()`` may be called more than once; later calls do nothing.
+  Collectives on different groups may be in flight at once, issued in the same order on
+  every rank, and their handles waited in any order.
 - **Buffers are the caller's until ``wait()`` returns.** Every tensor handed to a
   collective (inputs and outputs) must stay alive and unmodified, and outputs unread, until
   the handle's ``wait()`` has returned; for a synchronous call, until the hook returns. A
