@@ -172,6 +172,11 @@ def _p2p_cases(dtypes: list[str]) -> list[Case]:
             out.append(Case("p2p", world, "float32", async_op=async_op, variant="pair"))
         out += [Case("p2p", world, "float32", async_op=True, variant=v) for v in LAYOUTS]
     out.append(Case("p2p", 4, "float32", async_op=True, variant="group"))
+    out += [
+        Case("p2p", w, "float32", async_op=a, variant="peers")
+        for w in WORLD_SIZES
+        for a in (False, True)
+    ]
     out.append(Case("p2p", 2, "float32", async_op=True, variant="large"))
     out.append(Case("p2p", 2, "float32", async_op=True, variant="late-async"))
     return out
@@ -304,7 +309,9 @@ def run_case(ctx: Context, case: Case) -> None:
     :raises AssertionError: with the suite's message shape when the result is wrong.
     """
     if case.collective == "p2p":
-        _run_p2p(ctx, case)
+        from ds_conformance.comm_p2p import run_p2p  # it builds on this module's helpers
+
+        run_p2p(ctx, case)
     elif case.variant.startswith("late-"):
         _run_late(ctx, case)
     elif case.variant.startswith("stream-"):
@@ -541,85 +548,3 @@ class _QueuedPlacement(Placement):
     def put(self, t: torch.Tensor) -> torch.Tensor:
         self.sources.append(t.to(self.device, copy=True))  # on the stream, before the copy
         return queue_copy(self.acc, self.stream, self.sources[-1])
-
-
-# --------------------------------------------------------------------------- point-to-point
-
-
-def _message(
-    sender: int, receiver: int, shape: tuple[int, ...], dtype: torch.dtype
-) -> torch.Tensor:
-    """What global rank ``sender`` sends to ``receiver``: distinct for every ordered pair."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    return rank_values(sender, numel, dtype, 4, salt=receiver + 1).reshape(shape)
-
-
-def _run_p2p(ctx: Context, case: Case) -> None:
-    """One point-to-point case (see :func:`_p2p_cases`); every handle is waited twice."""
-    from ds_core.types import P2POp
-
-    acc, dtype = ctx.acc, getattr(torch, case.dtype)
-    members, group = _members(ctx, case)
-    world, me = len(members), members.index(ctx.rank)
-    shape = (LARGE_NUMEL,) if case.variant == "large" else (3, 5)
-    place = Placement(case, acc.device())
-    if case.variant == "late-async":
-        _run_p2p_late(ctx, case, shape, dtype, place)
-        return
-    if case.variant == "pair":
-        # Even group ranks send first and then receive the reply; odd ones the other way round.
-        peer = members[me ^ 1] if (me ^ 1) < world else members[me - 1]
-        got = place.empty(shape, dtype)
-        outgoing = place.put(_message(ctx.rank, peer, shape, dtype))
-        steps = [("send", outgoing), ("recv", got)]
-        works = []
-        for kind, t in steps if me % 2 == 0 else steps[::-1]:
-            if kind == "send":
-                works.append(acc.send(t, peer, group, 0, case.async_op))
-            else:
-                works.append(acc.recv(t, peer, group, 0, case.async_op))
-        expected = _message(peer, ctx.rank, shape, dtype)
-    else:  # a ring: send to the next group rank, receive from the previous, in one batch
-        nxt, prv = members[(me + 1) % world], members[(me - 1) % world]
-        got = place.empty(shape, dtype)
-        outgoing = place.put(_message(ctx.rank, nxt, shape, dtype))
-        ops = [P2POp("send", outgoing, nxt, group), P2POp("recv", got, prv, group)]
-        works = acc.batch_isend_irecv(ops)
-        if len(works) != len(ops):
-            _fail(ctx, case, "batch_isend_irecv handles", len(works), len(ops))
-        expected = _message(prv, ctx.rank, shape, dtype)
-    for work in works:
-        work.wait()
-        work.wait()  # a second wait is allowed and changes nothing
-    acc.synchronize()
-    _check(ctx, case, got, expected)
-    place.check_guards(ctx, case)
-
-
-def _run_p2p_late(
-    ctx: Context, case: Case, shape: tuple[int, ...], dtype: torch.dtype, place: Placement
-) -> None:
-    """Rank 0 posts an asynchronous receive before rank 1 has sent: the call returns at once
-    (rank 1 sends only after seeing that), and ``wait()`` then delivers the message."""
-    returned = ctx.scratch / f"{case.key}.early-returned"
-    if ctx.rank == 0:
-        got = place.empty(shape, dtype)
-        work = ctx.acc.recv(got, 1, None, 0, True)
-        returned.touch()
-        work.wait()
-        work.wait()
-        ctx.acc.synchronize()
-        _check(ctx, case, got, _message(1, 0, shape, dtype))
-        place.check_guards(ctx, case)
-        return
-    if not _wait_for(returned, MARKER_TIMEOUT_S):
-        raise AssertionError(
-            f"rank {ctx.rank}: rank 0's recv(async_op=True) did not return within "
-            f"{MARKER_TIMEOUT_S:.0f} s while its sender had not sent, but should return at "
-            f"once [{case.collective}({case.id})]"
-        )
-    time.sleep(LATE_S)  # rank 0's wait() now really has to wait for this send
-    ctx.acc.send(place.put(_message(1, 0, shape, dtype)), 0, None, 0, False)
-    ctx.acc.synchronize()  # a device runs queued work eventually; a lazy simulator only here

@@ -149,6 +149,11 @@ def test_all_to_all(acc: Any, rank_groups: RankGroups, case: Case) -> None:
 @promise("ds_comm_send", ":param dst: the receiver's global rank")
 @promise("ds_comm_recv", ":param src: the sender's global rank")
 @promise("comm", "**Peers are global ranks**")
+@promise("ds_comm_send", ":raises ValueError: through the facade, when ``dst`` is this rank")
+@promise("ds_comm_recv", ":raises ValueError: through the facade, when ``src`` is this rank")
+@promise("ds_comm_send", ":param group: a process group from ``ds_core.comm.new_group``")
+@promise("ds_comm_recv", ":param group: as for ``ds_comm_send``.")
+@promise("comm", "a synchronous receive returns once the data is in the buffer")
 @promise(
     "comm",
     "Point-to-point (``ds_comm_send``, ``ds_comm_recv``, ``ds_comm_batch_isend_irecv``; since hook version 2",

@@ -86,8 +86,9 @@ def probe_effects(acc: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
     return run_python(_probe_script(acc), base_env=base)  # type: ignore[no-any-return]
 
 
-@hooks("ds_backend_probe")
+@hooks("ds_backend_probe", "ds_backend_info")
 @promise("ds_backend_probe", "``imported`` lists vendor modules imported.")
+@promise("ds_backend_info", "``vendor_version`` is read from package metadata, never by importing")
 def test_probe_imports_only_documented_modules(probe_effects: dict[str, Any]) -> None:
     documented = {m.split(".")[0] for m in probe_effects["imported"]} | {probe_effects["own"]}
     documented |= set(probe_effects["backends"])
@@ -107,6 +108,7 @@ def test_probe_imports_only_documented_modules(probe_effects: dict[str, Any]) ->
     "Report whether this backend can run on this host, without touching a device.",
 )
 @promise("ds_backend_probe", "never a call that initialises the device runtime")
+@promise("ds_backend_probe", "Device context: never.")
 @promise("backend", "so none of them may create a device context")
 @promise("hookspecs", "Only ``ds_backend_*`` hooks are called before selection")
 def test_probe_creates_no_device_context(probe_effects: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ def test_a_returned_state_object_is_the_callers(acc: Any, hook: str) -> None:
 
 
 @promise("ds_rng_set_state", "Restore a device generator's state so the next draws repeat")
+@promise("ds_rng_set_state", ":param state: a tensor returned by ``ds_rng_get_state``")
 @hooks("ds_rng_get_state", "ds_rng_set_state")
 def test_state_round_trips_exactly_and_per_device(acc: Any) -> None:
     acc.manual_seed(11)
@@ -74,10 +75,10 @@ def test_a_seed_at_each_end_of_its_range_out_of_it_and_of_the_wrong_type(
               "not True", "True", "ds_rng_manual_seed")  # fmt: skip
         got = _draw(acc, here)
         check(torch.equal(got, want_here), f"draws after manual_seed({value}, {all_devices})",
-              "other draws", "those after manual_seed_all({value})", "ds_rng_manual_seed")  # fmt: skip
-        if other is not None:
+              "other draws", f"those after manual_seed_all({value})", "ds_rng_manual_seed")  # fmt: skip
+        want = want_other if all_devices else left_other
+        if other is not None and want is not None:
             got = _draw(acc, other)
-            want = want_other if all_devices else left_other
             check(torch.equal(got, want), f"device {other}'s draws after manual_seed({value}, "
                   f"all_devices={all_devices}) on device {here}", "other draws",
                   "seeded" if all_devices else "left alone", "ds_rng_manual_seed")  # fmt: skip

@@ -51,6 +51,7 @@ def _order(acc: Any, how: str, consumer: Any, producer: Any) -> None:
 @pytest.mark.parametrize("how", WAITS)
 @pytest.mark.parametrize("consumer_kind", ["created", "default"])
 @promise("stream", ORDERS)
+@promise("ds_stream_use", ":param stream: a stream from ``ds_stream_create``")
 @hooks("ds_stream_create", "ds_stream_default", "ds_stream_use", "ds_stream_event_create")
 def test_a_wait_orders_work_queued_on_another_stream(
     acc: Any, how: str, consumer_kind: str

@@ -56,6 +56,8 @@ UNCHECKED_SECTION: Final[dict[str, str]] = {
     "Each hook is ``ds_<category>_<verb>``": "promises nothing: the naming scheme of the spec itself",
     "Rules shared by every hook:": "promises nothing: a heading; the bullets under it carry the promises",
     "Integer arguments are checked before the hook acts, by one rule per kind": "promises nothing: introduces the rules of the sentences after it, each checked",
+    "Hooks that gather contributions": "promises nothing: how ds_core calls those hooks (pluggy's non-firstresult call), which is ds_core's behaviour, not the backend's",
+    "What a backend cannot do, it declares absent": "promises nothing: the facade's behaviour (ds_core's code; tests/test_facade.py checks the NotSupportedError), while the backend's side, a declared capability backed by its hooks, is its own checked sentence of ds_backend_capabilities",
 }
 
 
