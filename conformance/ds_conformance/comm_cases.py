@@ -29,6 +29,10 @@ Two-group cases (``two-groups`` variant, 4 ranks, every collective): a collectiv
 rank's subgroup and one on the world are both in flight before either is waited for, and
 they are waited in the reverse order of issue.
 
+Refused cases (``refused`` variant, 2 ranks, every collective): each call the contract
+refuses with ``ValueError`` (an ``expand()``ed output or in-place buffer, an unknown op, sizes
+that do not fit), on every rank, then an all-reduce that must still pair up.
+
 Size cases (:data:`SIZES`: zero-size and one-element tensors, every collective but all-to-all,
 whose splits are fixed). Every asynchronous handle is waited twice: a second wait is allowed.
 """
@@ -143,6 +147,7 @@ def cases(dtypes: Iterable[torch.dtype]) -> list[Case]:
         op = "avg" if collective in ("all_reduce", "reduce_scatter") else ""
         out.append(Case(collective, 4, "float32", op, variant="group"))
         out.append(Case(collective, 4, "float32", op, async_op=True, variant="two-groups"))
+        out.append(Case(collective, 2, "float32", op, variant="refused"))
     for op in ("sum", "avg"):
         out.append(Case("all_reduce", 2, "float32", op, variant="large"))
     out.append(Case("all_reduce", 4, "float32", "sum", variant="large"))
@@ -318,6 +323,10 @@ def run_case(ctx: Context, case: Case) -> None:
         _run_stream(ctx, case)
     elif case.variant == "two-groups":
         _run_two_groups(ctx, case)
+    elif case.variant == "refused":
+        from ds_conformance.comm_refusals import run_refused  # it builds on this module
+
+        run_refused(ctx, case)
     elif case.collective == "barrier":
         for _ in range(3):
             if ctx.acc.barrier() is not True:
@@ -344,6 +353,8 @@ def _run_plain(ctx: Context, case: Case, late: Callable[[], None] | None = None)
     run = _COLLECTIVES[case.collective]
     place = Placement(case, device)
     got, expected, work = run(acc, case, place, dtype, members, me, world, group)
+    if not case.async_op and not place.layout and "async_streams" not in acc.capabilities:
+        _check(ctx, case, got, expected)  # in the buffer when the call returns, before any sync
     for _ in range(2 if case.async_op else 0):  # a second wait is allowed and changes nothing
         work.wait()
     acc.synchronize()

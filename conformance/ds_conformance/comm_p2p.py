@@ -51,6 +51,7 @@ def run_p2p(ctx: Context, case: Case) -> None:
         # Even group ranks send first and then receive the reply; odd ones the other way round.
         peer = members[me ^ 1] if (me ^ 1) < world else members[me - 1]
         got = place.empty(shape, dtype)
+        dest = peer
         outgoing = place.put(_message(ctx.rank, peer, shape, dtype))
         steps = [("send", outgoing), ("recv", got)]
         works = []
@@ -63,6 +64,7 @@ def run_p2p(ctx: Context, case: Case) -> None:
     else:  # a ring: send to the next group rank, receive from the previous, in one batch
         nxt, prv = members[(me + 1) % world], members[(me - 1) % world]
         got = place.empty(shape, dtype)
+        dest = nxt
         outgoing = place.put(_message(ctx.rank, nxt, shape, dtype))
         ops = [P2POp("send", outgoing, nxt, group), P2POp("recv", got, prv, group)]
         works = acc.batch_isend_irecv(ops)
@@ -75,6 +77,8 @@ def run_p2p(ctx: Context, case: Case) -> None:
     acc.synchronize()
     _check(ctx, case, got, expected)
     place.check_guards(ctx, case)
+    if not torch.equal(outgoing.cpu(), _message(ctx.rank, dest, shape, dtype)):  # not modified
+        _fail(ctx, case, "the sent tensor after the send", "changed", "unmodified")
 
 
 def _run_p2p_peers(ctx: Context, case: Case, buffer: torch.Tensor) -> None:

@@ -204,3 +204,25 @@ def test_a_priority_in_and_past_any_range_and_of_the_wrong_type(acc: Any) -> Non
     for wrong in (*axes.NOT_INTS, None):
         with pytest.raises(TypeError):
             acc._h.ds_stream_create(None, wrong)
+
+
+@hooks("ds_stream_create", "ds_stream_use", "ds_stream_event_create")
+@promise("stream", "Without the ``async_streams`` capability, streams are synchronous")
+def test_without_async_streams_work_is_complete_when_queued(acc: Any) -> None:
+    if "async_streams" in acc.capabilities:
+        pytest.skip("the backend declares async_streams: its streams may run behind the host")
+    src = axes.source(acc, salt=7.0)
+    stream, other = acc.Stream(), acc.Stream()
+    dst = axes.queue_copy(acc, stream, src)
+    # Read before any wait or synchronize: the copy finished when the call that queued it did.
+    diff = axes.first_difference(dst, axes.expected(7.0))
+    check(diff == "equal", "a copy queued on a stream, read at once", diff, "equal",
+          "ds_stream_create")  # fmt: skip
+    event = acc.Event()
+    event.record(stream)
+    for what, value in (("Stream.query()", stream.query()), ("Event.query()", event.query())):
+        check(value is True, what, value, "True (nothing is pending)", "ds_stream_event_create")
+    other.wait_stream(stream)
+    other.wait_event(event)
+    stream.synchronize()
+    event.synchronize()

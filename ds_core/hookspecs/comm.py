@@ -98,6 +98,7 @@ UNCHECKED_SECTION: Final[dict[str, str]] = {
     "Work queued on other streams is not waited for": "promises nothing: tells the caller to order other streams itself; a backend that also waited for them would conform",
     "Every tensor handed to a collective (inputs and outputs) must stay alive": "promises nothing: an obligation of the caller; what the backend may do meanwhile is the sentence after",
     "So a pair of ranks that both send before they receive": "promises nothing: an obligation of the caller, following from the sentence before",
+    "The handle keeps the temporaries alive until then.": "untestable because a freed temporary's memory may keep its bytes until it is reused, so no check tells a kept temporary from a freed one",
     "**Hooks receive contiguous tensors only**": "promises nothing: a permission to implementations; the facade's staging that keeps it is the next sentence, checked by the layout cases",
     "The core's own hook implementations (the default plugin's": "untestable because it binds ds_core's own implementations, not the backend under test (tests/test_comm_noncontig.py checks them)",
 }
@@ -319,6 +320,10 @@ def ds_comm_recv(tensor: torch.Tensor, src: int, group: Any, tag: int, async_op:
 @unchecked("Facade:", FACADE)
 @unchecked("Device context: uses the existing one", USES_CONTEXT)
 @unchecked("Use in backends: gated by ``p2p``", OPTIONAL)
+@unchecked(
+    "Every op of the list names the same group.",
+    "promises nothing: an obligation of the caller, not of the backend",
+)
 def ds_comm_batch_isend_irecv(ops: list[P2POp]) -> list[Work]:
     """Start every send and receive of ``ops`` before waiting for any; one handle per op.
 
