@@ -32,6 +32,10 @@ def _message(
     return rank_values(sender, numel, dtype, 4, salt=receiver + 1).reshape(shape)
 
 
+#: What the second message of a pair adds to the first (exact in every float dtype used).
+SECOND = 0.5
+
+
 def run_p2p(ctx: Context, case: Case) -> None:
     """One point-to-point case (see :func:`_p2p_cases`); every handle is waited twice."""
     from ds_core.types import P2POp
@@ -50,18 +54,22 @@ def run_p2p(ctx: Context, case: Case) -> None:
     if case.variant == "pair":
         # Even group ranks send first and then receive the reply; odd ones the other way round.
         peer = members[me ^ 1] if (me ^ 1) < world else members[me - 1]
-        got = place.empty(shape, dtype)
+        # Two messages each way, matched in issue order (the second differs from the first).
+        got, got2 = place.empty(shape, dtype), place.empty(shape, dtype)
         dest = peer
         outgoing = place.put(_message(ctx.rank, peer, shape, dtype))
-        steps = [("send", outgoing), ("recv", got)]
+        outgoing2 = place.put(_message(ctx.rank, peer, shape, dtype) + SECOND)
+        steps = [("send", outgoing), ("send", outgoing2), ("recv", got), ("recv", got2)]
         works = []
-        for kind, t in steps if me % 2 == 0 else steps[::-1]:
+        for kind, t in steps if me % 2 == 0 else steps[2:] + steps[:2]:
             if kind == "send":
                 works.append(acc.send(t, peer, group, 0, case.async_op))
             else:
                 works.append(acc.recv(t, peer, group, 0, case.async_op))
         expected = _message(peer, ctx.rank, shape, dtype)
+        second = (got2, expected + SECOND)
     else:  # a ring: send to the next group rank, receive from the previous, in one batch
+        second = None
         nxt, prv = members[(me + 1) % world], members[(me - 1) % world]
         got = place.empty(shape, dtype)
         dest = nxt
@@ -76,6 +84,8 @@ def run_p2p(ctx: Context, case: Case) -> None:
         work.wait()  # a second wait is allowed and changes nothing
     acc.synchronize()
     _check(ctx, case, got, expected)
+    if second is not None:
+        _check(ctx, case, *second)
     place.check_guards(ctx, case)
     if not torch.equal(outgoing.cpu(), _message(ctx.rank, dest, shape, dtype)):  # not modified
         _fail(ctx, case, "the sent tensor after the send", "changed", "unmodified")

@@ -56,5 +56,15 @@ def run_refused(ctx: Context, case: Case) -> None:
                 _fail(ctx, case, f"the ValueError for {what}", str(e), f"a message naming {name!r}")
             continue
         _fail(ctx, case, f"{case.collective} with {what}", "no error", "ValueError")
+    if case.collective == "all_gather":  # an input may share memory: accepted, and exact
+        acc, w = ctx.acc, case.world
+        got = torch.empty(3 * w, device=acc.device())
+        acc.all_gather(got, torch.full((1,), float(ctx.rank), device=acc.device()).expand(3),
+                       None, False)  # fmt: skip
+        acc.synchronize()
+        want = torch.arange(w, dtype=torch.float32).repeat_interleave(3)
+        if not torch.equal(got.cpu(), want):
+            _fail(ctx, case, "all_gather of an expand()ed input", got.cpu().tolist(),
+                  want.tolist())  # fmt: skip
     after = Case("all_reduce", case.world, "float32", "sum")
     _run_plain(ctx, after)

@@ -183,7 +183,8 @@ QUERY_HOOKS: list[str] = [
     name
     for name, fn in axes.spec_hooks().items()
     if getattr(fn, "ds_core_spec", {}).get("firstresult")
-    and set(inspect.signature(fn).parameters) <= {"index"}
+    and [str(p.annotation) for p in inspect.signature(fn).parameters.values()]
+    in ([], ["int | None"])
     and name not in NEEDS_STATE
 ]
 

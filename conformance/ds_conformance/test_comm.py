@@ -83,6 +83,7 @@ def test_all_reduce(acc: Any, rank_groups: RankGroups, case: Case) -> None:
 )
 @promise("ds_comm_all_gather", ":param input: this rank's contribution")
 @promise("ds_comm_all_gather", ":raises ValueError: when ``output`` has the wrong number")
+@promise("comm", "An input may share memory.")
 def test_all_gather(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
@@ -158,6 +159,7 @@ def test_all_to_all(acc: Any, rank_groups: RankGroups, case: Case) -> None:
 @promise("ds_comm_send", ":param dst: the receiver's global rank")
 @promise("ds_comm_recv", ":param src: the sender's global rank")
 @promise("comm", "**Peers are global ranks**")
+@promise("comm", "**Matching is per ordered pair, in issue order.**")
 @promise("ds_comm_send", ":param tensor: the data, read (after the work queued")
 @promise("ds_comm_recv", ":param tensor: the buffer, overwritten")
 @promise("ds_comm_batch_isend_irecv", ":param ops: :class:`ds_core.types.P2POp` records")

@@ -34,6 +34,7 @@ NEVER_HOOKS: tuple[tuple[str, str], ...] = (
     ("ds_launcher_env_prefixes", "()"),
     ("ds_memory_is_pinned", "(torch.zeros(4),)"),
     ("ds_memory_empty_cache", "()"),  # "never creates one; a no-op on a device that has none"
+    ("ds_op_providers", "()"),  # and each provider's status()
 )
 
 
@@ -69,7 +70,9 @@ never = dict()
 for hook, args in NEVER_HOOKS:
     impl = getattr(plugin, hook, None)
     if impl is not None:
-        impl(*args)
+        out = impl(*args)
+        if hook == "ds_op_providers":
+            result.update(statuses=[type(p.status()).__name__ for p in out if hasattr(p, "status")])
         never[hook] = diff(before, info.device_type)
 result.update(never=never)
 print(json.dumps(result))
@@ -143,6 +146,8 @@ def _never_promises(fn: Any) -> Any:
 
 @pytest.mark.parametrize("hook", [h for h, _ in NEVER_HOOKS])
 @_never_promises
+@promise("ds_op_providers", "A provider may also have ``status() -> str``")
+@promise("ds_op_providers", "``status`` may run the toolchain probe but must not build or touch")
 @hooks(*(h for h, _ in NEVER_HOOKS))
 def test_a_hook_that_never_needs_a_device_context_creates_none(
     probe_effects: dict[str, Any], hook: str
@@ -150,6 +155,10 @@ def test_a_hook_that_never_needs_a_device_context_creates_none(
     effects = probe_effects["never"].get(hook)
     if effects is None:
         pytest.skip(f"the backend's plugin has no {hook} (an optional hook left out)")
+    if hook == "ds_op_providers":
+        bad = [t for t in probe_effects.get("statuses", []) if t != "str"]
+        check(not bad, "types of the providers' status()", bad, "str", "OpProvider.status()")
+        hook = "ds_op_providers() + each provider's status()"
     call = f"import + ds_backend_probe() + {hook}() and the hooks before it"
     check(not effects["contexts"], "device contexts", effects["contexts"], "none", call)
     check(effects["new_threads"] <= 0, "OS threads started", effects["new_threads"],
