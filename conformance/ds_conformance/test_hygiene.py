@@ -29,6 +29,10 @@ pytestmark = tier("basic")
 NEVER_HOOKS: tuple[tuple[str, str], ...] = (
     ("ds_backend_info", "()"),
     ("ds_backend_capabilities", "()"),
+    (
+        "ds_device_count",
+        "()",
+    ),  # "must not create one where the vendor offers a count that does not"
     ("ds_comm_backend_name", "()"),
     ("ds_launcher_visible_devices_env", "()"),
     ("ds_launcher_env_prefixes", "()"),
@@ -140,7 +144,8 @@ def test_probe_creates_no_device_context(probe_effects: dict[str, Any]) -> None:
 
 def _never_promises(fn: Any) -> Any:
     for hook, _ in NEVER_HOOKS:
-        fn = promise(hook, "Device context: never")(fn)
+        said = "must not create one" if hook == "ds_device_count" else "never"
+        fn = promise(hook, f"Device context: {said}")(fn)
     return fn
 
 

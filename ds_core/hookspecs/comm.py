@@ -98,6 +98,7 @@ UNCHECKED_SECTION: Final[dict[str, str]] = {
     "Work queued on other streams is not waited for": "promises nothing: tells the caller to order other streams itself; a backend that also waited for them would conform",
     "Every tensor handed to a collective (inputs and outputs) must stay alive": "promises nothing: an obligation of the caller; what the backend may do meanwhile is the sentence after",
     "So a pair of ranks that both send before they receive": "promises nothing: an obligation of the caller, following from the sentence before",
+    "The returned handle is already completed.": "untestable because a completed handle and a pending one whose collective has finished behave alike (wait() returns at once on both); what completion means, the result in the buffer when a synchronous call returns, is the sentence before, checked",
     "The handle keeps the temporaries alive until then.": "untestable because a freed temporary's memory may keep its bytes until it is reused, so no check tells a kept temporary from a freed one",
     "**Hooks receive contiguous tensors only**": "promises nothing: a permission to implementations; the facade's staging that keeps it is the next sentence, checked by the layout cases",
     "The core's own hook implementations (the default plugin's": "untestable because it binds ds_core's own implementations, not the backend under test (tests/test_comm_noncontig.py checks them)",

@@ -104,6 +104,14 @@ class SimHooks(TorchStyleHooks):
     # -- device --------------------------------------------------------------------------------
 
     @hookimpl
+    def ds_device_count(self) -> int:
+        # The spec: no device context where a count is known without one. Before the device
+        # exists, its count is the DS_SIM_DEVICES setting it will be made with.
+        if not device.is_initialized():
+            return device.settings().devices
+        return super().ds_device_count()
+
+    @hookimpl
     def ds_device_properties(self, index: int | None) -> DeviceProperties:
         if index is not None:
             self.check_index(index)
