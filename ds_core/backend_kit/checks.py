@@ -103,7 +103,7 @@ def check_device_index(index: object, count: int, who: str) -> int | None:
     the rule every hook with an ``index: int | None`` argument follows (ds_core/hookspecs).
 
     :param count: the devices this process sees (``ds_device_count()``).
-    :param who: what sees them, for the message (``"torch.cuda"``, ``"the cpu backend"``).
+    :param who: what sees them, for the message (a torch module name, or ``"the cpu backend"``).
     :raises TypeError: naming the type, for anything but ``None`` and an ``int`` (a ``bool``
         or a ``float`` is not one).
     :raises ValueError: naming ``count``, for an ``int`` outside ``range(count)``.
