@@ -178,3 +178,49 @@ def check_state_object(acc: Any, hook: str, check: Callable[..., None]) -> None:
         leaked = PLANTED in mapping
     check(not leaked, f"{hook}(None) after the caller changed its last result", "changed too",
           "unaffected", hook)  # fmt: skip
+
+
+# -- integer ranges ---------------------------------------------------------------------------
+
+#: The version of the contract that states the range rules (``ds_core/hookspecs``).
+RANGES_SINCE = 3
+#: The shared rules the range axes check (the package docstring of ``ds_core.hookspecs``).
+INDEX_RULE = "An ``index`` typed ``int | None`` is ``None`` (the current device)"
+SEED_RULE = "A ``seed`` is an ``int`` in ``range(2**64)``."
+PRIORITY_RULE = "A stream ``priority`` is any ``int``"
+RANGE_ERRORS = "An ``int`` out of range raises ``ValueError`` naming the range"
+#: Arguments of another type than ``int`` (``None`` only where the type has no ``None``).
+NOT_INTS: tuple[object, ...] = ("0", 0.0, 1.0, True, False)
+
+
+def index_hooks() -> list[str]:
+    """Every hook with an ``index: int | None`` argument (``ds_device_set``'s is never None)."""
+    return [
+        name
+        for name, fn in spec_hooks().items()
+        if "index" in inspect.signature(fn).parameters
+        and str(inspect.signature(fn).parameters["index"].annotation) == "int | None"
+    ]
+
+
+def call_with_index(acc: Any, hook: str, index: object) -> Any:
+    """Call ``hook`` directly with ``index`` and valid other arguments: a generator state of
+    the device ``index`` names (of the current one when it names none), priority 0."""
+    own = index if isinstance(index, int) and not isinstance(index, bool) else None
+    try:
+        state = acc._h.ds_rng_get_state(own)
+    except (TypeError, ValueError):
+        state = acc._h.ds_rng_get_state(None)
+    values = {"index": index, "state": state, "priority": 0}
+    params = inspect.signature(spec_hooks()[hook]).parameters
+    return getattr(acc._h, hook)(*(values[p] for p in params))
+
+
+def skip_before_ranges(acc: Any) -> None:
+    """Skip a range check for a backend targeting a contract older than the range rules."""
+    import pytest
+
+    version = acc.info.hookspec_version
+    if version < RANGES_SINCE:
+        pytest.skip(f"the backend targets hook spec version {version}; the range rules are "
+                    f"version {RANGES_SINCE}'s")  # fmt: skip

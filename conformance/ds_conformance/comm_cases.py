@@ -25,6 +25,14 @@ buffer (the column ``x[:, 1]``), ``transposed`` makes 2-D tensors the transpose 
 buffer (1-D ones are strided). Every element outside a view holds :data:`GUARD`, checked
 after the collective, so reading or writing past the view fails even where the view is right.
 
+Two-group cases (``two-groups`` variant, 4 ranks, every collective): a collective on this
+rank's subgroup and one on the world are both in flight before either is waited for, and
+they are waited in the reverse order of issue.
+
+Refused cases (``refused`` variant, 2 ranks, every collective): each call the contract
+refuses with ``ValueError`` (an ``expand()``ed output or in-place buffer, an unknown op, sizes
+that do not fit), on every rank, then an all-reduce that must still pair up.
+
 Size cases (:data:`SIZES`: zero-size and one-element tensors, every collective but all-to-all,
 whose splits are fixed). Every asynchronous handle is waited twice: a second wait is allowed.
 """
@@ -72,7 +80,8 @@ class Case:
     dtype: str  # torch dtype name without "torch."
     op: str = ""
     async_op: bool = False
-    # "", "group", "equal-splits", "large", "late-sync", "late-async", "stream-*", or a LAYOUT
+    # "", "group", "two-groups", "equal-splits", "large", "late-sync", "late-async", "stream-*",
+    # or a LAYOUT
     variant: str = ""
 
     @property
@@ -137,6 +146,8 @@ def cases(dtypes: Iterable[torch.dtype]) -> list[Case]:
     for collective in COLLECTIVES[:-1]:
         op = "avg" if collective in ("all_reduce", "reduce_scatter") else ""
         out.append(Case(collective, 4, "float32", op, variant="group"))
+        out.append(Case(collective, 4, "float32", op, async_op=True, variant="two-groups"))
+        out.append(Case(collective, 2, "float32", op, variant="refused"))
     for op in ("sum", "avg"):
         out.append(Case("all_reduce", 2, "float32", op, variant="large"))
     out.append(Case("all_reduce", 4, "float32", "sum", variant="large"))
@@ -166,6 +177,11 @@ def _p2p_cases(dtypes: list[str]) -> list[Case]:
             out.append(Case("p2p", world, "float32", async_op=async_op, variant="pair"))
         out += [Case("p2p", world, "float32", async_op=True, variant=v) for v in LAYOUTS]
     out.append(Case("p2p", 4, "float32", async_op=True, variant="group"))
+    out += [
+        Case("p2p", w, "float32", async_op=a, variant="peers")
+        for w in WORLD_SIZES
+        for a in (False, True)
+    ]
     out.append(Case("p2p", 2, "float32", async_op=True, variant="large"))
     out.append(Case("p2p", 2, "float32", async_op=True, variant="late-async"))
     return out
@@ -298,11 +314,19 @@ def run_case(ctx: Context, case: Case) -> None:
     :raises AssertionError: with the suite's message shape when the result is wrong.
     """
     if case.collective == "p2p":
-        _run_p2p(ctx, case)
+        from ds_conformance.comm_p2p import run_p2p  # it builds on this module's helpers
+
+        run_p2p(ctx, case)
     elif case.variant.startswith("late-"):
         _run_late(ctx, case)
     elif case.variant.startswith("stream-"):
         _run_stream(ctx, case)
+    elif case.variant == "two-groups":
+        _run_two_groups(ctx, case)
+    elif case.variant == "refused":
+        from ds_conformance.comm_refusals import run_refused  # it builds on this module
+
+        run_refused(ctx, case)
     elif case.collective == "barrier":
         for _ in range(3):
             if ctx.acc.barrier() is not True:
@@ -329,11 +353,33 @@ def _run_plain(ctx: Context, case: Case, late: Callable[[], None] | None = None)
     run = _COLLECTIVES[case.collective]
     place = Placement(case, device)
     got, expected, work = run(acc, case, place, dtype, members, me, world, group)
+    if not case.async_op and not place.layout and "async_streams" not in acc.capabilities:
+        _check(ctx, case, got, expected)  # in the buffer when the call returns, before any sync
     for _ in range(2 if case.async_op else 0):  # a second wait is allowed and changes nothing
         work.wait()
     acc.synchronize()
     _check(ctx, case, got, expected)
     place.check_guards(ctx, case)
+
+
+def _run_two_groups(ctx: Context, case: Case) -> None:
+    """Two collectives in flight at once on different groups: this rank's subgroup (of
+    :data:`SUBGROUPS`) and the world, both issued asynchronously before either is waited for,
+    then waited in the reverse order. Every rank issues them in the same order; the groups'
+    results differ, so one group's data landing in the other's buffers fails."""
+    acc, dtype = ctx.acc, getattr(torch, case.dtype)
+    run = _COLLECTIVES[case.collective]
+    place = Placement(case, acc.device())
+    sub = next(g for g in SUBGROUPS if ctx.rank in g)
+    world = tuple(range(case.world))
+    first = run(acc, case, place, dtype, sub, sub.index(ctx.rank), len(sub), ctx.groups[sub])
+    second = run(acc, case, place, dtype, world, ctx.rank, case.world, None)
+    for _ in range(2):  # a second wait is allowed and changes nothing
+        second[2].wait()
+        first[2].wait()
+    acc.synchronize()
+    _check(ctx, case, first[0], first[1])
+    _check(ctx, case, second[0], second[1])
 
 
 Run = Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]
@@ -513,85 +559,3 @@ class _QueuedPlacement(Placement):
     def put(self, t: torch.Tensor) -> torch.Tensor:
         self.sources.append(t.to(self.device, copy=True))  # on the stream, before the copy
         return queue_copy(self.acc, self.stream, self.sources[-1])
-
-
-# --------------------------------------------------------------------------- point-to-point
-
-
-def _message(
-    sender: int, receiver: int, shape: tuple[int, ...], dtype: torch.dtype
-) -> torch.Tensor:
-    """What global rank ``sender`` sends to ``receiver``: distinct for every ordered pair."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    return rank_values(sender, numel, dtype, 4, salt=receiver + 1).reshape(shape)
-
-
-def _run_p2p(ctx: Context, case: Case) -> None:
-    """One point-to-point case (see :func:`_p2p_cases`); every handle is waited twice."""
-    from ds_core.types import P2POp
-
-    acc, dtype = ctx.acc, getattr(torch, case.dtype)
-    members, group = _members(ctx, case)
-    world, me = len(members), members.index(ctx.rank)
-    shape = (LARGE_NUMEL,) if case.variant == "large" else (3, 5)
-    place = Placement(case, acc.device())
-    if case.variant == "late-async":
-        _run_p2p_late(ctx, case, shape, dtype, place)
-        return
-    if case.variant == "pair":
-        # Even group ranks send first and then receive the reply; odd ones the other way round.
-        peer = members[me ^ 1] if (me ^ 1) < world else members[me - 1]
-        got = place.empty(shape, dtype)
-        outgoing = place.put(_message(ctx.rank, peer, shape, dtype))
-        steps = [("send", outgoing), ("recv", got)]
-        works = []
-        for kind, t in steps if me % 2 == 0 else steps[::-1]:
-            if kind == "send":
-                works.append(acc.send(t, peer, group, 0, case.async_op))
-            else:
-                works.append(acc.recv(t, peer, group, 0, case.async_op))
-        expected = _message(peer, ctx.rank, shape, dtype)
-    else:  # a ring: send to the next group rank, receive from the previous, in one batch
-        nxt, prv = members[(me + 1) % world], members[(me - 1) % world]
-        got = place.empty(shape, dtype)
-        outgoing = place.put(_message(ctx.rank, nxt, shape, dtype))
-        ops = [P2POp("send", outgoing, nxt, group), P2POp("recv", got, prv, group)]
-        works = acc.batch_isend_irecv(ops)
-        if len(works) != len(ops):
-            _fail(ctx, case, "batch_isend_irecv handles", len(works), len(ops))
-        expected = _message(prv, ctx.rank, shape, dtype)
-    for work in works:
-        work.wait()
-        work.wait()  # a second wait is allowed and changes nothing
-    acc.synchronize()
-    _check(ctx, case, got, expected)
-    place.check_guards(ctx, case)
-
-
-def _run_p2p_late(
-    ctx: Context, case: Case, shape: tuple[int, ...], dtype: torch.dtype, place: Placement
-) -> None:
-    """Rank 0 posts an asynchronous receive before rank 1 has sent: the call returns at once
-    (rank 1 sends only after seeing that), and ``wait()`` then delivers the message."""
-    returned = ctx.scratch / f"{case.key}.early-returned"
-    if ctx.rank == 0:
-        got = place.empty(shape, dtype)
-        work = ctx.acc.recv(got, 1, None, 0, True)
-        returned.touch()
-        work.wait()
-        work.wait()
-        ctx.acc.synchronize()
-        _check(ctx, case, got, _message(1, 0, shape, dtype))
-        place.check_guards(ctx, case)
-        return
-    if not _wait_for(returned, MARKER_TIMEOUT_S):
-        raise AssertionError(
-            f"rank {ctx.rank}: rank 0's recv(async_op=True) did not return within "
-            f"{MARKER_TIMEOUT_S:.0f} s while its sender had not sent, but should return at "
-            f"once [{case.collective}({case.id})]"
-        )
-    time.sleep(LATE_S)  # rank 0's wait() now really has to wait for this send
-    ctx.acc.send(place.put(_message(1, 0, shape, dtype)), 0, None, 0, False)
-    ctx.acc.synchronize()  # a device runs queued work eventually; a lazy simulator only here

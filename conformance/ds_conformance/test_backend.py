@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
 import torch
 
+from ds_conformance import axes
 from ds_conformance.helpers import check
 from ds_conformance.marks import hooks, promise, tier
 from ds_core import capabilities as caps
-from ds_core.errors import ConfigError
+from ds_core.errors import ConfigError, NotSupportedError
 from ds_core.hookspecs import HOOKSPEC_VERSION
 from ds_core.types import BackendInfo
 
@@ -172,3 +174,39 @@ for _hook in _required_by_their_docstrings():
 test_the_backend_implements_every_required_hook_with_the_spec_signature = promise(
     "hookspecs", "an implementation's signature equals the spec's"
 )(test_the_backend_implements_every_required_hook_with_the_spec_signature)
+
+
+#: Query hooks called with no argument or ``index=None`` by the check below, except those whose
+#: call needs a state first (a pop needs a push; a graph needs capture enabled).
+NEEDS_STATE: frozenset[str] = frozenset({"ds_profiler_range_pop", "ds_graph_create"})
+QUERY_HOOKS: list[str] = [
+    name
+    for name, fn in axes.spec_hooks().items()
+    if getattr(fn, "ds_core_spec", {}).get("firstresult")
+    and [str(p.annotation) for p in inspect.signature(fn).parameters.values()]
+    in ([], ["int | None"])
+    and name not in NEEDS_STATE
+]
+
+
+@pytest.mark.parametrize("hook", QUERY_HOOKS)
+@promise("hookspecs", "a backend never returns ``None`` in place of real work")
+@hooks(*QUERY_HOOKS)
+def test_a_query_hook_returns_a_result_not_none(acc: Any, hook: str) -> None:
+    args = [None] * len(inspect.signature(axes.spec_hooks()[hook]).parameters)
+    try:
+        result = getattr(acc._h, hook)(*args)
+    except NotSupportedError:
+        pytest.skip(f"{hook} is gated by a capability the backend does not declare")
+    check(result is not None, f"{hook}({', '.join(map(repr, args))})", None, "a result", hook)
+
+
+@hooks("ds_backend_info")
+@promise("ds_backend_info", ":raises: nothing; must be cheap and pure.")
+def test_info_is_pure(acc: Any) -> None:
+    plugin = acc.entry.plugin
+    first = plugin.ds_backend_info()
+    for n in range(2):
+        again = plugin.ds_backend_info()
+        check(again == first, f"ds_backend_info() call {n + 2}", again, f"{first} (the first "
+              "call's: pure)", "ds_backend_info")  # fmt: skip

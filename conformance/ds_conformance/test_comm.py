@@ -62,6 +62,12 @@ def _result(acc: Any, groups: RankGroups, case: Case) -> None:
 )
 @promise("comm", "The facade (and so ``ds_core.comm``) gives callers any strided tensor")
 @promise("comm", "``wait()`` may be called more than once; later calls do nothing.")
+@promise("comm", "Collectives on different groups may be in flight at once")
+@promise("comm", "without ``async_streams`` (synchronous devices, the host) it returns")
+@promise("comm", "Either way, work queued after ``wait()`` sees the result")
+@promise("stream", "A collective runs after the stream current when it is called")
+@promise("ds_comm_all_reduce", ":raises ValueError: on an unknown ``op``")
+@promise("comm", "**An in-place buffer or output whose elements may share memory**")
 def test_all_reduce(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
@@ -76,6 +82,8 @@ def test_all_reduce(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     ":param output: a contiguous tensor of ``world_size × input.numel()`` elements",
 )
 @promise("ds_comm_all_gather", ":param input: this rank's contribution")
+@promise("ds_comm_all_gather", ":raises ValueError: when ``output`` has the wrong number")
+@promise("comm", "An input may share memory.")
 def test_all_gather(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
@@ -91,6 +99,7 @@ def test_all_gather(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     "ds_comm_reduce_scatter",
     ":param input: the full buffer, contiguous; its numel is divisible by the group size.",
 )
+@promise("ds_comm_reduce_scatter", ":raises ValueError: when the sizes do not divide")
 def test_reduce_scatter(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
@@ -104,6 +113,7 @@ def test_reduce_scatter(acc: Any, rank_groups: RankGroups, case: Case) -> None:
 @promise(
     "ds_comm_broadcast", ":param tensor: the buffer, read on ``src`` and overwritten elsewhere"
 )
+@promise("ds_comm_broadcast", ":raises ValueError: through the facade")
 def test_broadcast(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
@@ -123,6 +133,7 @@ def test_broadcast(acc: Any, rank_groups: RankGroups, case: Case) -> None:
 )
 @promise("ds_comm_all_to_all", ":param output: the received rows")
 @promise("ds_comm_all_to_all", ":param input: the rows to send, contiguous.")
+@promise("ds_comm_all_to_all", ":raises ValueError: through the facade")
 def test_all_to_all(acc: Any, rank_groups: RankGroups, case: Case) -> None:
     _result(acc, rank_groups, case)
 
@@ -148,6 +159,18 @@ def test_all_to_all(acc: Any, rank_groups: RankGroups, case: Case) -> None:
 @promise("ds_comm_send", ":param dst: the receiver's global rank")
 @promise("ds_comm_recv", ":param src: the sender's global rank")
 @promise("comm", "**Peers are global ranks**")
+@promise("comm", "**Matching is per ordered pair, in issue order.**")
+@promise("ds_comm_send", ":param tensor: the data, read (after the work queued")
+@promise("ds_comm_recv", ":param tensor: the buffer, overwritten")
+@promise("ds_comm_batch_isend_irecv", ":param ops: :class:`ds_core.types.P2POp` records")
+@promise("ds_comm_send", ":param async_op: return before the data left")
+@promise("ds_comm_send", ":param tag: matches the receiver's ``tag``")
+@promise("ds_comm_recv", ":param tag: the sender's ``tag``.")
+@promise("ds_comm_send", ":raises ValueError: through the facade, when ``dst`` is this rank")
+@promise("ds_comm_recv", ":raises ValueError: through the facade, when ``src`` is this rank")
+@promise("ds_comm_send", ":param group: a process group from ``ds_core.comm.new_group``")
+@promise("ds_comm_recv", ":param group: as for ``ds_comm_send``.")
+@promise("comm", "a synchronous receive returns once the data is in the buffer")
 @promise(
     "comm",
     "Point-to-point (``ds_comm_send``, ``ds_comm_recv``, ``ds_comm_batch_isend_irecv``; since hook version 2",

@@ -1,5 +1,7 @@
 """Device edge axes (issue 28 §2): device descriptions are the caller's; an integer argument
-in range, just out of range at each end, and of the wrong type."""
+in range, just out of range at each end, and of the wrong type: ``ds_device_set``'s index, and
+the ``index: int | None`` of every other hook (one check, parametrised over the hooks the specs
+give that argument)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from ds_conformance import axes
 from ds_conformance.helpers import check
 from ds_conformance.marks import hooks, promise, tier
+from ds_core.types import DeviceProperties
 
 CATEGORY = "device"
 pytestmark = tier("basic")
@@ -58,5 +61,42 @@ def test_an_index_argument_in_range_out_of_range_and_of_the_wrong_type(
             now = acc.current_device()
             check(type(now) is int and 0 <= now < count, f"current_device() after {hook}"
                   f"({wrong!r}) raised", now, f"an int in range({count})", "ds_device_current")  # fmt: skip
+    finally:
+        acc.set_device(start)
+
+
+def _index_promises(fn: Any) -> Any:
+    """Link ``fn`` to the ``:param index:`` sentence of every hook the index axis covers."""
+    for hook in axes.index_hooks():
+        fn = promise(hook, ":param index: device index, or ``None`` for the current device.")(fn)
+    return fn
+
+
+@pytest.mark.parametrize("hook", axes.index_hooks())
+@_index_promises
+@promise("hookspecs", axes.INDEX_RULE)
+@promise("hookspecs", axes.RANGE_ERRORS)
+@hooks(*axes.index_hooks())
+def test_an_optional_index_in_range_none_out_of_range_and_of_the_wrong_type(
+    acc: Any, hook: str
+) -> None:
+    axes.skip_before_ranges(acc)
+    count, start = acc.device_count(), acc.current_device()
+    try:
+        for index in (None, *range(count)):
+            result = axes.call_with_index(acc, hook, index)
+            check(result is not None, f"{hook}(index={index})", result, "a result", hook)
+            got = result.index if isinstance(result, DeviceProperties) else None
+            want = start if index is None else index
+            check(got in (None, want), f"{hook}(index={index}).index", got, str(want), hook)
+        for bad in (-1, count):  # just out of range at each end
+            with pytest.raises(ValueError, match=rf"(?<![\d-]){count}(?!\d)"):  # the count
+                axes.call_with_index(acc, hook, bad)
+        for wrong in axes.NOT_INTS:
+            with pytest.raises(TypeError):
+                axes.call_with_index(acc, hook, wrong)
+        now = acc.current_device()
+        check(now == start, f"current_device() after {hook}'s refused calls", now, str(start),
+              hook)  # fmt: skip
     finally:
         acc.set_device(start)

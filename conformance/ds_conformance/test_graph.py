@@ -65,6 +65,7 @@ def test_capture_without_enablement_is_refused(acc: Any) -> None:
 
 @hooks("ds_graph_create")
 @promise("graph", "Graph capture: record a sequence of device work once, replay it cheaply.")
+@promise("ds_graph_create", "Create an empty graph object")
 def test_replay_equals_eager(graph_acc: Any) -> None:
     x, w, b = _static(graph_acc)
     graph, out = _capture(graph_acc, lambda: _model(x, w, b))

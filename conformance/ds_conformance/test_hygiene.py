@@ -24,9 +24,29 @@ from ds_conformance.marks import hooks, promise, tier
 pytestmark = tier("basic")
 
 
+#: Hooks whose spec says "Device context: never" (query hooks that only describe), with the
+#: arguments the probe script calls them with.
+NEVER_HOOKS: tuple[tuple[str, str], ...] = (
+    ("ds_backend_info", "()"),
+    ("ds_backend_capabilities", "()"),
+    (
+        "ds_device_count",
+        "()",
+    ),  # "must not create one where the vendor offers a count that does not"
+    ("ds_comm_backend_name", "()"),
+    ("ds_launcher_visible_devices_env", "()"),
+    ("ds_launcher_env_prefixes", "()"),
+    ("ds_memory_is_pinned", "(torch.zeros(4),)"),
+    ("ds_memory_empty_cache", "()"),  # "never creates one; a no-op on a device that has none"
+    ("ds_op_providers", "()"),  # and each provider's status()
+)
+
+
 def _probe_script(acc: Any) -> str:
+    hooks_list = ", ".join(f"({h!r}, {a})" for h, a in NEVER_HOOKS)
     return (
         SNAPSHOT
+        + f"NEVER_HOOKS = [{hooks_list}]\n"
         + f"""
 import importlib.metadata as md
 before = snapshot()
@@ -47,6 +67,18 @@ result.update(env_changed=sorted(k for k in set(env0) | set(env1) if env0.get(k)
               torch_settings=[list(torch0), list(torch1)])
 result.update(available=probe.available, imported=list(probe.imported),
               own=ep.value.split(":")[0].split(".")[0], backends=backends)
+# The hooks whose spec says "Device context: never", called after the probe as a user's first
+# calls would be; what they changed is measured from here.
+before = snapshot()
+never = dict()
+for hook, args in NEVER_HOOKS:
+    impl = getattr(plugin, hook, None)
+    if impl is not None:
+        out = impl(*args)
+        if hook == "ds_op_providers":
+            result.update(statuses=[type(p.status()).__name__ for p in out if hasattr(p, "status")])
+        never[hook] = diff(before, info.device_type)
+result.update(never=never)
 print(json.dumps(result))
 """
     )
@@ -61,8 +93,9 @@ def probe_effects(acc: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
     return run_python(_probe_script(acc), base_env=base)  # type: ignore[no-any-return]
 
 
-@hooks("ds_backend_probe")
+@hooks("ds_backend_probe", "ds_backend_info")
 @promise("ds_backend_probe", "``imported`` lists vendor modules imported.")
+@promise("ds_backend_info", "``vendor_version`` is read from package metadata, never by importing")
 def test_probe_imports_only_documented_modules(probe_effects: dict[str, Any]) -> None:
     documented = {m.split(".")[0] for m in probe_effects["imported"]} | {probe_effects["own"]}
     documented |= set(probe_effects["backends"])
@@ -82,6 +115,7 @@ def test_probe_imports_only_documented_modules(probe_effects: dict[str, Any]) ->
     "Report whether this backend can run on this host, without touching a device.",
 )
 @promise("ds_backend_probe", "never a call that initialises the device runtime")
+@promise("ds_backend_probe", "Device context: never.")
 @promise("backend", "so none of them may create a device context")
 @promise("hookspecs", "Only ``ds_backend_*`` hooks are called before selection")
 def test_probe_creates_no_device_context(probe_effects: dict[str, Any]) -> None:
@@ -106,6 +140,36 @@ def test_probe_creates_no_device_context(probe_effects: dict[str, Any]) -> None:
         "none",
         "import + ds_backend_probe()",
     )
+
+
+def _never_promises(fn: Any) -> Any:
+    for hook, _ in NEVER_HOOKS:
+        said = "must not create one" if hook == "ds_device_count" else "never"
+        fn = promise(hook, f"Device context: {said}")(fn)
+    return fn
+
+
+@pytest.mark.parametrize("hook", [h for h, _ in NEVER_HOOKS])
+@_never_promises
+@promise("ds_op_providers", "A provider may also have ``status() -> str``")
+@promise("ds_op_providers", "``status`` may run the toolchain probe but must not build or touch")
+@hooks(*(h for h, _ in NEVER_HOOKS))
+def test_a_hook_that_never_needs_a_device_context_creates_none(
+    probe_effects: dict[str, Any], hook: str
+) -> None:
+    effects = probe_effects["never"].get(hook)
+    if effects is None:
+        pytest.skip(f"the backend's plugin has no {hook} (an optional hook left out)")
+    if hook == "ds_op_providers":
+        bad = [t for t in probe_effects.get("statuses", []) if t != "str"]
+        check(not bad, "types of the providers' status()", bad, "str", "OpProvider.status()")
+        hook = "ds_op_providers() + each provider's status()"
+    call = f"import + ds_backend_probe() + {hook}() and the hooks before it"
+    check(not effects["contexts"], "device contexts", effects["contexts"], "none", call)
+    check(effects["new_threads"] <= 0, "OS threads started", effects["new_threads"],
+          "0 (a runtime's workers mean a context)", call)  # fmt: skip
+    check(not effects["new_driver_libs"], "driver libraries loaded", effects["new_driver_libs"],
+          "none", call)  # fmt: skip
 
 
 @hooks("ds_backend_probe", "ds_backend_info")

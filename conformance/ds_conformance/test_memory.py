@@ -427,6 +427,37 @@ def test_ordinary_host_memory_is_not_pinned(acc: Any) -> None:
 
 
 @capability("pinned_memory")
+@hooks("ds_memory_pin")
+@promise("ds_memory_pin", ":param tensor: a CPU tensor.")
+@promise("ds_memory_pin", ":raises ValueError: when ``tensor`` is not on the host.")
+def test_pin_refuses_a_tensor_that_is_not_on_the_host(acc: Any) -> None:
+    on_device = torch.ones(4, device=acc.device())
+    if on_device.device.type == "cpu":
+        pytest.skip("the backend's device is the host: every tensor is on it")
+    with pytest.raises(ValueError):
+        acc._h.ds_memory_pin(on_device)
+
+
+@hooks("ds_memory_empty_cache", "ds_memory_reserved")
+@promise("ds_memory_empty_cache", "Return cached, unused allocator blocks to the device")
+def test_empty_cache_returns_the_blocks_of_freed_tensors(acc: Any) -> None:
+    # Best of three, as for memory_allocated: another thread may allocate at the same moment.
+    drops = []
+    for _ in range(3):
+        _free(acc)
+        t = _alloc(acc, SIZE)
+        held = acc.memory_reserved()
+        del t
+        _free(acc)  # gc, synchronize, empty_cache
+        drops.append(held - acc.memory_reserved())
+        if drops[-1] >= SIZE // 2:
+            break
+    check(max(drops) >= SIZE // 2, "memory_reserved() drop (bytes) after freeing a tensor and "
+          "empty_cache()", max(drops), f"≥ {SIZE // 2} of the {SIZE} freed",
+          "ds_memory_empty_cache")  # fmt: skip
+
+
+@capability("pinned_memory")
 @hooks("ds_memory_pin", "ds_memory_is_pinned")
 @promise("ds_memory_pin", "Return a page-locked copy of a host tensor")
 @promise("ds_memory_pin", "The result's ``is_pinned()`` is ``True``.")

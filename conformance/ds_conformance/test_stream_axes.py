@@ -51,6 +51,7 @@ def _order(acc: Any, how: str, consumer: Any, producer: Any) -> None:
 @pytest.mark.parametrize("how", WAITS)
 @pytest.mark.parametrize("consumer_kind", ["created", "default"])
 @promise("stream", ORDERS)
+@promise("ds_stream_use", ":param stream: a stream from ``ds_stream_create``")
 @hooks("ds_stream_create", "ds_stream_default", "ds_stream_use", "ds_stream_event_create")
 def test_a_wait_orders_work_queued_on_another_stream(
     acc: Any, how: str, consumer_kind: str
@@ -182,3 +183,46 @@ def test_polling_query_sees_queued_work_complete_without_a_sync(acc: Any, what: 
     acc.synchronize()
     diff = axes.first_difference(got, axes.expected(9.0) * 2)
     check(diff == "equal", f"a buffer {what}() answered True for", diff, "equal", what)
+
+
+#: Priorities past any device's range at both ends (CUDA's is a few levels below 0).
+PRIORITIES: tuple[int, ...] = (0, -1, 1, -100, 100)
+
+
+@promise("hookspecs", axes.PRIORITY_RULE)
+@hooks("ds_stream_create", "ds_stream_use")
+def test_a_priority_in_and_past_any_range_and_of_the_wrong_type(acc: Any) -> None:
+    axes.skip_before_ranges(acc)
+    src = axes.source(acc, salt=5.0)
+    for priority in PRIORITIES:
+        stream = acc._h.ds_stream_create(None, priority)
+        dst = axes.queue_copy(acc, stream, src)
+        stream.synchronize()
+        diff = axes.first_difference(dst, axes.expected(5.0))
+        check(diff == "equal", f"a copy on Stream(priority={priority}) after its synchronize()",
+              diff, "equal", "ds_stream_create")  # fmt: skip
+    for wrong in (*axes.NOT_INTS, None):
+        with pytest.raises(TypeError):
+            acc._h.ds_stream_create(None, wrong)
+
+
+@hooks("ds_stream_create", "ds_stream_use", "ds_stream_event_create")
+@promise("stream", "Without the ``async_streams`` capability, streams are synchronous")
+def test_without_async_streams_work_is_complete_when_queued(acc: Any) -> None:
+    if "async_streams" in acc.capabilities:
+        pytest.skip("the backend declares async_streams: its streams may run behind the host")
+    src = axes.source(acc, salt=7.0)
+    stream, other = acc.Stream(), acc.Stream()
+    dst = axes.queue_copy(acc, stream, src)
+    # Read before any wait or synchronize: the copy finished when the call that queued it did.
+    diff = axes.first_difference(dst, axes.expected(7.0))
+    check(diff == "equal", "a copy queued on a stream, read at once", diff, "equal",
+          "ds_stream_create")  # fmt: skip
+    event = acc.Event()
+    event.record(stream)
+    for what, value in (("Stream.query()", stream.query()), ("Event.query()", event.query())):
+        check(value is True, what, value, "True (nothing is pending)", "ds_stream_event_create")
+    other.wait_stream(stream)
+    other.wait_event(event)
+    stream.synchronize()
+    event.synchronize()

@@ -27,10 +27,13 @@ the vendor module: ``tests/backends/fakes/fake_device_module.py`` works for any 
 from __future__ import annotations
 
 from ds_core.backend_kit.checks import (
+    check_device_index,
     check_options,
+    check_seed,
     dtype_set,
     require_device_index,
     require_dist_backend,
+    require_int,
 )
 from ds_core.backend_kit.determinism import (
     LEAVE,
@@ -81,8 +84,11 @@ __all__ = [
     "fused_adamw_provider",
     "module_present",
     "package_file_present",
+    "check_device_index",
+    "check_seed",
     "require_device_index",
     "require_dist_backend",
+    "require_int",
     "torch_attr",
     "torch_deterministic_algorithms",
     "visible_device_count",

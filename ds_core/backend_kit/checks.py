@@ -69,6 +69,56 @@ def require_device_index(index: object) -> int:
     return index
 
 
+def require_int(name: str, value: object) -> int:
+    """``value`` when it is an ``int`` that is not a ``bool``.
+
+    :raises TypeError: naming ``name`` and the type, for anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} is an int, got {type(value).__name__} {value!r}; pass int({name})")
+    return value
+
+
+#: Seeds a generator takes: 64 unsigned bits (ds_core/hookspecs: the range rules).
+SEED_RANGE: range = range(2**64)
+
+
+def check_seed(seed: object) -> int:
+    """``seed`` when it is an ``int`` in :data:`SEED_RANGE`.
+
+    :raises TypeError: for anything but an ``int`` (a ``bool`` or ``float`` is not one).
+    :raises ValueError: for a negative seed or one of 2**64 or more, naming the range.
+    """
+    value = require_int("seed", seed)
+    if value not in SEED_RANGE:
+        raise ValueError(
+            f"seed {value} is out of range: a seed is an int in range(2**64); reduce it, e.g. "
+            f"seed % 2**64"
+        )
+    return value
+
+
+def check_device_index(index: object, count: int, who: str) -> int | None:
+    """``index`` when it is ``None`` (the current device) or an ``int`` in ``range(count)``:
+    the rule every hook with an ``index: int | None`` argument follows (ds_core/hookspecs).
+
+    :param count: the devices this process sees (``ds_device_count()``).
+    :param who: what sees them, for the message (a torch module name, or ``"the cpu backend"``).
+    :raises TypeError: naming the type, for anything but ``None`` and an ``int`` (a ``bool``
+        or a ``float`` is not one).
+    :raises ValueError: naming ``count``, for an ``int`` outside ``range(count)``.
+    """
+    if index is None:
+        return None
+    i = require_device_index(index)
+    if not 0 <= i < count:
+        raise ValueError(
+            f"device index {i} is out of range: {who} sees {count} device(s); pass an index "
+            f"in range({count}), or None for the current device"
+        )
+    return i
+
+
 def check_options(backend: str, options: Mapping[str, Any], known: Collection[str]) -> bool:
     """Validate a backend's configure options: only names in ``known`` are accepted.
 

@@ -37,7 +37,12 @@ from typing import Any
 
 import torch
 
-from ds_core.backend_kit.checks import require_device_index
+from ds_core.backend_kit.checks import (
+    check_device_index,
+    check_seed,
+    require_device_index,
+    require_int,
+)
 from ds_core.backend_kit.determinism import DeterminismPolicy
 from ds_core.backend_kit.host_streams import HostTimedEvent
 from ds_core.hookspecs import hookimpl
@@ -181,6 +186,16 @@ class TorchStyleHooks:
         """``index``, or the current device's index when ``None``."""
         return int(self.vendor().current_device()) if index is None else index
 
+    def check_index(self, index: object) -> None:
+        """Hold an ``index`` argument to the spec's rule (``None``, or an ``int`` in range);
+        every hook taking one calls this first when ``index`` is not ``None``, so the ``None``
+        path of a hot hook costs no call.
+
+        :raises TypeError: for anything but an ``int`` (a ``bool`` or ``float`` is not one).
+        :raises ValueError: for an ``int`` outside ``range(ds_device_count())``, naming it.
+        """
+        check_device_index(index, int(self.vendor().device_count()), self.api_name)
+
     def device_properties(self, index: int | None, extra: Sequence[str]) -> DeviceProperties:
         """Name and total memory (bytes) from ``get_device_properties``, plus the ``extra``
         property attributes the vendor's object has."""
@@ -234,6 +249,8 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_device_synchronize(self, index: int | None) -> bool:
+        if index is not None:
+            self.check_index(index)
         self.vendor().synchronize(
             self.device_type if index is None else f"{self.device_type}:{index}"
         )
@@ -241,12 +258,15 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_device_properties(self, index: int | None) -> DeviceProperties:
+        if index is not None:
+            self.check_index(index)
         return self.device_properties(index, self.property_extras)
 
     # -- rng -------------------------------------------------------------------------------
 
     @hookimpl
     def ds_rng_manual_seed(self, seed: int, all_devices: bool) -> bool:
+        check_seed(seed)
         if all_devices:
             self.vendor().manual_seed_all(seed)
         else:
@@ -255,16 +275,22 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_rng_get_state(self, index: int | None) -> torch.Tensor:
+        if index is not None:
+            self.check_index(index)
         state: torch.Tensor = self.vendor().get_rng_state(self.device_str(index))
         return state
 
     @hookimpl
     def ds_rng_set_state(self, state: torch.Tensor, index: int | None) -> bool:
+        if index is not None:
+            self.check_index(index)
         self.vendor().set_rng_state(state, self.device_str(index))
         return True
 
     @hookimpl
     def ds_rng_default_generator(self, index: int | None) -> torch.Generator:
+        if index is not None:
+            self.check_index(index)
         # Torch-style modules fill default_generators only when their runtime initialises,
         # which current_device() does, so it is called even when index is given.
         module = self.vendor()
@@ -277,11 +303,16 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_stream_create(self, index: int | None, priority: int) -> Stream:
+        if index is not None:
+            self.check_index(index)
+        require_int("priority", priority)  # torch maps an int outside the range to its nearest
         stream: Stream = self.vendor().Stream(device=self.device_str(index), priority=priority)
         return stream
 
     @hookimpl
     def ds_stream_current(self, index: int | None) -> Stream:
+        if index is not None:
+            self.check_index(index)
         stream: Stream = self.vendor().current_stream(
             self.device_type if index is None else f"{self.device_type}:{index}"
         )
@@ -289,6 +320,8 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_stream_default(self, index: int | None) -> Stream:
+        if index is not None:
+            self.check_index(index)
         stream: Stream = self.vendor().default_stream(
             self.device_type if index is None else f"{self.device_type}:{index}"
         )
@@ -311,6 +344,8 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_memory_allocated(self, index: int | None) -> int:
+        if index is not None:
+            self.check_index(index)
         return int(
             self.vendor().memory_allocated(
                 self.device_type if index is None else f"{self.device_type}:{index}"
@@ -319,6 +354,8 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_memory_max_allocated(self, index: int | None) -> int:
+        if index is not None:
+            self.check_index(index)
         return int(
             self.vendor().max_memory_allocated(
                 self.device_type if index is None else f"{self.device_type}:{index}"
@@ -327,11 +364,15 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_memory_reset_peak(self, index: int | None) -> bool:
+        if index is not None:
+            self.check_index(index)
         self.vendor().reset_peak_memory_stats(self.device_str(index))
         return True
 
     @hookimpl
     def ds_memory_reserved(self, index: int | None) -> int:
+        if index is not None:
+            self.check_index(index)
         return int(
             self.vendor().memory_reserved(
                 self.device_type if index is None else f"{self.device_type}:{index}"
@@ -340,6 +381,8 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_memory_stats(self, index: int | None) -> dict[str, int]:
+        if index is not None:
+            self.check_index(index)
         # Non-integer entries (and bools) are dropped: the hook promises integer statistics.
         raw: Mapping[str, Any] = self.vendor().memory_stats(self.device_str(index))
         return {k: int(v) for k, v in raw.items() if isinstance(v, int) and not isinstance(v, bool)}
@@ -351,6 +394,8 @@ class TorchStyleHooks:
 
     @hookimpl
     def ds_memory_info(self, index: int | None) -> MemoryInfo:
+        if index is not None:
+            self.check_index(index)
         # Device-wide free/total from mem_get_info, capped by the process's fraction: with a
         # fraction f < 1 the allocator refuses to reserve more than f × total, so that is this
         # process's total, and available is the smaller of the device's free bytes and what

@@ -8,6 +8,13 @@ Rules shared by every hook:
 - Arguments are positional, without defaults, in the order the spec lists them; an
   implementation's signature equals the spec's (same names, same order), so the accelerator
   facade can bind it directly. ``index`` is a device index, ``None`` meaning the current device.
+- Integer arguments are checked before the hook acts, by one rule per kind (since version 3).
+  An ``index`` typed ``int | None`` is ``None`` (the current device) or an ``int`` in
+  ``range(ds_device_count())``. A ``seed`` is an ``int`` in ``range(2**64)``. A stream
+  ``priority`` is any ``int``; the device maps one outside its range to the nearest it has.
+  An ``int`` out of range raises ``ValueError`` naming the range; an argument of another type
+  (a ``bool``, a ``float``, a string, ``None`` where the type has no ``None``) raises
+  ``TypeError``.
 - Query hooks are ``firstresult``: the first non-``None`` result wins, and a backend never
   returns ``None`` in place of real work. What a backend cannot do, it declares absent through
   ``ds_backend_capabilities``; the facade then raises :class:`ds_core.NotSupportedError`.
@@ -48,13 +55,17 @@ UNCHECKED_SECTION: Final[dict[str, str]] = {
     "One module per hook category.": "promises nothing: how the spec is laid out",
     "Each hook is ``ds_<category>_<verb>``": "promises nothing: the naming scheme of the spec itself",
     "Rules shared by every hook:": "promises nothing: a heading; the bullets under it carry the promises",
+    "Integer arguments are checked before the hook acts, by one rule per kind": "promises nothing: introduces the rules of the sentences after it, each checked",
+    "Hooks that gather contributions": "promises nothing: how ds_core calls those hooks (pluggy's non-firstresult call), which is ds_core's behaviour, not the backend's",
+    "What a backend cannot do, it declares absent": "promises nothing: the facade's behaviour (ds_core's code; tests/test_facade.py checks the NotSupportedError), while the backend's side, a declared capability backed by its hooks, is its own checked sentence of ds_backend_capabilities",
 }
 
 
 #: The contract's version: bumped when a hook is added, renamed, or changes its arguments or
 #: meaning. Version 2 added point-to-point (``ds_comm_send``, ``ds_comm_recv``,
-#: ``ds_comm_batch_isend_irecv``, capability ``p2p``).
-HOOKSPEC_VERSION: Final[int] = 2
+#: ``ds_comm_batch_isend_irecv``, capability ``p2p``). Version 3 states the range rules of
+#: integer arguments (device index, seed, stream priority): the errors they raise.
+HOOKSPEC_VERSION: Final[int] = 3
 
 #: The oldest version a backend may target and still register: what later versions added is
 #: absent for it (docs/architecture.md §2.3).

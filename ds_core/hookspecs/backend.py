@@ -13,6 +13,12 @@ from ds_core.hookspecs._contract import CALLED_BY_CORE, MAY_CREATE_CONTEXT, unch
 from ds_core.hookspecs._markers import hookspec
 from ds_core.types import BackendInfo, ProbeResult
 
+#: The probe's sentences about an unavailable result.
+UNAVAILABLE: Final[str] = (
+    "untestable because the suite runs only on a backend whose probe found it available "
+    "(selection needs it), so the unavailable path never runs there"
+)
+
 #: Sentences of this module's docstring that no conformance check reads, and why
 #: (ds_core/hookspecs/_contract.py).
 UNCHECKED_SECTION: Final[dict[str, str]] = {
@@ -41,6 +47,8 @@ def ds_backend_info() -> BackendInfo:
 @hookspec(firstresult=True)
 @unchecked("Called once per process, before selection.", CALLED_BY_CORE)
 @unchecked("The result is cached by the core.", CALLED_BY_CORE)
+@unchecked("When unavailable, ``reason`` says what is missing", UNAVAILABLE)
+@unchecked(":raises: nothing; any failure is an unavailable result", UNAVAILABLE)
 def ds_backend_probe() -> ProbeResult:
     """Report whether this backend can run on this host, without touching a device.
 
@@ -78,6 +86,8 @@ def ds_backend_capabilities() -> frozenset[str]:
 @hookspec(firstresult=True)
 @unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 @unchecked("Called by ``Accelerator.configure``.", CALLED_BY_CORE)
+@unchecked("Apply backend-specific options after selection", CALLED_BY_CORE)
+@unchecked("``options`` is the selected backend's own section", CALLED_BY_CORE)
 def ds_backend_configure(options: Mapping[str, Any]) -> bool:
     """Apply backend-specific options after selection (lazy second-phase setup).
 

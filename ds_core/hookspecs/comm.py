@@ -26,6 +26,8 @@ Ordering and ownership (the stream contract of every collective hook below):
   Either way, work queued after ``wait()`` sees the result; nothing read before ``wait()``
   returns is guaranteed to (an implementation may complete the collective only in
   ``wait()``). ``wait()`` may be called more than once; later calls do nothing.
+  Collectives on different groups may be in flight at once, issued in the same order on
+  every rank, and their handles waited in any order.
 - **Buffers are the caller's until ``wait()`` returns.** Every tensor handed to a
   collective (inputs and outputs) must stay alive and unmodified, and outputs unread, until
   the handle's ``wait()`` has returned; for a synchronous call, until the hook returns. A
@@ -92,6 +94,14 @@ UNCHECKED_SECTION: Final[dict[str, str]] = {
     "Layout (the non-contiguous rule of every collective hook below):": "promises nothing: a heading; the bullets under it carry the promises",
     "A backend may keep references to them": "promises nothing: a permission to the backend; the caller's side is the sentence before",
     "Sizes and dtypes match on both sides.": "promises nothing: an obligation of the caller, not of the backend",
+    "The core's default plugin implements every collective": "promises nothing: describes ds_core's default plugin (ds_core's code) and what a backend may leave to it",
+    "Work queued on other streams is not waited for": "promises nothing: tells the caller to order other streams itself; a backend that also waited for them would conform",
+    "Every tensor handed to a collective (inputs and outputs) must stay alive": "promises nothing: an obligation of the caller; what the backend may do meanwhile is the sentence after",
+    "So a pair of ranks that both send before they receive": "promises nothing: an obligation of the caller, following from the sentence before",
+    "The returned handle is already completed.": "untestable because a completed handle and a pending one whose collective has finished behave alike (wait() returns at once on both); what completion means, the result in the buffer when a synchronous call returns, is the sentence before, checked",
+    "The handle keeps the temporaries alive until then.": "untestable because a freed temporary's memory may keep its bytes until it is reused, so no check tells a kept temporary from a freed one",
+    "**Hooks receive contiguous tensors only**": "promises nothing: a permission to implementations; the facade's staging that keeps it is the next sentence, checked by the layout cases",
+    "The core's own hook implementations (the default plugin's": "untestable because it binds ds_core's own implementations, not the backend under test (tests/test_comm_noncontig.py checks them)",
 }
 
 
@@ -108,6 +118,11 @@ def ds_comm_backend_name() -> str:
 
 @hookspec(firstresult=True)
 @unchecked("Called by ``ds_core.init_distributed`` before", CALLED_BY_CORE)
+@unchecked(
+    ":raises RuntimeError: naming the missing package",
+    "untestable because the suite runs where the backend's process-group library is installed "
+    "(selection and init_distributed need it), and removing it is no portable check",
+)
 def ds_comm_prepare() -> bool:
     """Import whatever registers the backend's process-group library with ``torch.distributed``.
 
@@ -255,6 +270,7 @@ def ds_comm_barrier(group: Any) -> bool:
 @hookspec(firstresult=True)
 @unchecked("Facade:", FACADE)
 @unchecked("Device context: uses the existing one", USES_CONTEXT)
+@unchecked("Use in backends: gated by ``p2p``", OPTIONAL)
 def ds_comm_send(tensor: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool) -> Work:
     """Send ``tensor`` to global rank ``dst``, which receives it with ``ds_comm_recv``.
 
@@ -279,6 +295,7 @@ def ds_comm_send(tensor: torch.Tensor, dst: int, group: Any, tag: int, async_op:
 @hookspec(firstresult=True)
 @unchecked("Facade:", FACADE)
 @unchecked("Device context: uses the existing one", USES_CONTEXT)
+@unchecked("Use in backends: gated by ``p2p``", OPTIONAL)
 def ds_comm_recv(tensor: torch.Tensor, src: int, group: Any, tag: int, async_op: bool) -> Work:
     """Receive into ``tensor`` what global rank ``src`` sends with ``ds_comm_send``.
 
@@ -303,6 +320,11 @@ def ds_comm_recv(tensor: torch.Tensor, src: int, group: Any, tag: int, async_op:
 @hookspec(firstresult=True)
 @unchecked("Facade:", FACADE)
 @unchecked("Device context: uses the existing one", USES_CONTEXT)
+@unchecked("Use in backends: gated by ``p2p``", OPTIONAL)
+@unchecked(
+    "Every op of the list names the same group.",
+    "promises nothing: an obligation of the caller, not of the backend",
+)
 def ds_comm_batch_isend_irecv(ops: list[P2POp]) -> list[Work]:
     """Start every send and receive of ``ops`` before waiting for any; one handle per op.
 

@@ -16,6 +16,11 @@ UNCHECKED_SECTION: Final[dict[str, str]] = {
 
 @hookspec(firstresult=True)
 @unchecked("Facade:", FACADE)
+@unchecked(
+    "Empty for a device type without such a variable.",
+    "untestable because whether a device type has a visible-devices variable is the vendor's "
+    "fact, which no portable check knows",
+)
 def ds_launcher_visible_devices_env() -> list[str]:
     """Return the variables that restrict which devices a process sees, most specific first.
 

@@ -19,6 +19,11 @@ UNCHECKED_SECTION: Final[dict[str, str]] = {
 @unchecked("Use in backends: optional", OPTIONAL)
 @unchecked("Device context: may create one", MAY_CREATE_CONTEXT)
 @unchecked(
+    ":param msg: the range's name",
+    "untestable because a range's name reaches only the vendor's profiler tool, which no "
+    "portable check reads",
+)
+@unchecked(
     "A backend implements it with its vendor's range API",
     "untestable because a vendor profiler's timeline is outside what a portable suite can read",
 )

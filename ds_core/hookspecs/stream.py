@@ -38,6 +38,7 @@ from ds_core.types import Event, Stream
 UNCHECKED_SECTION: Final[dict[str, str]] = {
     "Streams (device work queues) and events (points in a stream).": "promises nothing: a summary of the section; its sentences below carry the promises",
     "Ordering contract, shared with the collective hooks": "promises nothing: a heading; the bullets under it carry the promises",
+    "A tensor used by another stream than the one that produced it must stay alive": "promises nothing: an obligation of the caller, not of the backend",
 }
 
 

@@ -28,7 +28,10 @@ from ds_core.backend_kit import (
     HostEvent,
     HostStream,
     HostStreams,
+    check_device_index,
+    check_seed,
     require_device_index,
+    require_int,
 )
 from ds_core.errors import ConfigError
 from ds_core.ops.cpu_adam import cpu_adam_provider
@@ -53,7 +56,7 @@ def ds_backend_info() -> BackendInfo:
         name=NAME,
         device_type="cpu",
         priority=0,
-        hookspec_version=2,
+        hookspec_version=3,
         vendor_version=md.version("torch"),
         description="host CPU; collectives over shared memory within a host, gloo across hosts",
     )
@@ -89,6 +92,13 @@ def ds_backend_configure(options: Mapping[str, Any]) -> bool:
 _host = HostDevice()
 
 
+def _check(index: int | None) -> None:
+    # The rule of every hook taking an index (ds_core/hookspecs): None, or an int in range.
+    # The host is every "device", so nothing else depends on which one is named.
+    if index is not None:
+        check_device_index(index, _host.device_count(), "the cpu backend")
+
+
 @hookimpl
 def ds_device_count() -> int:
     return _host.device_count()
@@ -113,6 +123,7 @@ def ds_device_set(index: int) -> bool:
 
 @hookimpl
 def ds_device_synchronize(index: int | None) -> bool:
+    _check(index)
     _host.synchronize()  # host work is complete when the call that queued it returns
     return True
 
@@ -129,6 +140,7 @@ def _cpu_name() -> str:
 
 @hookimpl
 def ds_device_properties(index: int | None) -> DeviceProperties:
+    _check(index)
     total, _available, limit = memory.memory_info()
     return DeviceProperties(
         name=_cpu_name(),
@@ -147,23 +159,27 @@ def ds_device_properties(index: int | None) -> DeviceProperties:
 
 @hookimpl
 def ds_rng_manual_seed(seed: int, all_devices: bool) -> bool:
+    check_seed(seed)
     _host.manual_seed(seed)  # one generator for every device
     return True
 
 
 @hookimpl
 def ds_rng_get_state(index: int | None) -> torch.Tensor:
+    _check(index)
     return _host.get_rng_state()
 
 
 @hookimpl
 def ds_rng_set_state(state: torch.Tensor, index: int | None) -> bool:
+    _check(index)
     _host.set_rng_state(state)
     return True
 
 
 @hookimpl
 def ds_rng_default_generator(index: int | None) -> torch.Generator:
+    _check(index)
     return _host.default_generators[0]
 
 
@@ -177,16 +193,20 @@ _streams = HostStreams(_host.current_device)
 
 @hookimpl
 def ds_stream_create(index: int | None, priority: int) -> HostStream:
+    _check(index)
+    require_int("priority", priority)  # kept only: a host stream reorders nothing
     return _streams.create(index, priority)
 
 
 @hookimpl
 def ds_stream_current(index: int | None) -> HostStream:
+    _check(index)
     return _streams.current(index)
 
 
 @hookimpl
 def ds_stream_default(index: int | None) -> HostStream:
+    _check(index)
     return _streams.default
 
 
@@ -205,26 +225,31 @@ def ds_stream_event_create(enable_timing: bool) -> HostEvent:
 
 @hookimpl
 def ds_memory_allocated(index: int | None) -> int:
+    _check(index)
     return _host.memory_allocated()  # the resident set
 
 
 @hookimpl
 def ds_memory_max_allocated(index: int | None) -> int:
+    _check(index)
     return _host.max_memory_allocated()
 
 
 @hookimpl
 def ds_memory_reset_peak(index: int | None) -> bool:
+    _check(index)
     return _host.reset_peak_memory_stats()
 
 
 @hookimpl
 def ds_memory_reserved(index: int | None) -> int:
+    _check(index)
     return _host.memory_reserved()  # the C allocator's cache is part of the resident set
 
 
 @hookimpl
 def ds_memory_stats(index: int | None) -> dict[str, int]:
+    _check(index)
     return _host.memory_stats()
 
 
@@ -236,6 +261,7 @@ def ds_memory_empty_cache() -> bool:
 
 @hookimpl
 def ds_memory_info(index: int | None) -> MemoryInfo:
+    _check(index)
     total, available, limit = memory.memory_info()
     return MemoryInfo(
         total=total,

@@ -257,7 +257,7 @@ class CudaHooks(TorchStyleHooks):
             name=NAME,
             device_type="cuda",
             priority=100,
-            hookspec_version=2,
+            hookspec_version=3,
             vendor_version=torch.version.cuda or "",
             description="NVIDIA GPUs through torch.cuda; collectives over NCCL",
         )
@@ -284,6 +284,8 @@ class CudaHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_device_properties(self, index: int | None) -> DeviceProperties:
+        if index is not None:
+            self.check_index(index)
         props = self.device_properties(index, ("major", "minor", "multi_processor_count"))
         extra = dict(props.extra)
         if "major" in extra and "minor" in extra:

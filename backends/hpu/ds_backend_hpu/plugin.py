@@ -38,6 +38,7 @@ from ds_core.backend_kit import (
     adamw_compatible,
     attribute_setting,
     check_options,
+    check_seed,
     dist_version,
     dtype_set,
     package_file_present,
@@ -201,7 +202,7 @@ class HpuHooks(TorchStyleHooks):
             name=NAME,
             device_type=DEVICE_TYPE,
             priority=100,
-            hookspec_version=2,
+            hookspec_version=3,
             vendor_version=dist_version(*VENDOR_DISTRIBUTIONS),
             description="Intel Gaudi through habana_frameworks.torch; collectives over HCCL",
         )
@@ -234,6 +235,8 @@ class HpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_device_synchronize(self, index: int | None) -> bool:
+        if index is not None:
+            self.check_index(index)
         # One Gaudi per process: hpu.synchronize() takes no device and waits for all its streams.
         _flush_if_lazy()
         _hpu().synchronize()
@@ -241,6 +244,8 @@ class HpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_device_properties(self, index: int | None) -> DeviceProperties:
+        if index is not None:
+            self.check_index(index)
         hpu = _hpu()
         i = self.resolve(index)
         return DeviceProperties(
@@ -258,6 +263,7 @@ class HpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_rng_manual_seed(self, seed: int, all_devices: bool) -> bool:
+        check_seed(seed)
         random = _hpu().random
         if all_devices:
             random.manual_seed_all(seed)
@@ -267,17 +273,23 @@ class HpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_rng_get_state(self, index: int | None) -> torch.Tensor:
+        if index is not None:
+            self.check_index(index)
         # hpu.random keeps one generator per process and refuses indices other than 0.
         state: torch.Tensor = _hpu().random.get_rng_state(self.device_str(index))
         return state
 
     @hookimpl
     def ds_rng_set_state(self, state: torch.Tensor, index: int | None) -> bool:
+        if index is not None:
+            self.check_index(index)
         _hpu().random.set_rng_state(state, self.device_str(index))
         return True
 
     @hookimpl
     def ds_rng_default_generator(self, index: int | None) -> torch.Generator:
+        if index is not None:
+            self.check_index(index)
         generators = _hpu().random.default_generators
         i = 0 if index is None else index
         if not 0 <= i < len(generators):
@@ -315,6 +327,8 @@ class HpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_memory_info(self, index: int | None) -> MemoryInfo:
+        if index is not None:
+            self.check_index(index)
         if hasattr(_hpu(), "mem_get_info"):
             return super().ds_memory_info(index)
         # Older bridges: the same figures from the allocator statistics.

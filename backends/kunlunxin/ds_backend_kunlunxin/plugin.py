@@ -150,7 +150,7 @@ class KunlunxinHooks(TorchStyleHooks):
             name=NAME,
             device_type="cuda",
             priority=100,
-            hookspec_version=2,
+            hookspec_version=3,
             vendor_version=dist_version(*VENDOR_DISTRIBUTIONS),
             description=(
                 "Baidu Kunlunxin XPUs through torch_xmlir (torch.cuda); collectives over BKCL"
@@ -185,6 +185,8 @@ class KunlunxinHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_memory_info(self, index: int | None) -> MemoryInfo:
+        if index is not None:
+            self.check_index(index)
         # Device-wide figures only: no per-process limit is known to apply on Kunlunxin.
         free, total = (int(x) for x in self.vendor().mem_get_info(self.device_str(index)))
         return MemoryInfo(total=total, available=free)

@@ -143,7 +143,7 @@ class NpuHooks(TorchStyleHooks):
             name=NAME,
             device_type=DEVICE_TYPE,
             priority=100,
-            hookspec_version=2,
+            hookspec_version=3,
             vendor_version=dist_version(*VENDOR_DISTRIBUTIONS),
             description="Huawei Ascend NPUs through torch_npu; collectives over HCCL",
         )

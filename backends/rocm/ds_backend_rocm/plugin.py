@@ -145,7 +145,7 @@ class RocmHooks(TorchStyleHooks):
             name=NAME,
             device_type="cuda",
             priority=100,
-            hookspec_version=2,
+            hookspec_version=3,
             vendor_version=getattr(torch.version, "hip", None) or "",
             description="AMD GPUs through a ROCm build of torch; collectives over RCCL (nccl)",
         )

@@ -84,7 +84,7 @@ class SimHooks(TorchStyleHooks):
             name=NAME,
             device_type=device.DEVICE_TYPE,
             priority=-10,
-            hookspec_version=2,
+            hookspec_version=3,
             vendor_version=torch.__version__,
             description="simulated accelerator: own memory, asynchronous streams, simccl",
         )
@@ -104,11 +104,31 @@ class SimHooks(TorchStyleHooks):
     # -- device --------------------------------------------------------------------------------
 
     @hookimpl
+    def ds_device_count(self) -> int:
+        # The spec: no device context where a count is known without one. Before the device
+        # exists, its count is the DS_SIM_DEVICES setting it will be made with.
+        if not device.is_initialized():
+            return device.settings().devices
+        return super().ds_device_count()
+
+    @hookimpl
     def ds_device_properties(self, index: int | None) -> DeviceProperties:
+        if index is not None:
+            self.check_index(index)
         props = self.device_properties(index, ())
         s = device.current_settings()
         extra = {"async": "lazy" if s.lazy else "threads", "link_gbps": s.link_gbps}
         return DeviceProperties(props.name, props.index, props.total_memory, extra)
+
+    # -- memory --------------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_memory_empty_cache(self) -> bool:
+        # The spec: never creates a device context, a no-op before there is one. The kit's
+        # hook reaches torch.sim through init(), which would make the device exist.
+        if not device.is_initialized():
+            return True
+        return super().ds_memory_empty_cache()
 
     # -- dtypes --------------------------------------------------------------------------------
 

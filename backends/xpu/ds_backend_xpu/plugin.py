@@ -164,7 +164,7 @@ class XpuHooks(TorchStyleHooks):
             name=NAME,
             device_type=DEVICE_TYPE,
             priority=100,
-            hookspec_version=2,
+            hookspec_version=3,
             vendor_version=dist_version("torch"),
             description="Intel GPUs through torch.xpu; collectives over XCCL",
         )
@@ -193,6 +193,8 @@ class XpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_stream_default(self, index: int | None) -> Any:
+        if index is not None:
+            self.check_index(index)
         i = self.resolve(index)
         stream = _remember_default(i)
         if stream is None:
@@ -219,6 +221,8 @@ class XpuHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_memory_info(self, index: int | None) -> MemoryInfo:
+        if index is not None:
+            self.check_index(index)
         if hasattr(torch.xpu, "mem_get_info"):
             return super().ds_memory_info(index)
         # Releases before mem_get_info (first release UNCONFIRMED; present by 2.9) only know the
