@@ -117,8 +117,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         _guards.check_model(model, optimizer is not None or config.optimizer is not None)
         self.config = config
         zcfg = config.zero_optimization
-        #: the configured ZeRO stage, for messages and DeepSpeed's getters; behaviour is
-        #: decided by ``plan``'s named flags.
+        #: the configured ZeRO stage, for messages and getters; ``plan`` decides behaviour.
         self.stage: int = zcfg.stage
         #: what this stage does (see :class:`~ds_core.zero.placement.StagePlan`), built once.
         self.plan = StagePlan.from_config(config)

@@ -473,9 +473,9 @@ def bind_optimizer(
         at the masters, so schedulers built on it keep working), a callable
         ``param_groups -> optimizer``, or ``None`` to build ``config``.
     :param model_parameters: parameters or groups for a built optimizer (default: ``trainable``).
+    :param masters: ``id(model parameter) -> fp32 master`` (``None`` for frozen parameters).
     :param plan: the engine's stage plan (a partitioned optimizer state refuses optimizers
         that need whole gradients or communicate themselves).
-    :param masters: ``id(model parameter) -> fp32 master`` (``None`` for frozen parameters).
     :param host_adam: the masters live on the host (optimizer offload): build Adam as
         cpu_adam (see :func:`build_optimizer`).
     :param group: the data-parallel group, for a compressing optimizer built from ``config``.
