@@ -251,7 +251,7 @@ def save_16bit_model(
         ``save_checkpoint(universal=True)``), or a write failure on rank 0.
     """
     zcfg = engine.config.zero_optimization
-    if engine.stage == 3 and not zcfg.stage3_gather_16bit_weights_on_model_save:
+    if engine.plan.partitions_parameters and not zcfg.stage3_gather_16bit_weights_on_model_save:
         log.warning(
             "save_16bit_model: not saved; at stage 3 set zero_optimization."
             "stage3_gather_16bit_weights_on_model_save to true, or export the fp32 weights "

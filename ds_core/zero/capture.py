@@ -103,7 +103,7 @@ def capture(
     """
     acc = engine.acc
     try:
-        if engine.stage == 3:
+        if engine.plan.partitions_parameters:
             raise DSCoreError(
                 "engine.capture() needs parameters that stay in place between replays; "
                 "zero_optimization.stage 3 gathers them into fresh memory around every forward. "

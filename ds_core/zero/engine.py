@@ -56,7 +56,7 @@ from ds_core.zero.offload.nvme import NvmeOptimizerOffload
 from ds_core.zero.offload.nvme_param import ParamSwapper
 from ds_core.zero.partition import ZERO_PARAM_ATTR, FlatUnit, Mode, ZeroParam, set_param_data
 from ds_core.zero.partitioned_init import INIT_ATTR
-from ds_core.zero.placement import Placement
+from ds_core.zero.placement import Placement, StagePlan
 from ds_core.zero.precision import LossScaler
 from ds_core.zero.reducer import GradReducer
 from ds_core.zero.stage3 import ParamCoordinator
@@ -117,7 +117,10 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         _guards.check_model(model, optimizer is not None or config.optimizer is not None)
         self.config = config
         zcfg = config.zero_optimization
+        #: the configured ZeRO stage, for messages and getters; ``plan`` decides behaviour.
         self.stage: int = zcfg.stage
+        #: what this stage does (see :class:`~ds_core.zero.placement.StagePlan`), built once.
+        self.plan = StagePlan.from_config(config)
         #: names this engine in errors: ``engine #N (ZeRO stage S, built at file:line)``.
         self.label = _guards.new_label(self.stage)
         self._destroyed = False
@@ -183,7 +186,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
 
         # - module, partitioned as it is placed: one full parameter on the device at a time
         self.module = model
-        placed = Placement(model, config, self.acc, self.mesh, self.model_dtype)
+        placed = Placement(model, config, self.acc, self.mesh, self.model_dtype, self.plan)
         #: dtype of the masters, the gradient accumulators and the optimizer state the masters
         #: carry: bf16 with ``bf16.bf16_master_weights_and_grads`` (docs/from-deepspeed.md,
         #: "Low-precision master states"), else fp32.
@@ -200,15 +203,14 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
 
         # - ZeRO++ (stage 3): quantized gathers and reductions, the in-node parameter copy
         qgz = None
-        if self.stage == 3:
+        if self.plan.partitions_parameters:
             qgz = configure_zeropp(self.units, zcfg, self.mesh.tp_size, self.world, self.rank)
 
         # - gradient path and stage-3 gathering
         self.reducer = GradReducer(
             placed.reduction_order(),
             self.mesh.dp_size,
-            self.stage,
-            self.gas,
+            self.plan,
             self.acc,
             _COMM_DTYPES[config.communication_data_type],
             bool(config.prescale_gradients),
@@ -225,15 +227,21 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         if self.offload is not None:
             # Stages 2/3 (and 1 without accumulation) sum each micro-batch on the host.
             self.reducer.attach_host(self.offload)
-            strict = self.stage in (1, 2) and not zcfg.ignore_unused_parameters
-            self.reducer.require_every_gradient = strict  # DeepSpeed checks it only here
+            # DeepSpeed checks it only in its stage-1/2 optimizer's offload path
+            # (runtime/zero/stage_1_and_2.py): partitioned state, whole parameters.
+            strict = (
+                self.plan.partitions_optimizer_state
+                and not self.plan.partitions_parameters
+                and not zcfg.ignore_unused_parameters
+            )
+            self.reducer.require_every_gradient = strict
         self._hooks: list[RemovableHandle] = [
             zp.param.register_post_accumulate_grad_hook(self._grad_hook(zp))  # type: ignore[no-untyped-call]
             for zp in self._trainable
         ]
         self._gathered_after_step = [u for u in self.units if u.mode is Mode.SHARDED_STATE]
         self.coordinator: ParamCoordinator | None = None
-        if self.stage == 3:
+        if self.plan.partitions_parameters:
             self.coordinator = ParamCoordinator(
                 self.module,
                 {k: v for k, v in self._by_param.items() if v.mode is Mode.PARTITIONED},
@@ -332,7 +340,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
             self.config.optimizer,
             masters,
             [zp.param for zp in self._trainable],
-            self.stage,
+            self.plan,
             host_adam=self.offload is not None,
             group=self.mesh.dp_group,
         )

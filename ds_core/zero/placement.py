@@ -2,13 +2,16 @@
 flat units and moved onto the device equal on every rank, and their masters (fp32, or bf16
 with ``bf16.bf16_master_weights_and_grads``).
 
-:class:`Placement` does this once, inside :class:`~ds_core.zero.engine.ZeroEngine`'s
+:class:`StagePlan` says what the configured ZeRO stage does; the engine builds it once, and
+every part of the engine decides by its named flags, never by the stage number.
+:class:`Placement` does the placing once, inside :class:`~ds_core.zero.engine.ZeroEngine`'s
 constructor; the engine owns what it builds (``zparams``, ``units``, ``param_swap``).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,8 +37,74 @@ from ds_core.zero.partitioned_init import INIT_ATTR, restore_full
 log = logging.getLogger("ds_core.zero")
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """What a ZeRO stage does, decided once from the config: the only place the engine reads
+    the stage number (``stage`` stays for messages, checkpoint metadata and DeepSpeed's
+    ``zero_optimization_stage()``).
+
+    =====  ===============  ===========================================  ======================
+    stage  optimizer state  gradients                                    parameters
+    =====  ===============  ===========================================  ======================
+    0      whole per rank   summed locally over the window, all-reduced  whole on every rank
+                            by its last backward
+    1      partitioned      summed locally, reduce-scattered by the      whole; each rank's
+                            window's last backward (with one micro-batch  updated range is
+                            per step: reduce-scattered every backward)   all-gathered after
+                                                                         the step
+    2      partitioned      reduce-scattered every backward, the range   as stage 1
+                            summed over the window
+    3      partitioned      as stage 2                                   partitioned (above
+                                                                         the persistence
+                                                                         threshold): gathered
+                                                                         around each use,
+                                                                         released after
+    =====  ===============  ===========================================  ======================
+    """
+
+    #: the configured ZeRO stage (0-3); not read to decide behaviour.
+    stage: int
+    #: each rank keeps optimizer state (and masters) for its own range of each unit only.
+    partitions_optimizer_state: bool
+    #: each backward reduce-scatters its gradients: no rank keeps a full gradient across
+    #: micro-batches (DeepSpeed's "gradient partitioning", which refuses ``no_sync``).
+    partitions_gradients: bool
+    #: parameters above ``stage3_param_persistence_threshold`` are held as this rank's range,
+    #: gathered around each module's forward and backward and released after.
+    partitions_parameters: bool
+    #: gradients are all-reduced (every rank gets the whole mean), else reduce-scattered.
+    all_reduces_gradients: bool
+    #: micro-batches sum into a full local accumulator and only the window's last backward
+    #: reduces it; else every backward reduces into the persistent range.
+    accumulates_locally: bool
+
+    @classmethod
+    def for_stage(cls, stage: int, gas: int) -> StagePlan:
+        """The plan of ZeRO ``stage`` with ``gas`` gradient accumulation steps.
+
+        :raises ValueError: ``stage`` outside 0-3 (the config schema already refuses it).
+        """
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        return cls(
+            stage=stage,
+            partitions_optimizer_state=stage >= 1,
+            partitions_gradients=stage >= 2,
+            partitions_parameters=stage == 3,
+            all_reduces_gradients=stage == 0,
+            # With one micro-batch per step stage 1 has nothing to accumulate: it reduces
+            # every backward like stage 2.
+            accumulates_locally=stage == 0 or (stage == 1 and gas > 1),
+        )
+
+    @classmethod
+    def from_config(cls, config: DSConfig) -> StagePlan:
+        """The plan ``config`` asks for (its stage and ``gradient_accumulation_steps``)."""
+        return cls.for_stage(config.zero_optimization.stage, config.gradient_accumulation_steps)
+
+
 class Placement:
-    """Places ``model`` for an engine of ``config``'s stage on ``acc``'s device over ``mesh``.
+    """Places ``model`` for an engine of ``plan``'s stage on ``acc``'s device over ``mesh``.
 
     After construction: ``zparams`` (by name, unique parameters), ``by_param`` (``id(param)``
     to its :class:`ZeroParam`), ``trainable``, ``units`` and ``param_swap`` (NVMe parameter
@@ -51,10 +120,11 @@ class Placement:
         acc: Accelerator,
         mesh: Mesh,
         model_dtype: torch.dtype | None,
+        plan: StagePlan,
     ) -> None:
         self.zcfg = config.zero_optimization
         self.aio = config.aio
-        self.stage: int = self.zcfg.stage
+        self.plan = plan
         self.acc = acc
         self.device = acc.device()
         self.mesh = mesh
@@ -87,9 +157,9 @@ class Placement:
         else:
             group, gworld, grank = None, self.world, self.rank
         numel = getattr(p, INIT_ATTR)[2] if hasattr(p, INIT_ATTR) else p.numel()
-        if self.stage == 3 and numel > zcfg.stage3_param_persistence_threshold:
+        if self.plan.partitions_parameters and numel > zcfg.stage3_param_persistence_threshold:
             mode = Mode.PARTITIONED
-        elif self.stage in (1, 2, 3) and p.requires_grad:
+        elif self.plan.partitions_optimizer_state and p.requires_grad:
             mode = Mode.SHARDED_STATE
         else:
             mode = Mode.REPLICATED
@@ -109,7 +179,7 @@ class Placement:
         ``reduce_bucket_size`` elements, and at stage 3 one unit per module's own parameters."""
         limit = self.zcfg.reduce_bucket_size
         units: list[FlatUnit] = []
-        if self.stage == 3:
+        if self.plan.partitions_parameters:
             pcfg = self.zcfg.offload_param
             host = pcfg.device in ("cpu", "nvme")
             if pcfg.device == "nvme":

@@ -11,7 +11,7 @@ collectives; whatever is incomplete when backward returns is issued then, zeros 
 the missing gradients. Handles are waited for, and their buffers reused or read, only after
 their ``wait()`` (the comm hookspec's ordering contract).
 
-Per stage, chosen once at construction (:class:`_Policy`):
+Per stage, by the engine's :class:`~ds_core.zero.placement.StagePlan`:
 
 - stage 0 and stage 1 with accumulation: every micro-batch's gradient is added into a full fp32
   accumulator per unit; the last micro-batch of the window issues the all-reduce (stage 0) or
@@ -46,27 +46,7 @@ from ds_core.comm.quantized import NodeGroups, quantized_reduce_scatter
 from ds_core.types import Work
 from ds_core.zero.grad_norm import GlobalNorm, sum_of_squares
 from ds_core.zero.partition import PIPE_REPLICATED_ATTR, FlatUnit, Mode, ZeroParam
-
-
-@dataclass(frozen=True)
-class _Policy:
-    """What differs between stages, decided once."""
-
-    #: all-reduce (stage 0) instead of reduce-scatter.
-    all_reduce: bool
-    #: accumulate full gradients locally and reduce only on the window's last micro-batch.
-    local_accumulation: bool
-    #: keep the reduced range across micro-batches (else it lives only during the step).
-    persistent_shard: bool
-
-
-def policy_for(stage: int, gas: int) -> _Policy:
-    """The gradient policy of a ZeRO stage with ``gas`` accumulation steps."""
-    if stage == 0:
-        return _Policy(all_reduce=True, local_accumulation=True, persistent_shard=False)
-    if stage == 1 and gas > 1:
-        return _Policy(all_reduce=False, local_accumulation=True, persistent_shard=False)
-    return _Policy(all_reduce=False, local_accumulation=False, persistent_shard=True)
+from ds_core.zero.placement import StagePlan
 
 
 class _UnitGrads:
@@ -112,8 +92,8 @@ class GradReducer:
     :param world: ranks of ZeRO's group (data × sequence parallel): gradients are summed over
         it and divided by ``world // sp_size``, the data replicas (experts too, so every token of
         the global batch weighs the same).
-    :param stage: ZeRO stage (0-3).
-    :param gas: gradient accumulation steps.
+    :param plan: the engine's stage plan: all-reduce or reduce-scatter, and whether
+        micro-batches accumulate locally until the window's last backward.
     :param acc: the accelerator (collectives, streams, events).
     :param comm_dtype: dtype gradients are reduced in (accumulation is always fp32).
     :param prescale: DeepSpeed's ``prescale_gradients``.
@@ -140,8 +120,7 @@ class GradReducer:
         self,
         units: list[FlatUnit],
         world: int,
-        stage: int,
-        gas: int,
+        plan: StagePlan,
         acc: Accelerator,
         comm_dtype: torch.dtype,
         prescale: bool,
@@ -155,7 +134,7 @@ class GradReducer:
         grad_dtype: torch.dtype = torch.float32,
         qgz: NodeGroups | None = None,
     ) -> None:
-        self.policy = policy_for(stage, gas)
+        self.plan = plan
         #: ZeRO++ qgZ: reduce-scatters over the whole world go through quantized all-to-alls.
         self.qgz = qgz
         self.norm_dtype = norm_dtype
@@ -187,10 +166,10 @@ class GradReducer:
         #: multiplier applied before the collective, and the one the step applies after.
         self.pre_scale = 1.0 / replicas if prescale else 1.0 / predivide
         self._post_scale = 1.0 if prescale else predivide / replicas
-        if self.policy.local_accumulation:
+        if self.plan.accumulates_locally:
             for ug in self.units:
                 ug.local = torch.zeros(ug.unit.padded, dtype=grad_dtype, device=self.device)
-                if self.policy.all_reduce:
+                if self.plan.all_reduces_gradients:
                     ug.reduced = ug.local
         else:
             for ug in self.units:
@@ -227,13 +206,13 @@ class GradReducer:
 
     def begin_backward(self, boundary: bool) -> None:
         """Called before each backward; ``boundary``: the micro-batch ends the window."""
-        self.reducing = boundary or not self.policy.local_accumulation
+        self.reducing = boundary or not self.plan.accumulates_locally
         self._cursor = 0
         for ug in self.units:
             ug.arrived = 0
             if (
                 self.reducing
-                and self.policy.all_reduce
+                and self.plan.all_reduces_gradients
                 and ug.opened
                 and ug.local is not None
                 and self.communicate
@@ -243,7 +222,7 @@ class GradReducer:
                 # and added back when the second completes.
                 self.finish()
                 ug.reduced = ug.local.clone()
-            if not self.policy.local_accumulation:
+            if not self.plan.accumulates_locally:
                 ug.touched.clear()
 
     def on_grad(self, zp: ZeroParam, grad: torch.Tensor) -> None:
@@ -253,7 +232,7 @@ class GradReducer:
         src = grad.detach().reshape(-1)
         if self.require_every_gradient:
             self._arrived_in_window.add(id(zp))
-        if self.policy.local_accumulation:
+        if self.plan.accumulates_locally:
             assert ug.local is not None
             dst = ug.local[zp.offset : zp.offset + zp.numel]
             if id(zp) in ug.touched:
@@ -277,7 +256,7 @@ class GradReducer:
             return
         while self._cursor < len(self.units):
             ug = self.units[self._cursor]
-            if not self.policy.local_accumulation and ug.staging is None:
+            if not self.plan.accumulates_locally and ug.staging is None:
                 ug.staging = self._acquire()
             self._issue(ug)
             self._cursor += 1
@@ -305,7 +284,7 @@ class GradReducer:
 
     def _issue(self, ug: _UnitGrads) -> None:
         unit = ug.unit
-        full = ug.local if self.policy.local_accumulation else ug.staging
+        full = ug.local if self.plan.accumulates_locally else ug.staging
         assert full is not None
         buf = full[: unit.padded]
         for zp in unit.trainable:
@@ -317,21 +296,21 @@ class GradReducer:
             # summing where they accumulate (``zero()`` ends the window).
             ug.opened = True
             return
-        if self.policy.local_accumulation:
+        if self.plan.accumulates_locally:
             ug.touched.clear()
         pre = self.pre_scale
         send = buf
-        if self.policy.local_accumulation and self.comm_dtype != self.grad_dtype:
+        if self.plan.accumulates_locally and self.comm_dtype != self.grad_dtype:
             send = buf.to(self.comm_dtype)
         if pre != 1.0:
             send.mul_(pre)
         first = not ug.opened
         ug.opened = True
-        if self.policy.all_reduce:
+        if self.plan.all_reduces_gradients:
             out = send
         elif (
             first
-            and self.policy.persistent_shard
+            and not self.plan.accumulates_locally
             and self.comm_dtype == self.grad_dtype
             and self.host is None
         ):
@@ -358,7 +337,7 @@ class GradReducer:
     def _issue_collective(
         self, unit: FlatUnit, out: torch.Tensor, send: torch.Tensor, async_op: bool
     ) -> Work:
-        if self.policy.all_reduce:
+        if self.plan.all_reduces_gradients:
             return self.acc.all_reduce(out, "sum", unit.group, async_op)
         if self.qgz is not None and unit.group is None:
             return quantized_reduce_scatter(out, send, self.qgz, async_op)
@@ -370,7 +349,7 @@ class GradReducer:
         ug, out, first = done.grads, done.output, done.first
         if done.staging is not None:
             self._free.append(done.staging)
-        if self.policy.all_reduce:
+        if self.plan.all_reduces_gradients:
             assert ug.local is not None
             if out is not ug.local:
                 ug.local.copy_(out)
@@ -392,7 +371,7 @@ class GradReducer:
         if ug.reduced is None:  # stage 1 with accumulation: the range lives during the step
             ug.reduced = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
         elif out is not ug.reduced:
-            if first and self.policy.persistent_shard:
+            if first and not self.plan.accumulates_locally:
                 ug.reduced.copy_(out)
             else:
                 ug.reduced.add_(out)
@@ -437,7 +416,9 @@ class GradReducer:
         for ug in self.units:
             if self._norm_replica(ug):
                 continue
-            if ug.reduced is not None and (not self.policy.all_reduce or ug.unit.group_rank == 0):
+            if ug.reduced is not None and (
+                not self.plan.all_reduces_gradients or ug.unit.group_rank == 0
+            ):
                 yield ug.reduced
 
     def _norm_replica(self, ug: _UnitGrads) -> bool:
@@ -453,7 +434,9 @@ class GradReducer:
                 continue
             if self.host is not None:
                 yield self.host.buffer(ug.unit)
-            elif ug.reduced is not None and (not self.policy.all_reduce or ug.unit.group_rank == 0):
+            elif ug.reduced is not None and (
+                not self.plan.all_reduces_gradients or ug.unit.group_rank == 0
+            ):
                 yield ug.reduced
 
     def global_norm(self, dtype: torch.dtype) -> torch.Tensor:
@@ -477,14 +460,14 @@ class GradReducer:
 
     def attach_host(self, host: Any) -> bool:
         """Optimizer offload: sum each micro-batch's reduced range straight into ``host``'s
-        accumulators and keep none on the device (persistent-shard policy only; stage 1 with
-        accumulation reduces once per window and hands its range over at the step).
+        accumulators and keep none on the device (only where every backward reduces; stage 1
+        with accumulation reduces once per window and hands its range over at the step).
 
         ``host`` provides ``accumulate(unit, reduced)`` (after every collective),
         ``zero()`` (each window's start) and ``buffer(unit)`` (the host range, for the norm),
         and must hold every unit. Returns whether it was attached.
         """
-        if not self.policy.persistent_shard or not all(host.holds(ug.unit) for ug in self.units):
+        if self.plan.accumulates_locally or not all(host.holds(ug.unit) for ug in self.units):
             return False
         self.finish()
         self.host = host
@@ -497,7 +480,7 @@ class GradReducer:
         """Each partitioned unit with this rank's reduced fp32 range (``part`` elements), for
         optimizer offload. Valid after :meth:`finish` at the window's end."""
         for ug in self.units:
-            if ug.reduced is not None and not self.policy.all_reduce:
+            if ug.reduced is not None and not self.plan.all_reduces_gradients:
                 yield ug.unit, ug.reduced
 
     def scale_(self, factor: float | torch.Tensor) -> None:
@@ -541,9 +524,9 @@ class GradReducer:
             if ug.staging is not None:
                 self._free.append(ug.staging)
                 ug.staging = None
-            if self.policy.local_accumulation and not self.policy.all_reduce:
+            if self.plan.accumulates_locally and not self.plan.all_reduces_gradients:
                 ug.reduced = None
-            elif self.policy.persistent_shard and ug.reduced is not None:
+            elif not self.plan.accumulates_locally and ug.reduced is not None:
                 ug.reduced.zero_()  # a bucket nobody reduces this window must read as zeros
 
     def nbytes(self) -> int:
@@ -552,7 +535,7 @@ class GradReducer:
         for ug in self.units:
             if ug.local is not None:
                 total += ug.local.numel() * ug.local.element_size()
-            elif self.policy.persistent_shard and ug.reduced is not None:
+            elif not self.plan.accumulates_locally and ug.reduced is not None:
                 total += ug.reduced.numel() * ug.reduced.element_size()
         return total
 

@@ -36,6 +36,7 @@ from ds_core.errors import ConfigError
 from ds_core.parallel.pipeline.module import PipelineModule
 from ds_core.parallel.tensor import model_tp_size, plan_autotp
 from ds_core.zero.config import DSConfig
+from ds_core.zero.placement import StagePlan
 
 __all__ = ["check_config", "check_stages_train", "pipeline_mesh", "sync_ties"]
 
@@ -48,7 +49,7 @@ def check_config(config: DSConfig, model: PipelineModule) -> int:
         ``pipeline.stages`` unlike ``num_stages``; ``num_stages × autotp_size`` not dividing
         the world size; a weight tied across stages that AutoTP would split.
     """
-    if config.zero_optimization.stage == 3:
+    if StagePlan.from_config(config).partitions_parameters:
         raise ConfigError(
             "zero_optimization.stage 3 with a PipelineModule is not supported: stage 3 gathers "
             "each module's parameters around its forward and releases them after its backward, "

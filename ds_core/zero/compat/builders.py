@@ -37,6 +37,7 @@ from ds_core.zero.config import (
     WarmupLRParams,
 )
 from ds_core.zero.config.errors import messages
+from ds_core.zero.placement import StagePlan
 
 log = logging.getLogger("ds_core.zero")
 
@@ -438,14 +439,15 @@ def _master_groups(
     return out
 
 
-def _reject_full_gradient_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
-    if stage >= 1 and hasattr(optimizer, "backward_allreduce"):
+def _reject_full_gradient_optimizer(optimizer: torch.optim.Optimizer, plan: StagePlan) -> None:
+    stage = plan.stage
+    if plan.partitions_optimizer_state and hasattr(optimizer, "backward_allreduce"):
         raise ConfigError(
             f"optimizer {type(optimizer).__name__} averages whole-tensor momenta over the "
             f"data-parallel group itself (ds_core.optim), which needs ZeRO stage 0; got stage "
             f"{stage}. Set zero_optimization.stage to 0 (DeepSpeed refuses it with ZeRO too)."
         )
-    if stage >= 1 and needs_full_gradients(optimizer):
+    if plan.partitions_optimizer_state and needs_full_gradients(optimizer):
         raise ConfigError(
             f"optimizer {type(optimizer).__name__} needs whole gradients (Muon-style "
             "optimizers orthogonalise each full weight matrix), but ZeRO stage "
@@ -461,7 +463,7 @@ def bind_optimizer(
     config: OptimizerConfig | None,
     masters: dict[int, Any],
     trainable: list[Any],
-    stage: int,
+    plan: StagePlan,
     host_adam: bool = False,
     group: Any = None,
 ) -> torch.optim.Optimizer:
@@ -472,6 +474,8 @@ def bind_optimizer(
         ``param_groups -> optimizer``, or ``None`` to build ``config``.
     :param model_parameters: parameters or groups for a built optimizer (default: ``trainable``).
     :param masters: ``id(model parameter) -> fp32 master`` (``None`` for frozen parameters).
+    :param plan: the engine's stage plan (a partitioned optimizer state refuses optimizers
+        that need whole gradients or communicate themselves).
     :param host_adam: the masters live on the host (optimizer offload): build Adam as
         cpu_adam (see :func:`build_optimizer`).
     :param group: the data-parallel group, for a compressing optimizer built from ``config``.
@@ -484,7 +488,7 @@ def bind_optimizer(
                 "the optimizer passed to initialize() has already stepped; pass a fresh "
                 "optimizer (the engine moves it onto the fp32 master shards)"
             )
-        _reject_full_gradient_optimizer(optimizer, stage)
+        _reject_full_gradient_optimizer(optimizer, plan)
         for group in optimizer.param_groups:
             group["params"] = _master_groups([{"params": group["params"]}], masters, [])[0][
                 "params"
@@ -506,7 +510,7 @@ def bind_optimizer(
             host_adam=host_adam,
             group=group,
         )
-    _reject_full_gradient_optimizer(built, stage)
+    _reject_full_gradient_optimizer(built, plan)
     return built
 
 

@@ -25,6 +25,7 @@ from ds_core.zero.compat import guards as _guards
 from ds_core.zero.config import DSConfig
 from ds_core.zero.gathered import GatheredParameters
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
+from ds_core.zero.placement import StagePlan
 from ds_core.zero.reducer import GradReducer
 from ds_core.zero.steps import StepBook
 
@@ -52,6 +53,7 @@ class DeepSpeedEngineAPI:
     rank: int
     world: int
     stage: int
+    plan: StagePlan
     device: torch.device
     fp16: bool
     bf16: bool
@@ -306,9 +308,6 @@ class DeepSpeedEngineAPI:
                 "optimizer= and no 'optimizer' config section), for forward-only use"
             )
 
-    def _local_accumulation(self) -> bool:
-        return self.reducer.policy.local_accumulation
-
     # -- precision of the forward ----------------------------------------------------------
 
     def _cast_inputs(
@@ -350,13 +349,13 @@ class DeepSpeedEngineAPI:
             backward (DeepSpeed refuses it there too), and at stage 1 with
             ``gradient_accumulation_steps`` 1, which reduce-scatters every backward here.
         """
-        if self.stage in (2, 3):
+        if self.plan.partitions_gradients:
             raise ConfigError(
                 f"no_sync is incompatible with gradient partitioning in ZeRO stage {self.stage}: "
                 "each backward reduce-scatters its gradients (use stage 0 or 1, or "
                 "gradient_accumulation_steps to accumulate)"
             )
-        if not self._local_accumulation():
+        if not self.plan.accumulates_locally:
             raise ConfigError(
                 "no_sync at ZeRO stage 1 needs gradient_accumulation_steps > 1: with one "
                 "micro-batch per step stage 1 reduce-scatters every backward like stage 2"
