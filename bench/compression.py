@@ -17,6 +17,8 @@ seed and the same batches per rank:
   like-for-like uncompressed reference of ``onebit_adam`` and ``zero_one_adam``
 - ``onebit_adam``   OneBitAdam, ``freeze_step`` = 15% of the run (see below)
 - ``zero_one_adam`` ZeroOneAdam, ``var_freeze_step`` = the same 15%
+- ``onebit_adam_exact`` / ``onebit_adam_frozen``: diagnostics that split ``onebit_adam``'s Δ loss
+  into compression error, local clipping and the frozen variance (bench/compression_variants.py)
 - ``lamb``          stage 0, Lamb (lr 1e-3, DeepSpeed's FusedLamb), for context
 - ``onebit_lamb_nc`` OneBitLamb that never compresses: the reference of ``onebit_lamb``
 - ``onebit_lamb``   OneBitLamb, ``freeze_step`` = 15%
@@ -95,6 +97,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bench import compression_variants as variants  # noqa: E402
 from ds_core.hookspecs._markers import hookimpl  # noqa: E402
 from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
 
@@ -103,6 +106,8 @@ ONEBIT = (
     "onebit_adam_nc",
     "onebit_adam",
     "zero_one_adam",
+    "onebit_adam_exact",
+    "onebit_adam_frozen",
     "lamb",
     "onebit_lamb_nc",
     "onebit_lamb",
@@ -112,7 +117,8 @@ CONFIGS = ONEBIT + ZEROPP
 #: each configuration's uncompressed reference (a reference maps to itself)
 REFERENCE = {
     "adam": "adam", "onebit_adam_nc": "onebit_adam_nc", "onebit_adam": "onebit_adam_nc",
-    "zero_one_adam": "onebit_adam_nc",
+    "zero_one_adam": "onebit_adam_nc", "onebit_adam_exact": "onebit_adam_nc",
+    "onebit_adam_frozen": "onebit_adam_nc",
     "lamb": "lamb", "onebit_lamb_nc": "onebit_lamb_nc", "onebit_lamb": "onebit_lamb_nc",
     "zero3": "zero3", "qwz": "zero3", "qgz": "zero3", "hpz": "zero3", "zeropp": "zero3",
 }  # fmt: skip
@@ -159,6 +165,14 @@ def ds_config(name: str, micro_batch: int, freeze: int, local_size: int) -> dict
     optimizer: dict[str, Any] = {
         "adam": adamw,
         "onebit_adam": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze}},
+        "onebit_adam_exact": {
+            "type": "OneBitAdam",
+            "params": {"lr": ADAM_LR, "freeze_step": freeze},
+        },
+        "onebit_adam_frozen": {
+            "type": "OneBitAdam",
+            "params": {"lr": ADAM_LR, "freeze_step": freeze},
+        },
         "onebit_adam_nc": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": NEVER}},
         "zero_one_adam": {
             "type": "ZeroOneAdam",
@@ -201,6 +215,7 @@ class RunResult:
     measured: int = 0  # steps after the warm-up whose bytes and times are kept
     step_s: list[float] = field(default_factory=list)  # slowest rank, per measured step
     losses: list[float] = field(default_factory=list)  # mean over ranks, every step
+    norms: list[float] = field(default_factory=list)  # gradient norm, mean over ranks, every step
     by_op: dict[str, float] = field(default_factory=dict)  # bytes per measured step, mean rank
     world_ag_bwd: float = 0.0  # all-gathers over the whole world issued in backward, per step
     error: str | None = None
@@ -222,7 +237,9 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor, steps: in
     engine: Any = None
     wall: list[float] = []
     losses: list[float] = []
+    norms: list[float] = []  # the global gradient norm before clipping, every step
     error = ""
+    undo = variants.apply(name)
     try:
         torch.manual_seed(SEED)
         model = GPT(PRESETS[args.preset])
@@ -231,6 +248,7 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor, steps: in
             model_parameters=model.parameters(),
             config=ds_config(name, args.micro_batch, freeze, args.local_size),
         )
+        variants.adjust(name, engine.optimizer)
         data = Batches(tokens, args.micro_batch, args.seq, seed=SEED, rank=rank)
         dev = acc.device()
         for k in range(steps):
@@ -250,6 +268,7 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor, steps: in
             if k >= first:
                 wall.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))
+            norms.append(engine.last_grad_norm or 0.0)
         measured = len(wall)
         by_op = {op: b / measured for op, b in counter.bytes_by_op().items()}
         ag_bwd = sum(b for p, g, b in gathers.records if p == "bwd" and g == world) / measured
@@ -257,11 +276,13 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor, steps: in
         error = traceback.format_exc(limit=6)
         measured, by_op, ag_bwd = 0, {}, 0.0
     finally:
+        undo()
         ds_core.unregister_plugin(counter)
         ds_core.unregister_plugin(gathers)
         if engine is not None:
             engine.destroy()  # free the engine's buffers before the next configuration
-    mine = {"wall": wall, "loss": losses, "by_op": by_op, "ag": ag_bwd, "error": error}
+    mine = {"wall": wall, "loss": losses, "norm": norms, "by_op": by_op, "ag": ag_bwd}
+    mine["error"] = error
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     result = RunResult(name, freeze, measured)
@@ -273,10 +294,22 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor, steps: in
         return result
     result.step_s = [max(s) for s in zip(*(e["wall"] for e in everyone), strict=True)]
     result.losses = [statistics.fmean(s) for s in zip(*(e["loss"] for e in everyone), strict=True)]
+    result.norms = [statistics.fmean(s) for s in zip(*(e["norm"] for e in everyone), strict=True)]
     ops = sorted({op for e in everyone for op in e["by_op"]})
     result.by_op = {op: statistics.fmean(e["by_op"].get(op, 0.0) for e in everyone) for op in ops}
     result.world_ag_bwd = statistics.fmean(e["ag"] for e in everyone)
     return result
+
+
+def clipped(r: RunResult) -> str:
+    """How often clipping acted before and after the freeze, and the median gradient norm
+    (after the freeze a compressing optimizer's norm is of this rank's own gradient)."""
+    parts = []
+    for label, v in (("warm-up", r.norms[: r.freeze]), ("after", r.norms[r.freeze :])):
+        if v:
+            hit = sum(n > CLIP for n in v) / len(v)
+            parts.append(f"{label}: clipped {hit:.0%}, norm {statistics.median(v):.2f}")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------------- driver
@@ -304,7 +337,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         if rank == 0:
             status = r.error or (
                 f"median {statistics.median(r.step_s) * 1e3:.0f} ms, "
-                f"loss {statistics.fmean(r.losses[-LOSS_TAIL:]):.4f}"
+                f"loss {statistics.fmean(r.losses[-LOSS_TAIL:]):.4f}, {clipped(r)}"
             )
             print(
                 f"[{time.perf_counter() - t_start:5.0f}s] {args.preset} ×{args.world} "
@@ -480,7 +513,7 @@ def plot(curves: dict[str, list[float]], title: str) -> str:
 
 
 def coarse_curves(curves: dict[str, list[float]], points: int = 10) -> str:
-    """The loss curves as a coarse table (when no PNG can be drawn)."""
+    """The loss curves as a coarse table (beside the PNG, or in its place)."""
     n = min(len(v) for v in curves.values())
     at = sorted({min(n - 1, round(i * (n - 1) / (points - 1))) for i in range(points)})
     lines = [f"{'config':<14} " + " ".join(f"{'@' + str(k):>7}" for k in at)]
@@ -495,7 +528,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worlds", default="2,4", help="comma-separated rank counts")
     p.add_argument("--steps", type=int, default=300, help="the convergence run (small, 2, cpu)")
     p.add_argument("--short-steps", type=int, default=16, help="every other launch's run")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    default = [c for c in CONFIGS if c not in variants.VARIANTS]  # diagnostics on request
+    p.add_argument("--configs", default=",".join(default))
     p.add_argument("--backends", default="cpu,sim")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
@@ -548,8 +582,7 @@ def main(argv: list[str] | None = None) -> None:
         title = f"GPT small, 2 ranks, cpu: {len(next(iter(curves.values())))} steps"
         done = plot(curves, title)
         print(done)
-        if done.startswith("matplotlib missing"):
-            print(coarse_curves(curves))
+        print(coarse_curves(curves))
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 
