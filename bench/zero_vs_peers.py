@@ -24,6 +24,8 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
   stage without offload
 - ``<config>+nolive`` the same with ds_core's liveness watchdog stopped (docs/architecture.md
   §3.10), to show what the watchdog costs a step: ``--configs ds2,ds2+nolive``
+- ``<config>+nohang`` the same without the hang check's per-collective record
+  (ds_core/hangs.py), to show what it costs a step: ``--configs ds2,ds2+nohang``
 
 All use fp32, gradient clipping at 1.0 (scale-sensitive, so a wrong gradient average shows
 in the loss) and AdamW(lr 3e-4, no weight decay). Per configuration it prints: median step
@@ -344,12 +346,23 @@ def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
 
 def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunResult:
     """:func:`measure` one configuration; ``<config>+nolive`` measures it with ds_core's
-    liveness watchdog stopped (restarted after), so its cost shows against ``<config>``."""
+    liveness watchdog stopped (restarted after), ``<config>+nohang`` without the hang check's
+    per-call record, so their cost shows against ``<config>``."""
     base, plus, flag = name.partition("+")
     if not plus:
         return measure(name, args, tokens)
+    if flag == "nohang":
+        from ds_core import hangs
+
+        hangs.enable(False)  # the facade's per-call record (ds_core/hangs.py) is skipped
+        try:
+            result = measure(base, args, tokens)
+        finally:
+            hangs.enable(True)
+        result.name = name
+        return result
     if flag != "nolive":
-        raise ValueError(f"configuration {name!r}: the only suffix is +nolive")
+        raise ValueError(f"configuration {name!r}: the suffixes are +nolive and +nohang")
     from ds_core.comm import liveness
 
     liveness.stop()

@@ -23,6 +23,7 @@ import pluggy
 import torch
 
 from ds_core import capabilities as caps
+from ds_core import hangs
 from ds_core.binding import DEFAULTED, DIRECT, absent, router, with_defaults
 from ds_core.comm_staging import PeerWork, Staging, check_peer, naming_peer
 from ds_core.errors import ConfigError, DSCoreError, NotSupportedError
@@ -374,6 +375,7 @@ class Accelerator:
         :raises ValueError: on an unknown ``op``, or a non-contiguous ``tensor`` whose
             elements may share memory.
         """
+        hangs.note("all_reduce", group, tensor.numel(), tensor.dtype)  # ds_core/hangs.py
         if tensor.is_contiguous():
             work: Work = self._h.ds_comm_all_reduce(tensor, op, group, async_op)
             return work
@@ -393,6 +395,7 @@ class Accelerator:
         :raises ValueError: when ``output`` has the wrong number of elements, or is
             non-contiguous with elements that may share memory.
         """
+        hangs.note("all_gather", group, input.numel(), input.dtype)
         if output.is_contiguous() and input.is_contiguous():
             work: Work = self._h.ds_comm_all_gather(output, input, group, async_op)
             return work
@@ -414,6 +417,7 @@ class Accelerator:
         :raises ValueError: when the sizes do not divide, or ``output`` is non-contiguous
             with elements that may share memory.
         """
+        hangs.note("reduce_scatter", group, input.numel(), input.dtype)
         if output.is_contiguous() and input.is_contiguous():
             work: Work = self._h.ds_comm_reduce_scatter(output, input, op, group, async_op)
             return work
@@ -430,6 +434,7 @@ class Accelerator:
         :raises ValueError: when ``tensor`` is non-contiguous with elements that may share
             memory.
         """
+        hangs.note("broadcast", group, tensor.numel(), tensor.dtype)
         if tensor.is_contiguous():
             work: Work = self._h.ds_comm_broadcast(tensor, src, group, async_op)
             return work
@@ -451,6 +456,7 @@ class Accelerator:
         :raises ValueError: when ``output`` is non-contiguous with elements that may share
             memory.
         """
+        hangs.note("all_to_all", group, None, input.dtype)
         if output.is_contiguous() and input.is_contiguous():
             work: Work = self._h.ds_comm_all_to_all(
                 output, input, output_split_sizes, input_split_sizes, group, async_op
@@ -468,6 +474,7 @@ class Accelerator:
 
     def barrier(self, group: Any = None) -> bool:
         """Block until every rank of the group arrives."""
+        hangs.note("barrier", group, 0, "-")
         return bool(self._h.ds_comm_barrier(group))
 
     # -- point-to-point (capability "p2p"; contract in ds_core/hookspecs/comm.py) -------------
@@ -488,6 +495,7 @@ class Accelerator:
         """
         self.require("p2p", "send")
         what = f"send to rank {check_peer(dst, 'dst')}"
+        hangs.note_p2p("send", dst, tensor.numel(), tensor.dtype)
         staged = tensor if tensor.is_contiguous() else tensor.contiguous()
         work = naming_peer(what, self._h.ds_comm_send, staged, dst, group, tag, async_op)
         return PeerWork(work, what, keep=staged) if async_op else work
@@ -509,6 +517,7 @@ class Accelerator:
         """
         self.require("p2p", "recv")
         what = f"recv from rank {check_peer(src, 'src')}"
+        hangs.note_p2p("recv", src, tensor.numel(), tensor.dtype)
         stage = Staging()
         out = stage.output(tensor, "recv tensor")
         work = naming_peer(what, self._h.ds_comm_recv, out, src, group, tag, True)
@@ -537,6 +546,7 @@ class Accelerator:
                 t = stage.output(op.tensor, "P2POp tensor")
             stages.append(stage)
             staged.append(P2POp(op.op, t, op.peer, op.group, op.tag))
+            hangs.note_p2p(op.op, op.peer, t.numel(), t.dtype)
         what = ", ".join(
             f"{op.op} {'to' if op.op == 'send' else 'from'} rank {op.peer}" for op in ops
         )

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ds_core import hangs
 from ds_core.accelerator import get_accelerator
 from ds_core.comm import liveness
 from ds_core.errors import ConfigError
@@ -160,6 +161,7 @@ def destroy_distributed() -> None:
     process ("terminate called without an active exception", seen with torch 2.13).
     """
     liveness.stop()  # first: a rank that leaves on purpose is not a dead one
+    hangs.forget()  # the groups go: their ids may be reused
     with _lock:
         callbacks = list(_destroy_callbacks)
         _expert_groups.clear()

@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from ds_core import hangs
 from ds_core.errors import ConfigError
 
 #: exit status of a rank ended by the watchdog (EX_TEMPFAIL: a peer failed, not this rank).
@@ -214,6 +215,10 @@ class Watchdog:
         except Exception:
             pass  # rank 0 has not published it in the bound: "unknown", as before
         self.answered_at = time.monotonic()
+        hang = hangs.Settings.from_env(settings.misses * settings.period_s)
+        hangs.enable(hang.enabled)
+        #: the hang check (ds_core/hangs.py), riding on this thread and connection.
+        self.hang = hangs.Checker(self, hang) if hang.enabled else None
         self.thread = threading.Thread(target=self._run, name="ds_core-liveness", daemon=True)
 
     def _beat(self) -> None:
@@ -240,14 +245,48 @@ class Watchdog:
         except Exception:
             return False
 
-    def mark_failed(self) -> None:
-        """Publish that this rank's main thread ended on an uncaught exception: peers
-        diagnosing their own errors do not take it for a dead rank (it raised too)."""
+    def _why(self, rank: int) -> str:
+        """`` (Type: message)`` of a rank that raised, when it published one."""
+        try:
+            summary = bytes(self.store.get(self.ns + f"failed/{rank}")).decode()
+        except Exception:
+            return ""
+        return "" if summary == "1" else f" ({summary})"
+
+    def mark_failed(self, summary: str = "1") -> None:
+        """Publish that this rank's main thread ended on an uncaught exception (``summary``:
+        its type and first line): peers diagnosing their own errors do not take it for a dead
+        rank (it raised too), and one waiting in a collective names it."""
         self.failed = True
         try:
-            self.store.set(self.ns + f"failed/{self.rank}", "1")
+            self.store.set(self.ns + f"failed/{self.rank}", summary)
+            if self.hang is not None:  # its last calls, for the peers' mismatch check
+                record = self.hang.record(time.monotonic())
+                self.store.set(self.ns + f"prog/{self.rank}", json.dumps(record))
         except Exception:
             pass  # the store is gone: diagnose() reports that
+
+    def explain(self, frames: list[FrameType]) -> dict[str, Any] | None:
+        """After :meth:`diagnose` found every peer alive, for a rank whose main thread raised
+        (:attr:`phase` set): a mismatch of the ranks' calls (the transport may raise on one),
+        or, when this rank raised inside communication, a peer that raised first (this
+        error is the consequence). ``None``: this rank's own error stands."""
+        try:
+            if self.hang is not None:
+                text = self.hang.mismatch_now()
+                if text is not None:
+                    return {"hang": text}
+            if not hangs.raised_in_comm(self.phase or "", frames):
+                return None
+            for rank in range(self.world):
+                key = self.ns + f"failed/{rank}"
+                if rank == self.rank or not self.store.check([key]):
+                    continue
+                text = f"rank {rank} (host {self._host(rank)}) raised first{self._why(rank)}"
+                return {"hang": text, "code": EXIT_CODE}
+        except Exception:
+            return None  # the store is gone: the traceback stands
+        return None
 
     def _verdict(self) -> dict[str, Any] | None:
         key = self.ns + "verdict"
@@ -270,14 +309,19 @@ class Watchdog:
                     # this thread starts): named when the store is gone, or the peer
                     self._host(0), self._host(self.peer)
                 if self.store.check([left]):
+                    if self.hang is not None:
+                        self.hang.read_leavers()
                     self.stood_down = True
                     self.store.add(self.ns + "down", 1)  # tells the leaving store host
-                    return  # a rank left cleanly: the run is ending, stand down
+                    # a rank left cleanly: the run is ending, stand down (from the store)
+                    return self._watch_leavers()
                 found = self._verdict()
                 if found is not None:
                     self._abort(found)
                 value = bytes(self.store.get(peer_hb)) if self.store.check([peer_hb]) else b""
                 self.answered_at = now
+                if self.hang is not None:
+                    self.hang.tick(now)  # may end the process on a hang verdict
             except Exception:
                 # A client whose connection broke does not reconnect: wait out the bound
                 # without more requests (each failure logs a trace), unless told to stop.
@@ -289,12 +333,24 @@ class Watchdog:
             elif now - seen_at >= misses * period:
                 found = {"rank": self.peer, "host": self._host(self.peer), "ago": now - seen_at}
                 if self._raised(self.peer):
-                    found["how"] = "ended on an uncaught exception and stopped responding"
+                    found["how"] = (
+                        f"ended on an uncaught exception{self._why(self.peer)} and stopped responding"
+                    )
                 try:
                     self.store.set(self.ns + "verdict", json.dumps(found))
                 except Exception:
                     pass  # the others reach their own verdict from the store or the ring
                 self._abort(found)
+
+    def _watch_leavers(self) -> None:
+        # No store requests (its host may be gone): a call of this rank that a rank which
+        # left never issued can never complete, so it is reported from the leaver's record.
+        while (
+            self.hang is not None and self.hang.left and not self._stop.wait(self.settings.period_s)
+        ):
+            text = self.hang.ahead_of_leavers()
+            if text is not None:
+                self._abort({"hang": text})
 
     def diagnose(self) -> dict[str, Any] | None:
         """Whether a peer is dead, read from every rank's heartbeat over up to ``misses``
@@ -338,11 +394,20 @@ class Watchdog:
         with _exit_lock:  # held until os._exit: one line, one exit, from one thread
             phase = self.phase or main_thread_phase()
             how = found.get("how", "stopped responding")
-            message = (
-                f"ds_core: rank {found['rank']} (host {found['host']}) {how} "
-                f"{found['ago']:.1f} s ago while this rank ({self.rank}) was in {phase}; "
-                "exiting"
-            )
+            if "hang" in found:
+                message = (
+                    f"ds_core: {found['hang']}; this rank is {self.rank} (in {phase}); exiting"
+                )
+                code = found.get("code", hangs.EXIT_CODE)
+            else:
+                message, code = (
+                    (
+                        f"ds_core: rank {found['rank']} (host {found['host']}) {how} "
+                        f"{found['ago']:.1f} s ago while this rank ({self.rank}) was in {phase}; "
+                        "exiting"
+                    ),
+                    EXIT_CODE,
+                )
             try:
                 sys.stderr.write(message + "\n")
                 sys.stderr.flush()
@@ -356,7 +421,7 @@ class Watchdog:
                 except Exception:
                     pass  # best effort: the process is ending on a peer's failure already
             self._let_others_read(found)
-            os._exit(EXIT_CODE)
+            os._exit(code)
 
     def _let_others_read(self, found: dict[str, Any]) -> None:
         """Publish the verdict (a rank that diagnosed its own error has not) and count this
@@ -368,8 +433,10 @@ class Watchdog:
             if "rank" in found:
                 self.store.compare_set(self.ns + "verdict", "", json.dumps(found))
             out = int(self.store.add(self.ns + "aborted", 1))
+            # at a hang verdict (ds_core/hangs.py) no rank is dead: every one must read it
+            ranks = self.world if "hang" in found else self.world - 1
             deadline = time.monotonic() + self.settings.misses * self.settings.period_s
-            while self.hosts_store and out < self.world - 1 and time.monotonic() < deadline:
+            while self.hosts_store and out < ranks and time.monotonic() < deadline:
                 time.sleep(self.settings.period_s / 4)
                 out = int(self.store.add(self.ns + "aborted", 0))
         except Exception:
@@ -381,6 +448,9 @@ class Watchdog:
         if clean:
             self.stood_down = True
             try:
+                if self.hang is not None:  # what it issued: peers ahead of it are stuck
+                    record = self.hang.record(time.monotonic(), left=True)
+                    self.store.set(self.ns + f"prog/{self.rank}", json.dumps(record))
                 self.store.set(self.ns + "left", str(self.rank))
                 down = int(self.store.add(self.ns + "down", 1))
                 # Rank 0's process (or node) serves the store: before it goes, let every
@@ -451,10 +521,15 @@ def start(init_method: str | None = None) -> Watchdog | None:
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     watchdog = _last
+    if watchdog is not None and watchdog.stood_down and watchdog.hang is not None:
+        text = watchdog.hang.ahead_of_leavers()  # the transport saw the leaver go first
+        if text is not None:
+            watchdog.phase = phase_of(_traceback_frames(tb))
+            watchdog._abort({"hang": text})
     if watchdog is not None and not watchdog.stood_down and issubclass(kind, Exception):
         watchdog.phase = phase_of(_traceback_frames(tb))
-        watchdog.mark_failed()
-        found = watchdog.diagnose()
+        watchdog.mark_failed(f"{kind.__name__}: {value}".splitlines()[0][:200])
+        found = watchdog.diagnose() or watchdog.explain(_traceback_frames(tb))
         if found is not None:
             watchdog._abort(found)
         watchdog.phase = None

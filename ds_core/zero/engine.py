@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ds_core import comm, determinism
+from ds_core import comm, determinism, hangs
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.faults import boundary
@@ -125,6 +125,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         self.label = _guards.new_label(self.stage)
         self._destroyed = False
         self.gas: int = config.gradient_accumulation_steps
+        hangs.track(self)  # a hang report names this engine's step (ds_core/hangs.py)
         self.clip: float = config.gradient_clipping
         self.overlap_comm = bool(zcfg.overlap_comm)
         if config.log_level is not None:

@@ -1,0 +1,220 @@
+"""Hangs become errors (issue 29 §4): a rank whose calls disagree with its peers' ends the run
+with one line per rank naming the rank and the call, never a wait for the transport's timeout.
+
+The check: ds_core/hangs.py; the rule: docs/architecture.md §3.10. Each case runs two fresh
+rank processes (ranks leave by ``os._exit``) of tests/_hangs_rank.py, on the cpu and the sim
+backend. Time bounds: the process group's timeout there is 900 s and ``DS_HANG_TIMEOUT_S``
+keeps its default of 600 s, so a pair ending within :data:`GUARD_S` (far above the liveness
+bound of ``MISSES`` x ``PERIOD_S`` = 5 s, far below both) was ended by a definite verdict, not
+by a timeout; no test measures a duration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_core import hangs
+from ds_core.comm import liveness
+from ds_core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+PERIOD_S, MISSES = 0.5, 10
+GUARD_S = 300
+BACKENDS = ["cpu", "sim"]
+LINE = re.compile(r"^ds_core: .*; exiting$", re.M)
+NO_MODEL = r"RuntimeError: backward\(loss\): the loss reached none of the model's"
+DOUBLE = r"RuntimeError: step\(\): no engine.backward\(loss\) since the last update"
+#: case -> per rank (0, 1): (exit status, pattern its one line must match, or None for no line)
+CASES: dict[str, tuple[tuple[int, str | None], tuple[int, str | None]]] = {
+    "skip_step": (
+        (hangs.EXIT_CODE, r"ranks disagree at call #\d+ on world: rank 0 issued all_reduce"),
+        (hangs.EXIT_CODE, r"ranks disagree at call #\d+ on world: rank 1 issued reduce_scatter"),
+    ),
+    "some_only": (
+        (hangs.EXIT_CODE, r"ranks disagree at call #\d+ on world: rank 0 issued reduce_scatter"),
+        (hangs.EXIT_CODE, r"ranks disagree at call #\d+ on world: rank 1 issued all_reduce"),
+    ),
+    "micro_batches": (
+        (0, None),
+        (
+            hangs.EXIT_CODE,
+            r"rank 0 left the run \(destroy_distributed\) after \d+ calls on world, but rank 1 "
+            r"issued call #\d+ \(reduce_scatter\) there and waits in .*micro-batch 1 of 2",
+        ),
+    ),
+    "leave_early": (
+        (
+            hangs.EXIT_CODE,
+            r"rank 1 left the run \(destroy_distributed\) after \d+ calls on world, but rank 0 "
+            r"issued call #\d+ \(\w+\) there and waits in .*step 2, micro-batch 1 of 1",
+        ),
+        (0, None),
+    ),
+    "finally_leave": (
+        (
+            hangs.EXIT_CODE,
+            r"rank 1 left the run \(destroy_distributed while ValueError: the culprit's own "
+            r"error propagated\) after \d+ calls on world, but rank 0 issued call #\d+",
+        ),
+        (1, None),
+    ),
+    "no_model": ((liveness.EXIT_CODE, rf"rank 1 \(host [^)]*\) .*\({NO_MODEL}"), (1, None)),
+    "double_step": ((liveness.EXIT_CODE, rf"rank 1 \(host [^)]*\) .*\({DOUBLE}"), (1, None)),
+}
+#: what a culprit that raised must print (its own traceback ends in it)
+OWN_ERROR = {
+    "no_model": NO_MODEL,
+    "double_step": DOUBLE,
+    "finally_leave": "ValueError: the culprit's own error",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pair(case: str, backend: str, work: Path, **extra: str) -> list[tuple[int, str]]:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": backend,
+            "OMP_NUM_THREADS": "1",
+            "DS_LIVENESS_PERIOD_S": str(PERIOD_S),
+            "DS_LIVENESS_MISSES": str(MISSES),
+            **extra,
+        }
+        if "DS_HANG_TIMEOUT_S" not in extra:
+            env.pop("DS_HANG_TIMEOUT_S", None)  # the default: far above GUARD_S
+        command = [sys.executable, "-m", "tests._hangs_rank", case, str(work)]
+        procs.append(
+            subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        )
+    out = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=GUARD_S)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        out.append((proc.returncode, err))
+    return out
+
+
+def _no_shm_left(work: Path) -> None:
+    for record in work.glob("shm.rank*.json"):
+        left = [p for p in json.loads(record.read_text()) if os.path.exists(p)]
+        assert not left, (record.name, left)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_fault_ends_every_rank_with_one_line(case: str, backend: str, tmp_path: Path) -> None:
+    results = _pair(case, backend, tmp_path)
+    for rank, ((rc, err), (want_rc, pattern)) in enumerate(zip(results, CASES[case], strict=True)):
+        lines = LINE.findall(err)
+        assert rc == want_rc, f"rank {rank}: {err[-4000:]}"
+        if pattern is None:
+            assert not lines, f"rank {rank}: {err[-4000:]}"
+            if rc == 1:  # the culprit's own error, from its traceback
+                assert re.search(OWN_ERROR[case], err), err[-4000:]
+            continue
+        assert len(lines) == 1, f"rank {rank}: {err[-4000:]}"
+        assert re.search(pattern, lines[0]), lines[0]
+        assert f"; this rank is {rank} (in " in lines[0], lines[0]
+        assert "Traceback" not in err, err[-4000:]
+    _no_shm_left(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_computing_longer_than_the_liveness_bound_is_not_reported(
+    backend: str, tmp_path: Path
+) -> None:
+    # rank 0 computes 3x the bound before each backward while rank 1 waits in a collective
+    sleep = str(3 * MISSES * PERIOD_S)
+    results = _pair("compute", backend, tmp_path, SLEEP_S=sleep)
+    for rank, (rc, err) in enumerate(results):
+        assert rc == 0, f"rank {rank}: {err[-4000:]}"
+        assert not LINE.search(err), err[-4000:]
+
+
+@pytest.mark.slow
+def test_a_rank_computing_past_the_hang_timeout_is_reported(tmp_path: Path) -> None:
+    timeout = 2 * MISSES * PERIOD_S
+    results = _pair("slow", "cpu", tmp_path, SLEEP_S=str(GUARD_S), DS_HANG_TIMEOUT_S=str(timeout))
+    (rc0, err0), (rc1, err1) = results
+    assert (rc0, rc1) == (hangs.EXIT_CODE, hangs.EXIT_CODE), err0[-3000:] + err1[-3000:]
+    found = LINE.findall(err1)
+    assert len(found) == 1, err1[-4000:]
+    assert re.search(
+        r"rank 0 has not issued call #\d+ \(\w+\) on world for \d+ s \(it issued \d+; it is in "
+        r"[^)]*\), while rank 1 waits in .*\(DS_HANG_TIMEOUT_S=10\)",
+        found[0],
+    ), found[0]
+    assert len(LINE.findall(err0)) == 1 and "Traceback" not in err0, err0[-4000:]
+
+
+def test_settings_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DS_HANG_CHECK", "maybe")
+    with pytest.raises(ConfigError, match="DS_HANG_CHECK='maybe'"):
+        hangs.Settings.from_env(10.0)
+    monkeypatch.setenv("DS_HANG_CHECK", "0")
+    assert not hangs.Settings.from_env(10.0).enabled
+    monkeypatch.setenv("DS_HANG_TIMEOUT_S", "5")
+    with pytest.raises(ConfigError, match=r"DS_HANG_TIMEOUT_S='5'.*above the liveness bound"):
+        hangs.Settings.from_env(10.0)
+    monkeypatch.setenv("DS_HANG_TIMEOUT_S", "ten")
+    with pytest.raises(ConfigError, match="DS_HANG_TIMEOUT_S='ten'"):
+        hangs.Settings.from_env(10.0)
+    monkeypatch.delenv("DS_HANG_TIMEOUT_S")
+    assert hangs.Settings.from_env(10.0).timeout_s == 600.0
+
+
+def _record(channels: dict[str, list[object]], **kw: object) -> dict[str, object]:
+    return {"ch": channels, "stall": 0.0, "ctx": "", **kw}
+
+
+def test_the_decision_rules_on_records() -> None:
+    """The verdict functions on hand-made records: a mismatch at one call number, a
+    deadlock cycle, a peer behind that computes (no verdict), a p2p pair in step."""
+    world = [0, 1]
+    ar, rs = ["all_reduce", 4, "torch.float32"], ["reduce_scatter", 8, "torch.float32"]
+    mine = _record({"world": [world, 3, [[0, *ar], [1, *ar], [2, *ar]]]}, phase="x")
+    other = _record({"world": [world, 3, [[0, *ar], [1, *ar], [2, *rs]]]}, phase="y")
+    text = hangs._mismatch(0, {0: mine, 1: other})
+    assert text is not None and text.startswith("ranks disagree at call #2 on world")
+    same = _record({"world": [world, 2, [[0, *ar], [1, *ar]]]})
+    assert hangs._mismatch(0, {0: mine, 1: same}) is None
+    # all_to_all sizes may differ per rank
+    a2a = _record({"world": [world, 1, [[0, "all_to_all", None, "torch.float32"]]]})
+    assert hangs._mismatch(0, {0: a2a, 1: a2a}) is None
+    # rank 0 waits in call #2 that rank 1 has not issued: rank 1 is what it waits on
+    mine["blocked"] = ["world", 2, "all_reduce"]
+    assert hangs._waits_on(0, {0: mine, 1: same}) == [(1, "world", 2, "all_reduce")]
+    # everyone issued it: no one to wait on (the transport's business)
+    assert hangs._waits_on(0, {0: mine, 1: other}) == []
+    # p2p: the sender's channel matched by as many receives is in step
+    send = _record({"p2p 0->1": [world, 2, [[0, "send", 4, "f"], [1, "send", 4, "f"]]]})
+    recv = _record({"p2p 0->1": [world, 2, [[0, "recv", 4, "f"], [1, "recv", 4, "f"]]]})
+    assert hangs._mismatch(0, {0: send, 1: recv}) is None
+    assert hangs._waits_on(0, {0: send, 1: recv}) == []
