@@ -125,11 +125,17 @@ class Settings:
         return cls(flag in ("1", "true", "on"), timeout)
 
 
-class _Channel:
-    __slots__ = ("count", "key", "members", "ring")
+def _no_group() -> None:
+    return None
 
-    def __init__(self, key: str, members: list[int]) -> None:
-        self.key, self.members = key, members
+
+class _Channel:
+    __slots__ = ("count", "group", "key", "members", "ring")
+
+    def __init__(self, key: str, members: list[int], group: Callable[[], Any]) -> None:
+        # ``group``: a weak reference to the group object (a cached id may be reused by a
+        # later group; a strong one would keep a destroyed group alive past finalization)
+        self.key, self.members, self.group = key, members, group
         self.count = itertools.count()
         self.ring: deque[tuple[int, str, int | None, str, int]] = deque(maxlen=RING)
 
@@ -142,14 +148,19 @@ _on = True
 def _channel(group: Any) -> _Channel:
     import torch.distributed as dist
 
+    ref = _no_group if group is None else weakref.ref(group)
     if group is None or group is dist.group.WORLD:
-        ch = _channels.get("world")
-        if ch is None:
-            ch = _channels["world"] = _Channel("world", list(range(dist.get_world_size())))
+        world = _channels.get("world")
+        if world is None:
+            members = list(range(dist.get_world_size()))
+            world = _channels["world"] = _Channel("world", members, _no_group)
+        ch = _Channel("world", world.members, ref)
+        ch.count, ch.ring = world.count, world.ring  # one sequence, whichever name is used
     else:
         members = sorted(dist.get_process_group_ranks(group))
         name = getattr(group, "group_name", "")
-        ch = _Channel(f"group {members} ({name})" if name else f"group {members}", members)
+        key = f"group {members} ({name})" if name else f"group {members}"
+        ch = _Channel(key, members, ref)
     _channels[id(group)] = ch
     return ch
 
@@ -158,7 +169,9 @@ def note(op: str, group: Any, numel: int | None, dtype: Any) -> None:
     """Count one collective entering the facade (a no-op when the check is off)."""
     if not _on:
         return
-    ch = _channels.get(id(group)) or _channel(group)
+    ch = _channels.get(id(group))
+    if ch is None or ch.group() is not group:
+        ch = _channel(group)
     ch.ring.append((next(ch.count), op, numel, str(dtype), next(_order)))
 
 
@@ -172,7 +185,7 @@ def note_p2p(op: str, peer: int, numel: int, dtype: Any) -> None:
 
         me = dist.get_rank()
         src, dst = (me, peer) if op == "send" else (peer, me)
-        ch = _channels[(op, peer)] = _Channel(f"p2p {src}->{dst}", [src, dst])
+        ch = _channels[(op, peer)] = _Channel(f"p2p {src}->{dst}", [src, dst], _no_group)
     ch.ring.append((next(ch.count), op, numel, str(dtype), next(_order)))
 
 
@@ -212,6 +225,8 @@ def snapshot() -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     for ch in list(_channels.values()):
         ring = list(ch.ring)
+        if ch.group is not _no_group and ch.group() is None:
+            continue  # its group is gone
         if ring and ch.key not in out:
             out[ch.key] = [ch.members, ring[-1][0] + 1, [list(e[:4]) for e in ring]]
     return out

@@ -20,7 +20,11 @@ cleanups registered with :func:`on_abort` (they would not run under ``os._exit``
 at that moment (:data:`PHASES`), so a step pays nothing for it: no marker is written per call.
 
 A rank leaving cleanly (:func:`stop`, from ``destroy_distributed``) publishes ``left/<rank>``;
-from then on the others stand down, since the run is ending and its store host may go first.
+from then on the others stand down, since the run is ending and its store host may go first
+(but still report a call of theirs the leaver never issued: :mod:`ds_core.hangs`).
+
+The same thread drives the hang check (:mod:`ds_core.hangs`, ``DS_HANG_CHECK``): live ranks
+whose calls disagree end with exit status 70 (:data:`ds_core.hangs.EXIT_CODE`) and one line.
 
 Settings (environment, read at start): ``DS_LIVENESS`` (``0`` turns it off),
 ``DS_LIVENESS_PERIOD_S`` (heartbeat period, seconds, default 1) and ``DS_LIVENESS_MISSES``
