@@ -38,6 +38,7 @@ def main() -> None:
     def reduce() -> None:
         acc.all_reduce(t)
 
+    once(reduce)  # warm-up: the first thousands of calls run several times slower
     # on and off alternate within each round: a loaded machine slows both alike
     note, on, off = [], [], []
     for _ in range(args.repeat):

@@ -75,6 +75,7 @@ _CALL = re.compile(
     r"\.(all_reduce|all_gather|reduce_scatter|broadcast|all_to_all|barrier|send|recv|"
     r"batch_isend_irecv|wait|synchronize)\("
 )
+_TORCH_C10D = "torch.distributed.distributed_c10d"
 _COMM_FUNCS = frozenset(
     {
         "all_reduce",
@@ -243,15 +244,13 @@ def _last_call() -> tuple[str, int, str] | None:
 
 
 def _in_comm(frame: FrameType | None) -> bool:
-    from ds_core.comm import liveness
-
     top = frame
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         name = frame.f_code.co_name
         if module == "ds_core.facade" and name in _COMM_FUNCS:
             return True
-        if module == liveness._TORCH_C10D:
+        if module == _TORCH_C10D:
             return True
         frame = frame.f_back
     return top is not None and _calls_comm(top)
@@ -292,8 +291,6 @@ class Checker:
         self.left: dict[int, dict[str, Any]] = {}  # rank -> its last record, once it left
 
     def record(self, now: float, left: bool = False) -> dict[str, Any]:
-        from ds_core.comm import liveness
-
         frame = sys._current_frames().get(threading.main_thread().ident or -1)
         last = _last_call()
         mark = (id(frame), frame.f_lasti if frame else -1, last)
@@ -309,13 +306,9 @@ class Checker:
                 rec["raised"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         bound = self.w.settings.misses * self.w.settings.period_s
         if stall >= bound or left:
-            rec["phase"] = liveness.main_thread_phase()
+            rec["phase"] = self.w.main_phase()
             rec["comm"] = _in_comm(frame)
-            stack = liveness._stack(frame)
-            if last is not None and any(
-                f.f_globals.get("__name__") == "ds_core.facade" and f.f_code.co_name in _COMM_FUNCS
-                for f in stack
-            ):
+            if last is not None and _in_facade(frame):
                 rec["blocked"] = list(last)  # a synchronous call: the last one issued
         return rec
 
@@ -384,7 +377,7 @@ class Checker:
     def mismatch_now(self) -> str | None:
         """The mismatch check alone, on the records as published now (this rank's is)."""
         mine = self.record(time.monotonic())
-        mine["phase"] = self.w.phase or mine.get("phase") or _main_phase()
+        mine["phase"] = self.w.phase or mine.get("phase") or self.w.main_phase()
         self.w.store.set(self.w.ns + f"prog/{self.rank}", json.dumps(mine))
         peers = sorted({m for ch in mine["ch"].values() for m in ch[0]} - {self.rank})
         recs = self._records(peers)
@@ -408,7 +401,7 @@ class Checker:
         if not self.left:
             return None
         mine = self.record(time.monotonic(), left=False)
-        mine["phase"] = mine.get("phase") or _main_phase()
+        mine["phase"] = mine.get("phase") or self.w.main_phase()
         for peer, rec in self.left.items():
             for key, (members, issued, ring) in mine["ch"].items():
                 if peer not in members or len(members) < 2:
@@ -425,10 +418,14 @@ def in_comm_phase(phase: str) -> bool:
     return phase.startswith("torch.distributed.") or phase.split(" ", 1)[0] in _COMM_FUNCS
 
 
-def _main_phase() -> str:
-    from ds_core.comm import liveness
-
-    return liveness.main_thread_phase()
+def _in_facade(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "ds_core.facade" and (
+            frame.f_code.co_name in _COMM_FUNCS
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _waits_on(rank: int, recs: dict[int, dict[str, Any]]) -> list[tuple[int, str, int, str]]:

@@ -83,7 +83,7 @@ PHASES: dict[tuple[str, str], str] = {
     ("ds_core.zero.offload.nvme_param", "_write"): "NVMe swap-out",
     ("ds_core.zero.offload.nvme_param", "fetch"): "NVMe swap-in",
 }
-_TORCH_C10D = "torch.distributed.distributed_c10d"
+_TORCH_C10D = hangs._TORCH_C10D
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +225,10 @@ class Watchdog:
         self.hang = hangs.Checker(self, hang) if hang.enabled else None
         self.thread = threading.Thread(target=self._run, name="ds_core-liveness", daemon=True)
 
+    def main_phase(self) -> str:
+        """What the main thread is doing (:func:`main_thread_phase`), for the hang check."""
+        return main_thread_phase()
+
     def _beat(self) -> None:
         self.beats += 1
         self.store.set(self.ns + f"hb/{self.rank}", str(self.beats))
@@ -249,13 +253,21 @@ class Watchdog:
         except Exception:
             return False
 
+    def _failure(self, rank: int) -> tuple[int, str] | None:
+        """(order among the ranks that raised, ``Type: message``) of a rank that raised."""
+        try:
+            key = self.ns + f"failed/{rank}"
+            if not self.store.check([key]):
+                return None
+            order, _, summary = bytes(self.store.get(key)).decode().partition("|")
+            return int(order), summary
+        except Exception:
+            return None
+
     def _why(self, rank: int) -> str:
         """`` (Type: message)`` of a rank that raised, when it published one."""
-        try:
-            summary = bytes(self.store.get(self.ns + f"failed/{rank}")).decode()
-        except Exception:
-            return ""
-        return "" if summary == "1" else f" ({summary})"
+        found = self._failure(rank)
+        return f" ({found[1]})" if found is not None and found[1] else ""
 
     def mark_failed(self, summary: str = "1") -> None:
         """Publish that this rank's main thread ended on an uncaught exception (``summary``:
@@ -263,7 +275,8 @@ class Watchdog:
         rank (it raised too), and one waiting in a collective names it."""
         self.failed = True
         try:
-            self.store.set(self.ns + f"failed/{self.rank}", summary)
+            order = int(self.store.add(self.ns + "fails", 1))
+            self.store.set(self.ns + f"failed/{self.rank}", f"{order}|{summary}")
             if self.hang is not None:  # its last calls, for the peers' mismatch check
                 record = self.hang.record(time.monotonic())
                 self.store.set(self.ns + f"prog/{self.rank}", json.dumps(record))
@@ -273,21 +286,23 @@ class Watchdog:
     def explain(self, frames: list[FrameType]) -> dict[str, Any] | None:
         """After :meth:`diagnose` found every peer alive, for a rank whose main thread raised
         (:attr:`phase` set): a mismatch of the ranks' calls (the transport may raise on one),
-        or, when this rank raised inside communication, a peer that raised first (this
-        error is the consequence). ``None``: this rank's own error stands."""
+        or a peer that raised before this rank with another error, or while this rank was in
+        communication (this error is the consequence). ``None``: this rank's own error
+        stands (every rank raising the same error prints its traceback)."""
         try:
             if self.hang is not None:
                 text = self.hang.mismatch_now()
                 if text is not None:
                     return {"hang": text}
-            if not hangs.raised_in_comm(self.phase or "", frames):
-                return None
+            in_comm = hangs.raised_in_comm(self.phase or "", frames)
+            mine = self._failure(self.rank) or (1 << 62, "")
             for rank in range(self.world):
-                key = self.ns + f"failed/{rank}"
-                if rank == self.rank or not self.store.check([key]):
+                found = self._failure(rank) if rank != self.rank else None
+                if found is None:
                     continue
-                text = f"rank {rank} (host {self._host(rank)}) raised first{self._why(rank)}"
-                return {"hang": text, "code": EXIT_CODE}
+                if in_comm or (found[0] < mine[0] and found[1] != mine[1]):
+                    text = f"rank {rank} (host {self._host(rank)}) raised first ({found[1]})"
+                    return {"hang": text, "code": EXIT_CODE}
         except Exception:
             return None  # the store is gone: the traceback stands
         return None
@@ -438,7 +453,7 @@ class Watchdog:
                 self.store.compare_set(self.ns + "verdict", "", json.dumps(found))
             out = int(self.store.add(self.ns + "aborted", 1))
             # at a hang verdict (ds_core/hangs.py) no rank is dead: every one must read it
-            ranks = self.world if "hang" in found else self.world - 1
+            ranks = self.world if "hang" in found and "code" not in found else self.world - 1
             deadline = time.monotonic() + self.settings.misses * self.settings.period_s
             while self.hosts_store and out < ranks and time.monotonic() < deadline:
                 time.sleep(self.settings.period_s / 4)
