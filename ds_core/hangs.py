@@ -141,6 +141,7 @@ class _Channel:
         self.ring: deque[tuple[int, str, int | None, str, int]] = deque(maxlen=RING)
 
 
+_UNNAMED = ""
 _channels: dict[Any, _Channel] = {}
 _order = itertools.count()  # issue order across channels: which call came last
 _on = True
@@ -159,8 +160,13 @@ def _channel(group: Any) -> _Channel:
         ch.count, ch.ring = world.count, world.ring  # one sequence, whichever name is used
     else:
         members = sorted(dist.get_process_group_ranks(group))
-        name = getattr(group, "group_name", "")
-        key = f"group {members} ({name})" if name else f"group {members}"
+        try:
+            name = str(group.group_name)
+        except (AttributeError, RuntimeError):  # "ProcessGroup name not set": members alone
+            name = ""
+        # without a name ranks cannot tell two groups of the same members apart: such a
+        # group is counted but neither published nor compared
+        key = f"group {members} ({name})" if name else _UNNAMED
         ch = _Channel(key, members, ref)
     _channels[id(group)] = ch
     return ch
@@ -228,7 +234,7 @@ def snapshot() -> dict[str, list[Any]]:
         ring = list(ch.ring)
         if ch.group is not _no_group and ch.group() is None:
             continue  # its group is gone
-        if ring and ch.key not in out:
+        if ring and ch.key and ch.key not in out:
             out[ch.key] = [ch.members, ring[-1][0] + 1, [list(e[:4]) for e in ring]]
     return out
 
@@ -236,7 +242,7 @@ def snapshot() -> dict[str, list[Any]]:
 def _last_call() -> tuple[str, int, str] | None:
     best: tuple[int, str, int, str] | None = None
     for ch in list(_channels.values()):
-        if ch.ring:
+        if ch.ring and ch.key:
             seq, op, _, _, order = ch.ring[-1]
             if best is None or order > best[0]:
                 best = (order, ch.key, seq, op)
