@@ -184,6 +184,8 @@ class EPScenario:
     function_form: bool = False  # ds_core.autoep_model_init before initialize
     #: one step of SGD at lr 1 without clipping, so parameter change = -(reduced gradient)
     sgd: bool = False
+    #: a parameter floor above the default, where AdamW amplifies rounding (see the scenario)
+    param_atol: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -222,7 +224,9 @@ def scenarios(world: int) -> dict[str, EPScenario]:
         }
     return {
         **{f"ep2_s{s}": EPScenario(stage=s, world=2) for s in range(4)},
-        "ep2_qwen_s2": EPScenario(stage=2, world=2, kind="qwen"),
+        # AdamW turns last-bit gradient differences into 3.0e-6 on one shared-expert element
+        # (measured on sim, avx512 host, 2026-12-05); losses and norms still match to 1e-5
+        "ep2_qwen_s2": EPScenario(stage=2, world=2, kind="qwen", param_atol=1e-5),
         "ep2_init_s3": EPScenario(stage=3, world=2, zero_init=True),
         "ep2_fn_s0": EPScenario(stage=0, world=2, function_form=True),
         "ep2_grad_s2": EPScenario(stage=2, world=2, sgd=True, steps=1, clip=0.0),

@@ -272,7 +272,8 @@ def scenarios(world: int) -> dict[str, TPScenario]:
         "tp2_s3": TPScenario(stage=3, world=2),
         "tp2_pcfg_s2": TPScenario(stage=2, world=2, partition_config=PARTITION_CONFIG),
         "tp2_fn_s0": TPScenario(stage=0, world=2, function_form=True),
-        "tp2_gpt_s2": TPScenario(stage=2, world=2, model="gpt"),
+        # as tp2_fused_s2, milder: 1.26e-6 on one qkv element (sim, avx512 host, 2026-12-05)
+        "tp2_gpt_s2": TPScenario(stage=2, world=2, model="gpt", param_atol=LR * 1e-3),
     }
 
 
