@@ -15,10 +15,12 @@ The liveness watchdog (:mod:`ds_core.comm.liveness`) does the rest on its own th
 store connection, once a period:
 
 - :meth:`Checker.tick` samples the main thread's innermost frame: unchanged (same frame,
-  same instruction, no call issued) since the last period means *stalled*; a stalled
-  stack inside a collective, a ``torch.distributed`` call or on a ``.wait(`` line means
-  *blocked in communication*. It publishes this rank's record (``prog/<rank>``: per
-  channel the issued count and ring, the stall, its phase, the engine's step) -- one store
+  same instruction, no call issued) since the last period means *stalled*; a stack
+  inside a collective, a ``torch.distributed`` call or with a frame on a ``.wait(`` line is
+  *in communication*, where only a new call counts as progress (a backend's wait may poll
+  in Python, moving its frame without getting anywhere); stalled there is *blocked*. It
+  publishes this rank's record (``prog/<rank>``: per channel the issued count and ring, the
+  stall, its phase, the engine's step) -- one store
   request per period.
 - A rank blocked for ``misses`` periods reads its peers' records and decides:
 
@@ -250,16 +252,17 @@ def _last_call() -> tuple[str, int, str] | None:
 
 
 def _in_comm(frame: FrameType | None) -> bool:
-    top = frame
+    # Any frame of the stack, not only the innermost: a backend's handle may wait in Python
+    # (the cpu backend's shared-memory wait polls in slices), below the caller's ``.wait()``.
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         name = frame.f_code.co_name
         if module == "ds_core.facade" and name in _COMM_FUNCS:
             return True
-        if module == _TORCH_C10D:
+        if module == _TORCH_C10D or _calls_comm(frame):
             return True
         frame = frame.f_back
-    return top is not None and _calls_comm(top)
+    return False
 
 
 def _calls_comm(frame: FrameType) -> bool:
@@ -292,14 +295,18 @@ class Checker:
     def __init__(self, watchdog: Any, settings: Settings) -> None:
         self.w, self.settings = watchdog, settings
         self.rank = watchdog.rank
-        self.sample: tuple[int, int, Any] | None = None
+        self.sample: tuple[Any, ...] | None = None
         self.stalled_since = time.monotonic()
         self.left: dict[int, dict[str, Any]] = {}  # rank -> its last record, once it left
 
     def record(self, now: float, left: bool = False) -> dict[str, Any]:
         frame = sys._current_frames().get(threading.main_thread().ident or -1)
         last = _last_call()
-        mark = (id(frame), frame.f_lasti if frame else -1, last)
+        # Inside communication only a new call counts as progress: a wait that polls moves
+        # its frame every sample without getting anywhere.
+        mark = (
+            ("comm", last) if _in_comm(frame) else (id(frame), frame.f_lasti if frame else -1, last)
+        )
         if mark != self.sample:  # the main thread moved, or some thread issued a call
             self.stalled_since = now
         self.sample = mark

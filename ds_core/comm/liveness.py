@@ -12,7 +12,9 @@ period it
   verdict published by the first rank that notices reaches every other rank on its next tick.
 
 A peer whose counter has not moved for ``misses`` periods (counted on this rank's own
-monotonic clock, so hosts' clocks need not agree), or a store that has not answered for as
+monotonic clock, so hosts' clocks need not agree, and in this thread's own ticks, so a host too
+loaded to run this thread does not blame the peer; :data:`STARTUP_FACTOR` times as long for a
+peer whose first heartbeat has not come yet), or a store that has not answered for as
 long (the host serving it died: rank 0's node, or torchrun's rendezvous host), ends this
 process: one line on stderr naming the dead rank, its host and what this rank was doing, the
 cleanups registered with :func:`on_abort` (they would not run under ``os._exit``), then
@@ -55,6 +57,9 @@ from ds_core.errors import ConfigError
 #: exit status of a rank ended by the watchdog (EX_TEMPFAIL: a peer failed, not this rank).
 EXIT_CODE = 75
 _PREFIX = "ds_core/liveness/"
+#: a watched peer that has not sent its first heartbeat gets this many bounds: it may still be
+#: between the process group's rendezvous and its watchdog's start on a loaded host.
+STARTUP_FACTOR = 3
 
 #: (module, function) -> what a rank is doing while that function is on its main thread's
 #: stack; the innermost match is named first. tests/test_liveness.py checks each one exists.
@@ -319,6 +324,7 @@ class Watchdog:
         peer_hb, left = self.ns + f"hb/{self.peer}", self.ns + "left"
         last_seen: bytes | None = None
         seen_at = time.monotonic()
+        silent = 0  # this thread's own ticks since the peer's heartbeat last moved
         while not self._stop.wait(period):
             now = time.monotonic()
             try:
@@ -348,8 +354,16 @@ class Watchdog:
                     self._abort(self._store_gone(time.monotonic()))
                 return
             if value != last_seen:
-                last_seen, seen_at = value, now
-            elif now - seen_at >= misses * period:
+                last_seen, seen_at, silent = value, now, 0
+                continue
+            silent += 1
+            # The bound is counted in this thread's own ticks as well as in seconds: on a host
+            # so loaded that this thread itself did not run, the seconds it missed are not
+            # evidence against the peer. A peer with no heartbeat yet is still starting (its
+            # first beat comes with its watchdog, after the process group is up), so it gets
+            # STARTUP_FACTOR bounds before it is called dead.
+            bound = misses if value else misses * STARTUP_FACTOR
+            if silent >= bound and now - seen_at >= bound * period:
                 found = {"rank": self.peer, "host": self._host(self.peer), "ago": now - seen_at}
                 if self._raised(self.peer):
                     found["how"] = (
