@@ -78,6 +78,7 @@ _CALL = re.compile(
     r"batch_isend_irecv|wait|synchronize)\("
 )
 _TORCH_C10D = "torch.distributed.distributed_c10d"
+_WAIT = re.compile(r"\.(wait|synchronize)\(")
 _COMM_FUNCS = frozenset(
     {
         "all_reduce",
@@ -252,24 +253,30 @@ def _last_call() -> tuple[str, int, str] | None:
 
 
 def _in_comm(frame: FrameType | None) -> bool:
-    # Any frame of the stack, not only the innermost: a backend's handle may wait in Python
-    # (the cpu backend's shared-memory wait polls in slices), below the caller's ``.wait()``.
+    top = frame
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         name = frame.f_code.co_name
         if module == "ds_core.facade" and name in _COMM_FUNCS:
             return True
-        if module == _TORCH_C10D or _calls_comm(frame):
+        if module == _TORCH_C10D:
+            return True
+        # A handle's wait anywhere on the stack, not only innermost: a backend's handle may
+        # wait in Python (the cpu backend's shared-memory wait polls in slices) below it.
+        if frame is not top and _WAIT.search(_line(frame)):
             return True
         frame = frame.f_back
-    return False
+    return top is not None and _calls_comm(top)
+
+
+def _line(frame: FrameType) -> str:
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
 
 
 def _calls_comm(frame: FrameType) -> bool:
     """Whether ``frame``'s current line calls a collective, a wait or a synchronize: where a
     backend's handle (a C call, no Python frame of its own) blocks or raises."""
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-    return _CALL.search(line) is not None
+    return _CALL.search(_line(frame)) is not None
 
 
 def raised_in_comm(phase: str, frames: list[FrameType]) -> bool:
