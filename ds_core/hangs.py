@@ -79,7 +79,8 @@ _CALL = re.compile(
 )
 _TORCH_C10D = "torch.distributed.distributed_c10d"
 _WAIT = re.compile(r"\.(wait|synchronize)\(")
-_COMM_FUNCS = frozenset(
+#: the facade's communication methods (also liveness's phase names for them)
+COMM_FUNCS = frozenset(
     {
         "all_reduce",
         "all_gather",
@@ -257,7 +258,7 @@ def _in_comm(frame: FrameType | None) -> bool:
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         name = frame.f_code.co_name
-        if module == "ds_core.facade" and name in _COMM_FUNCS:
+        if module == "ds_core.facade" and name in COMM_FUNCS:
             return True
         if module == _TORCH_C10D:
             return True
@@ -436,13 +437,13 @@ class Checker:
 
 def in_comm_phase(phase: str) -> bool:
     """Whether a phase (:func:`ds_core.comm.liveness.phase_of`) is inside communication."""
-    return phase.startswith("torch.distributed.") or phase.split(" ", 1)[0] in _COMM_FUNCS
+    return phase.startswith("torch.distributed.") or phase.split(" ", 1)[0] in COMM_FUNCS
 
 
 def _in_facade(frame: FrameType | None) -> bool:
     while frame is not None:
         if frame.f_globals.get("__name__") == "ds_core.facade" and (
-            frame.f_code.co_name in _COMM_FUNCS
+            frame.f_code.co_name in COMM_FUNCS
         ):
             return True
         frame = frame.f_back

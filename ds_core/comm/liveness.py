@@ -64,20 +64,7 @@ STARTUP_FACTOR = 3
 #: (module, function) -> what a rank is doing while that function is on its main thread's
 #: stack; the innermost match is named first. tests/test_liveness.py checks each one exists.
 PHASES: dict[tuple[str, str], str] = {
-    **{
-        ("ds_core.facade", name): name
-        for name in (
-            "all_reduce",
-            "all_gather",
-            "reduce_scatter",
-            "broadcast",
-            "all_to_all",
-            "barrier",
-            "send",
-            "recv",
-            "batch_isend_irecv",
-        )
-    },
+    **{("ds_core.facade", name): name for name in sorted(hangs.COMM_FUNCS)},
     ("ds_core.zero.engine", "forward"): "forward",
     ("ds_core.zero.engine", "backward"): "backward",
     ("ds_core.zero.engine", "step"): "optimizer step",
