@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tqdm import tqdm
 
@@ -167,7 +167,7 @@ RUN_DIR_ENV, LAUNCHER_PID_ENV = "TRAIN_GPT_RUN_DIR", "TRAIN_GPT_LAUNCHER_PID"
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl+C'd command
 
 
-def relaunch_under_torchrun(args: argparse.Namespace, script: Path) -> None:
+def relaunch_under_torchrun(args: argparse.Namespace, script: Path) -> NoReturn:
     """Started as a plain script: run ``torchrun --standalone --nproc_per_node N`` of ``script``
     (train_gpt.py) in this process (this process is the agent), then exit with one line for
     what went wrong."""
@@ -191,7 +191,13 @@ def relaunch_under_torchrun(args: argparse.Namespace, script: Path) -> None:
         print("train_gpt: interrupted before the first step: nothing to keep", file=sys.stderr)
     if code in (0, INTERRUPTED):
         shutil.rmtree(run_dir, ignore_errors=True)
-    sys.exit(code)
+    # Leave without the interpreter's teardown: after torchrun's signal path the agent's C++
+    # rendezvous store can still own a running thread when exit() runs static destructors, and
+    # that aborts the process ("terminate called without an active exception", status -6 instead
+    # of 130; seen once in CI under load). Everything this process owns is closed above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def quiet_torchrun_log() -> None:

@@ -101,18 +101,31 @@ def _outcome(report: pytest.TestReport, call: pytest.CallInfo[Any]) -> str:
     return "traceback"
 
 
+#: the user property that carries a case's (category, outcome) from the process that ran it
+#: (an xdist worker) to the one that prints the table
+PROPERTY = "bad_input_case"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
-    """Record the outcome of each corpus case's call phase (a setup failure counts too)."""
+    """Tag each corpus case's call-phase report (a setup failure counts too) with its outcome."""
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     cat = category(item)
     if cat is None or report.skipped:
         return
     if call.when == "call" or (call.when == "setup" and report.failed):
-        counts = _results.setdefault(cat, Counter())
-        counts["cases"] += 1
-        counts[_outcome(report, call)] += 1
+        report.user_properties.append((PROPERTY, (cat, _outcome(report, call))))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Count the tagged reports where the run's summary is printed."""
+    for name, value in report.user_properties:
+        if name == PROPERTY:
+            cat, outcome = value
+            counts = _results.setdefault(cat, Counter())
+            counts["cases"] += 1
+            counts[outcome] += 1
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -24,8 +24,14 @@ def rank_pools() -> Iterator[RankPools]:
 
 # the bad-input corpus's end-of-run table (issue 29 §6)
 from tests._bad_inputs_report import (  # noqa: E402
+    pytest_runtest_logreport,
     pytest_runtest_makereport,
     pytest_terminal_summary,
 )
 
-__all__ = ["pytest_runtest_makereport", "pytest_terminal_summary", "rank_pools"]
+__all__ = [
+    "pytest_runtest_logreport",
+    "pytest_runtest_makereport",
+    "pytest_terminal_summary",
+    "rank_pools",
+]

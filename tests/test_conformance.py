@@ -55,7 +55,7 @@ def test_cpu_passes_everything_it_claims_and_writes_both_reports(tmp_path: Path)
 @pytest.mark.slow
 def test_pytest_entry_point_runs_the_same_tests(tmp_path: Path) -> None:
     proc = _run(
-        "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "ds_conformance",
+        "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "--pyargs", "ds_conformance",
         "--ds-backend", "cpu", "--ds-category", "rng", "--ds-report", str(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -68,7 +68,9 @@ def test_pytest_entry_point_runs_the_same_tests(tmp_path: Path) -> None:
 
 
 def test_suite_refuses_to_run_without_a_backend() -> None:
-    proc = _run("-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "ds_conformance", "-q")
+    proc = _run(
+        "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "--pyargs", "ds_conformance", "-q"
+    )  # fmt: skip
     assert proc.returncode == 4, proc.stdout[-2000:]
     assert "need a backend: pass --ds-backend NAME" in proc.stdout + proc.stderr
 

@@ -86,6 +86,7 @@ def _paths() -> list[tuple[str, dict[str, str]]]:
     return paths
 
 
+@pytest.mark.slow  # real rank processes
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p[0])
 def test_every_collective_op_and_dtype_matches_gloo(
@@ -97,12 +98,14 @@ def test_every_collective_op_and_dtype_matches_gloo(
         assert r["shm_calls"] > 500
 
 
+@pytest.mark.slow  # real rank processes
 def test_large_slots_match_gloo() -> None:
     """The default slot size, where most calls fit one piece."""
     results = _run("match", 2)
     assert all(r["shm_calls"] > 500 and not r["gloo_reasons"] for r in results)
 
 
+@pytest.mark.slow  # real rank processes
 @pytest.mark.parametrize("world", [2, 4])
 def test_stress_random_collectives_match_gloo(world: int) -> None:
     results = _run("stress", world, DS_CPU_SHM_SLOT_BYTES="16384")
@@ -111,6 +114,7 @@ def test_stress_random_collectives_match_gloo(world: int) -> None:
     assert sum(r["checked"] for r in results) > results[0]["count"] * 2 // 3, results
 
 
+@pytest.mark.slow  # real rank processes
 def test_mismatched_calls_raise_naming_the_field_on_every_rank() -> None:
     results = _run("mismatch", 2)
     for rank, r in enumerate(results):
@@ -127,6 +131,7 @@ def test_mismatched_calls_raise_naming_the_field_on_every_rank() -> None:
         )
 
 
+@pytest.mark.slow  # real rank processes
 @pytest.mark.parametrize("victim", [0, 2])
 def test_kill9_of_a_rank_is_named_and_leaves_dev_shm_clean(victim: int) -> None:
     procs = _launch("kill", 3, DS_SHM_VICTIM=str(victim), DS_CPU_SHM_TIMEOUT="300")
@@ -148,6 +153,7 @@ def test_kill9_of_a_rank_is_named_and_leaves_dev_shm_clean(victim: int) -> None:
     assert not any(Path(p).exists() for p in segments)
 
 
+@pytest.mark.slow  # real rank processes
 def test_stalled_peer_is_named_within_the_timeout() -> None:
     procs = _launch("stall", 2, DS_CPU_SHM_TIMEOUT="3")
     code, stdout, stderr = _results(procs[:1])[0]
@@ -158,6 +164,7 @@ def test_stalled_peer_is_named_within_the_timeout() -> None:
     assert "rank 1 (pid" in result["error"] and "within 3 s" in result["error"]
 
 
+@pytest.mark.slow  # real rank processes
 def test_unsupported_tensors_fall_back_to_gloo_with_a_reason() -> None:
     results = _run("fallback", 2)
     for r in results:
@@ -168,6 +175,7 @@ def test_unsupported_tensors_fall_back_to_gloo_with_a_reason() -> None:
         assert not any(c == "all_reduce" and t == "gloo" for c, t, _ in reasons), reasons
 
 
+@pytest.mark.slow  # real rank processes
 def test_disabled_groups_use_gloo_and_say_why() -> None:
     results = _run("fallback", 2, DS_CPU_SHM="0")
     for r in results:
@@ -175,11 +183,13 @@ def test_disabled_groups_use_gloo_and_say_why() -> None:
         assert r["gloo_reasons"] == ["rank 0: DS_CPU_SHM=0"], r
 
 
+@pytest.mark.slow  # real rank processes
 def test_async_first_call_on_a_group_does_not_wait_for_peers(tmp_path: Path) -> None:
     results = _run("async_first", 2, DS_SHM_MARKER=str(tmp_path / "returned"))
     assert all(r["shm_calls"] >= 1 and not r["gloo_reasons"] for r in results), results
 
 
+@pytest.mark.slow  # real rank processes
 def test_require_turns_a_fallback_into_an_error() -> None:
     for r in _run("require", 2, DS_CPU_SHM_REQUIRE="1"):
         assert "dtype torch.complex64" in r["error"] and "DS_CPU_SHM_REQUIRE=1" in r["error"]

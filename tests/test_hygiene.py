@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 VENDOR_MODULES = ("torch_npu", "habana_frameworks", "intel_extension_for_pytorch", "torch_xmlir")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,6 +42,7 @@ def test_import_ds_core_imports_no_backend_and_no_vendor_module() -> None:
     assert not {m for m in mods if m.split(".")[0] in VENDOR_MODULES}
 
 
+@pytest.mark.slow  # a fresh interpreter per backend
 def test_importing_each_installed_backend_plugin_imports_no_vendor_module() -> None:
     targets = [ep.value for ep in md.entry_points(group="ds_core.backends")]
     assert "ds_backend_cpu.plugin" in targets

@@ -29,6 +29,7 @@ def test_rendered_packages_have_no_template_token_left(tmp_path: Path) -> None:
     assert 'VISIBLE_DEVICES_ENV = "PRIVATEUSEONE_VISIBLE_DEVICES"' in plugin
 
 
+@pytest.mark.slow  # mypy --strict in a subprocess
 def test_rendered_packages_pass_mypy_strict(tmp_path: Path) -> None:
     write_backend("acme", "cpu", tmp_path)
     write_backend("chip", "privateuseone", tmp_path)

@@ -20,7 +20,10 @@ def pytest_args(
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The pytest command line equivalent to a ``ds-core conformance`` call."""
-    args = ["-p", "no:cacheprovider", "-q", "-rfE", "--pyargs", "ds_conformance"]
+    # The suite's own options only: the addopts of a project's pytest configuration found from
+    # the working directory (this repository's runs tests in parallel processes, `-n 2`) would
+    # change how the suite runs.
+    args = ["-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rfE", "--pyargs", "ds_conformance"]
     args += ["--ds-backend", backend, "--ds-report", str(report), "--ds-no-summary"]
     args += [a for t in tiers for a in ("--ds-tier", t)]
     args += [a for c in categories for a in ("--ds-category", c)]

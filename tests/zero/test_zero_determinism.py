@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ["s0", "s1", "s2", "s3", "s3_ep2"]
 GPT = ["gpt_s0", "gpt_s1", "gpt_s2", "gpt_s3"]
 
+pytestmark = pytest.mark.slow  # two trainings on two real rank processes
+
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
