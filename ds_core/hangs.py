@@ -271,7 +271,10 @@ def _in_comm(frame: FrameType | None) -> bool:
 
 
 def _line(frame: FrameType) -> str:
-    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    # A frame read from another thread may have no line yet (``f_lineno`` is None while the
+    # interpreter sets a call up: seen during imports).
+    lineno = frame.f_lineno
+    return "" if lineno is None else linecache.getline(frame.f_code.co_filename, lineno)
 
 
 def _calls_comm(frame: FrameType) -> bool:
@@ -306,6 +309,7 @@ class Checker:
         self.sample: tuple[Any, ...] | None = None
         self.stalled_since = time.monotonic()
         self.left: dict[int, dict[str, Any]] = {}  # rank -> its last record, once it left
+        self.misreads = 0  # periods in a row whose record could not be read
 
     def record(self, now: float, left: bool = False) -> dict[str, Any]:
         frame = sys._current_frames().get(threading.main_thread().ident or -1)
@@ -334,14 +338,32 @@ class Checker:
         return rec
 
     def tick(self, now: float) -> None:
-        """Publish this rank's record; when blocked long enough, decide (may end the process)."""
-        rec = self.record(now)
+        """Publish this rank's record; when blocked long enough, decide (may end the process).
+        A record that cannot be read this period (the main thread's frames change under the
+        reading thread) skips the period: the caller takes any exception from here for the
+        store's, and would end the run naming its host."""
+        try:
+            rec = self.record(now)
+        except Exception as exc:
+            self._misread(exc)
+            return
+        self.misreads = 0
         self.w.store.set(self.w.ns + f"prog/{self.rank}", json.dumps(rec))
         bound = self.w.settings.misses * self.w.settings.period_s
         if rec["stall"] >= bound and rec.get("comm"):
             text = self.decide(rec)
             if text is not None:
                 self.publish(text)
+
+    def _misread(self, exc: Exception) -> None:
+        self.misreads += 1
+        if self.misreads == self.w.settings.misses:  # once per streak, not every period
+            print(
+                f"ds_core: rank {self.rank}: the hang check could not read this rank's state for "
+                f"{self.misreads} periods ({type(exc).__name__}: {exc}); it goes on trying",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def publish(self, text: str) -> None:
         try:

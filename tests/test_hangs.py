@@ -222,3 +222,68 @@ def test_the_decision_rules_on_records() -> None:
     recv = _record({"p2p 0->1": [world, 2, [[0, "recv", 4, "f"], [1, "recv", 4, "f"]]]})
     assert hangs._mismatch(0, {0: send, 1: recv}) is None
     assert hangs._waits_on(0, {0: send, 1: recv}) == []
+
+
+_SAMPLER = """
+import sys, threading
+from ds_core import hangs
+from ds_core.comm import liveness
+errors, done = [], threading.Event()
+def sample():
+    while not done.is_set():
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        try:
+            hangs._in_comm(frame)
+            liveness.main_thread_phase()
+        except Exception as exc:
+            errors.append(repr(exc))
+thread = threading.Thread(target=sample, daemon=True)
+thread.start()
+import torch._dynamo, torch.distributed  # many fresh frames, some caught before their first line
+done.set()
+thread.join()
+print(errors[:3])
+"""
+
+
+def test_reading_the_main_thread_while_it_imports_never_raises() -> None:
+    """The watchdog thread reads the main thread's frames at any moment; a frame caught before
+    its first line has ``f_lineno`` None (the hang check raised TypeError on it, which the
+    watchdog took for a dead store: a healthy run ended naming rank 0's host)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAMPLER], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def set(self, key: str, value: str) -> None:
+        self.keys.append(key)
+
+
+def test_a_record_that_cannot_be_read_skips_the_period(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tick() raises nothing for a record it cannot read (the watchdog would blame the store),
+    publishes nothing that period, and says so once after a bound of periods in a row."""
+    settings = liveness.Settings(period_s=0.5, misses=3)
+    watchdog = type("W", (), {"rank": 1, "store": _Store(), "ns": "t/", "settings": settings})()
+    checker = hangs.Checker(watchdog, hangs.Settings())
+
+    def unreadable(now: float, left: bool = False) -> dict[str, object]:
+        raise TypeError("'<=' not supported between instances of 'int' and 'NoneType'")
+
+    real = checker.record
+    monkeypatch.setattr(checker, "record", unreadable)
+    for tick in range(4):
+        checker.tick(float(tick))
+    assert watchdog.store.keys == []
+    err = capsys.readouterr().err
+    assert err.count("could not read this rank's state for 3 periods (TypeError") == 1, err
+    monkeypatch.setattr(checker, "record", real)
+    checker.tick(5.0)
+    assert watchdog.store.keys == ["t/prog/1"] and checker.misreads == 0
