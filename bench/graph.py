@@ -1,22 +1,27 @@
 """Replay vs eager for captured forwards through ``engine.capture`` on the selected backend.
 
-Run: ``python bench/graph.py [--number N] [--repeat R] [--preset tiny|small]``. Prints, per
-workload, the microseconds per forward (best of R repeats of N calls) eager (``no_grad``) and
+Run: ``python bench/graph.py [--number N] [--repeat R] [--preset tiny|small] [--sdpa
+default|math]``. Prints, per workload, the microseconds per forward (best and median of R
+rounds of N calls; the columns are interleaved within each round) eager (``no_grad``) and
 replayed, and eager / replay. Never asserts. Workloads: the GPT example's forward (loss) at
 micro-batch 1 and a small MLP (many small ops, where replay has the most to save).
 
-On the CPU backend a "graph" is a recording of aten ops replayed below autograd and the
-Python module tree (ds_backend_cpu.graph), so replay saves Python and dispatcher overhead but
-runs the same kernels, and pays a copy for every op that returns a fresh tensor.
+On the CPU backend a "graph" is a recording of aten ops compiled into one TorchScript graph
+(ds_backend_cpu.graph_replay), so replay skips the Python module tree and the per-op Python
+calls but runs the same kernels. There the bench adds a column replaying the same recording
+with a Python loop over the ops (``CpuGraph(torchscript=False)``), the alternative the
+TorchScript lowering was measured against.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +35,36 @@ import ds_core
 from examples.gpt import GPT, PRESETS
 
 
-def best_us(fn: Callable[[], Any], number: int, repeat: int) -> float:
-    fn()
-    best = float("inf")
+def interleaved_us(
+    fns: dict[str, Callable[[], Any]], number: int, repeat: int
+) -> dict[str, tuple[float, float]]:
+    """Best and median µs per call of each function, timed in turn within each round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / number)
-    return best * 1e6
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            times[name].append((time.perf_counter() - t0) / number * 1e6)
+    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
+
+
+def python_loop_replay(engine: Any, inputs: tuple[torch.Tensor, ...]) -> Callable[[], Any]:
+    """The same capture replayed by the Python op loop (CPU backend only)."""
+    from ds_backend_cpu.graph import CpuGraph
+
+    graph = CpuGraph(torchscript=False)
+    static = tuple(t.clone() for t in inputs)
+    with torch.no_grad(), graph.capture():
+        out = engine(*static)
+
+    def run() -> Any:
+        graph.replay()
+        return out
+
+    return run
 
 
 def engine_for(model: nn.Module) -> Any:
@@ -59,6 +85,12 @@ def main() -> None:
     ap.add_argument("--number", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument(
+        "--sdpa",
+        default="default",
+        choices=["default", "math"],
+        help="attention kernel in every column: torch's choice (the fused one on CPU) or math",
+    )
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
@@ -79,22 +111,39 @@ def main() -> None:
         ),
         ("mlp 4x(32x32+gelu), batch 8", mlp, (torch.randn(8, 32, device=dev),)),
     ]
+    backend = ds_core.get_accelerator().name
     print(
-        f"backend {ds_core.get_accelerator().name}, 1 thread, best of {args.repeat}x{args.number}"
+        f"backend {backend}, 1 thread, sdpa {args.sdpa}, best (median) of "
+        f"{args.repeat} rounds x {args.number} calls, columns interleaved"
     )
-    print(f"{'workload':34} {'eager us':>10} {'replay us':>10} {'eager/replay':>13}")
+    header = f"{'workload':32} {'eager us':>16} {'replay us':>16} {'eager/replay':>12}"
+    if backend == "cpu":
+        header += f" {'py-loop us':>16} {'eager/py-loop':>13}"
+    print(header)
     for name, model, inputs in workloads:
         engine = engine_for(model)
-        # The fused CPU attention kernel carries torch's "draws random numbers" tag (it has a
-        # dropout argument) even at dropout 0, so the CPU graph refuses it: both columns use
-        # the math kernel, which takes no random path at dropout 0.
-        with sdpa_kernel(SDPBackend.MATH):
+        attention = sdpa_kernel(SDPBackend.MATH) if args.sdpa == "math" else nullcontext()
+        with attention, torch.no_grad():
             run = engine.capture(lambda *t, e=engine: e(*t), *inputs)
-            with torch.no_grad():
-                eager = best_us(lambda e=engine, i=inputs: e(*i), args.number, args.repeat)
-                same = torch.equal(run(), engine(*inputs))
-            replay = best_us(run, args.number, args.repeat)
-        print(f"{name:34} {eager:10.1f} {replay:10.1f} {eager / replay:12.2f}x  bitwise={same}")
+            fns: dict[str, Callable[[], Any]] = {
+                "eager": lambda e=engine, i=inputs: e(*i),
+                "replay": run,
+            }
+            if backend == "cpu":
+                fns["py-loop"] = python_loop_replay(engine, inputs)
+            same = torch.equal(run(), engine(*inputs))
+            if "py-loop" in fns:
+                same = same and torch.equal(fns["py-loop"](), engine(*inputs))
+            us = interleaved_us(fns, args.number, args.repeat)
+        row = f"{name:32}"
+        for col in fns:
+            best, med = us[col]
+            row += f" {best:8.1f} ({med:6.1f})"
+            if col != "eager":
+                row += f" {us['eager'][0] / best:12.2f}x"
+        kind = getattr(run.graph, "program", None)
+        ops = f", {kind.kind} {kind.ops} ops" if kind is not None else ""
+        print(f"{row}  bitwise={same}{ops}")
         engine.destroy()
 
 

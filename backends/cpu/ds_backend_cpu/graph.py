@@ -9,29 +9,52 @@ skipped (their captured alias already views the right storage). Captured outputs
 alias fixed memory, as device graphs' do, and writing a new value into a static input before
 ``replay()`` changes the outputs.
 
+The recording is compiled once when the capture ends (:mod:`ds_backend_cpu.graph_replay`): ops
+with an ``out=`` overload write straight into the captured storage, and the whole list runs as
+one TorchScript graph in torch's C++ interpreter, not one Python call per op.
+
 Ops that cannot be replayed faithfully make capture raise :class:`GraphCaptureError` at once,
 never fall back to eager execution: random ops (no captured generator), ops whose output shape
 or value depends on data, ops that return a host value (``item()``, ``bool(t)``, ``equal``:
 Python control flow may depend on it, and a replay cannot re-run Python), and non-strided
-tensors.
+tensors. An op that carries torch's "random" tag only for a dropout argument is captured when
+that dropout is 0 (:data:`_DRAWS_ONLY_FOR_DROPOUT`): the fused CPU attention kernel
+``scaled_dot_product_attention`` dispatches to.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ds_backend_cpu.graph_replay import ReplayProgram, _Step
+
 _REFUSED_TAGS: dict[Any, str] = {
     torch.Tag.nondeterministic_seeded: "draws random numbers (a replay would repeat or skip draws)",
     torch.Tag.dynamic_output_shape: "has a data-dependent output shape",
     torch.Tag.data_dependent_output: "has a data-dependent output",
 }
+
+#: Ops tagged as drawing random numbers only because of a dropout argument: op -> (position,
+#: name) of that argument. At dropout 0 they draw nothing (the CPU flash-attention kernel
+#: refuses dropout > 0 outright), so a replay is exact.
+_DRAWS_ONLY_FOR_DROPOUT: dict[Any, tuple[int, str]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: (3, "dropout_p"),
+}
+
+
+def _draws_nothing(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    where = _DRAWS_ONLY_FOR_DROPOUT.get(func)
+    if where is None:
+        return False
+    position, name = where
+    p = args[position] if len(args) > position else kwargs.get(name, 0.0)
+    return p == 0
 
 
 class GraphCaptureError(RuntimeError):
@@ -43,15 +66,6 @@ def _pin(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     return torch.as_strided(value, value.size(), value.stride(), value.storage_offset())
-
-
-@dataclass(frozen=True, slots=True)
-class _Step:
-    func: Any  # an OpOverload
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    rerun: bool  # False for views and metadata-only ops, whose captured alias stays valid
-    outputs: tuple[torch.Tensor | None, ...]  # where each fresh (non-aliasing) result goes
 
 
 # torch's TorchDispatchMode is unannotated (its __init__ and __init_subclass__ are untyped).
@@ -69,7 +83,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         for tag, why in _REFUSED_TAGS.items():
-            if tag in func.tags:
+            if tag in func.tags and not _draws_nothing(func, args, kwargs):
                 raise GraphCaptureError(f"cannot capture {func}: it {why}")
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
@@ -95,17 +109,23 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 class CpuGraph:
-    """A capturable, replayable sequence of host work (see :class:`ds_core.types.Graph`)."""
+    """A capturable, replayable sequence of host work (see :class:`ds_core.types.Graph`).
 
-    def __init__(self) -> None:
-        self._steps: list[_Step] | None = None
+    ``torchscript=False`` replays with a Python loop over the compiled ops instead of the
+    TorchScript graph (for comparison; both are bitwise equal to eager). ``program`` is the
+    compiled recording after a successful capture (its ``kind`` says how it replays).
+    """
+
+    def __init__(self, torchscript: bool = True) -> None:
+        self._torchscript = torchscript
+        self.program: ReplayProgram | None = None
         self._capturing = False
 
     @contextlib.contextmanager
     def _capture(self) -> Iterator[CpuGraph]:
         if self._capturing:
             raise GraphCaptureError("this graph is already capturing; captures do not nest")
-        self._steps = None
+        self.program = None
         recorder = _Recorder()
         self._capturing = True
         try:
@@ -114,7 +134,7 @@ class CpuGraph:
         finally:
             self._capturing = False
         # Only a capture whose body finished without an error becomes replayable.
-        self._steps = recorder.steps
+        self.program = ReplayProgram(recorder.steps, self._torchscript)
 
     def capture(
         self, pool: Any = None, stream: Any = None
@@ -130,21 +150,13 @@ class CpuGraph:
 
         :raises RuntimeError: when nothing has been captured (or the capture failed).
         """
-        if self._steps is None:
+        if self.program is None:
             raise RuntimeError("replay() needs a successful capture() first")
-        with torch.no_grad():
-            for step in self._steps:
-                if not step.rerun:
-                    continue
-                out = step.func(*step.args, **step.kwargs)
-                results = out if isinstance(out, (tuple, list)) else (out,)
-                for target, result in zip(step.outputs, results, strict=True):
-                    if target is not None:
-                        target.copy_(result)
+        self.program.run()
 
     def reset(self) -> None:
         """Drop the recording; the graph can capture again."""
-        self._steps = None
+        self.program = None
 
     def pool(self) -> None:
         """The host has no graph memory pool to share."""
