@@ -54,7 +54,7 @@ def _draws_nothing(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         return False
     position, name = where
     p = args[position] if len(args) > position else kwargs.get(name, 0.0)
-    return p == 0
+    return bool(p == 0)
 
 
 class GraphCaptureError(RuntimeError):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -164,7 +164,8 @@ class _Lowering:
     """
 
     def __init__(self, calls: list[_Call]) -> None:
-        self.graph = torch._C.Graph()
+        # torch's stubs leave out most of the TorchScript IR's Python API.
+        self.graph: Any = cast(Any, torch._C.Graph())
         self.tensors: list[torch.Tensor] = []
         self._index: dict[int, int] = {}
         for call in calls:
@@ -238,9 +239,7 @@ class _Script:
 
 def _script(calls: list[_Call]) -> _Script:
     lowering = _Lowering(calls)
-    function = torch._C._create_function_from_graph(  # type: ignore[attr-defined]
-        "ds_cpu_graph_replay", lowering.graph
-    )
+    function = torch._C._create_function_from_graph("ds_cpu_graph_replay", lowering.graph)
     return _Script(function, lowering.tensors, len(calls))
 
 
@@ -285,7 +284,7 @@ class ReplayProgram:
         """Run every op once, writing into the captured storage (autograd off)."""
         with torch.no_grad():
             # Off: the executor would otherwise constant-fold and may fuse the recorded ops.
-            optimize = torch._C._get_graph_executor_optimize(False)  # type: ignore[attr-defined]
+            optimize = torch._C._get_graph_executor_optimize(False)
             try:
                 for segment in self._segments:
                     if isinstance(segment, _Script):
@@ -293,4 +292,4 @@ class ReplayProgram:
                     else:
                         _run_python([segment])
             finally:
-                torch._C._get_graph_executor_optimize(optimize)  # type: ignore[attr-defined]
+                torch._C._get_graph_executor_optimize(optimize)
