@@ -1,7 +1,7 @@
 """Replay vs eager for captured forwards through ``engine.capture`` on the selected backend.
 
 Run: ``python bench/graph.py [--number N] [--repeat R] [--preset tiny|small] [--sdpa
-default|math]``. Prints, per workload, the microseconds per forward (best and median of R
+default|math]``. Prints, per workload, the wall and CPU microseconds per forward (best of R
 rounds of N calls; the columns are interleaved within each round) eager (``no_grad``) and
 replayed, and eager / replay. Never asserts. Workloads: the GPT example's forward (loss) at
 micro-batch 1 and a small MLP (many small ops, where replay has the most to save).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,17 +37,23 @@ from examples.gpt import GPT, PRESETS
 def interleaved_us(
     fns: dict[str, Callable[[], Any]], number: int, repeat: int
 ) -> dict[str, tuple[float, float]]:
-    """Best and median µs per call of each function, timed in turn within each round."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    """Best wall and best CPU µs per call of each function, timed in turn in each round.
+
+    CPU time (this process's) is the steadier figure on a shared machine: waiting for a core
+    does not count, cache and frequency contention still do.
+    """
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
     for _ in range(repeat):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(number):
                 fn()
-            times[name].append((time.perf_counter() - t0) / number * 1e6)
-    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
+            wall[name].append((time.perf_counter() - t0) / number * 1e6)
+            cpu[name].append((time.process_time() - c0) / number * 1e6)
+    return {name: (min(wall[name]), min(cpu[name])) for name in fns}
 
 
 def python_loop_replay(engine: Any, inputs: tuple[torch.Tensor, ...]) -> Callable[[], Any]:
@@ -113,12 +118,13 @@ def main() -> None:
     ]
     backend = ds_core.get_accelerator().name
     print(
-        f"backend {backend}, 1 thread, sdpa {args.sdpa}, best (median) of "
-        f"{args.repeat} rounds x {args.number} calls, columns interleaved"
+        f"backend {backend}, 1 thread, sdpa {args.sdpa}, best of {args.repeat} rounds x "
+        f"{args.number} calls, columns interleaved; each cell: wall / CPU µs per call, ratio "
+        f"eager over that column (wall / CPU)"
     )
-    header = f"{'workload':32} {'eager us':>16} {'replay us':>16} {'eager/replay':>12}"
+    header = f"{'workload':32} {'eager':>15} {'replay':>15} {'eager/replay':>12}"
     if backend == "cpu":
-        header += f" {'py-loop us':>16} {'eager/py-loop':>13}"
+        header += f" {'py-loop':>15} {'eager/py-loop':>13}"
     print(header)
     for name, model, inputs in workloads:
         engine = engine_for(model)
@@ -137,10 +143,11 @@ def main() -> None:
             us = interleaved_us(fns, args.number, args.repeat)
         row = f"{name:32}"
         for col in fns:
-            best, med = us[col]
-            row += f" {best:8.1f} ({med:6.1f})"
+            wall, cpu = us[col]
+            row += f" {wall:7.1f}/{cpu:7.1f}"
             if col != "eager":
-                row += f" {us['eager'][0] / best:12.2f}x"
+                ratio = f"{us['eager'][0] / wall:.2f}/{us['eager'][1] / cpu:.2f}"
+                row += f" {ratio:>12}"
         kind = getattr(run.graph, "program", None)
         ops = f", {kind.kind} {kind.ops} ops" if kind is not None else ""
         print(f"{row}  bitwise={same}{ops}")

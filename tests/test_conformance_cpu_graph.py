@@ -168,3 +168,17 @@ def test_attention_with_dropout_is_refused() -> None:
         _FLASH(q, q, q, 0.5, True)  # refused before it runs (the kernel would refuse too)
     with pytest.raises(GraphCaptureError, match="draws random numbers"), CpuGraph().capture():
         F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)  # torch picks math + dropout
+
+
+def test_an_op_the_ir_refuses_replays_through_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ds_backend_cpu import graph_replay
+
+    monkeypatch.setattr(graph_replay, "_MEMORY_FORMATS", {})  # the IR "cannot" take any format
+    x = torch.randn(2, 3, 4, 5)
+    graph = _replays_bitwise(
+        lambda: (x.clone(memory_format=torch.channels_last) + x,), [x], True, _gaussian
+    )
+    assert graph.program is not None and graph.program.kind == "mixed"
+    assert graph.program.python_reasons == [
+        "aten.clone.out: TorchScript refused it (KeyError: torch.channels_last)"
+    ]

@@ -265,6 +265,9 @@ class ReplayProgram:
                     _Lowering([call])  # cheap, and says which call cannot be lowered
                 except _LoweringError as exc:
                     reason = str(exc)
+                except Exception as exc:  # any other refusal by the IR: replay the op in Python
+                    first = str(exc).splitlines()[0] if str(exc) else ""
+                    reason = f"{call.func}: TorchScript refused it ({type(exc).__name__}: {first})"
             if torchscript and reason is None:
                 run.append(call)
                 continue
