@@ -10,8 +10,8 @@ alias fixed memory, as device graphs' do, and writing a new value into a static 
 ``replay()`` changes the outputs.
 
 The recording is compiled once when the capture ends (:mod:`ds_backend_cpu.graph_replay`): ops
-with an ``out=`` overload write straight into the captured storage, and the whole list runs as
-one TorchScript graph in torch's C++ interpreter, not one Python call per op.
+with an ``out=`` overload write straight into the captured storage, and consecutive ops that
+TorchScript can express run as one graph in torch's C++ interpreter, not one Python call per op.
 
 Ops that cannot be replayed faithfully make capture raise :class:`GraphCaptureError` at once,
 never fall back to eager execution: random ops (no captured generator), ops whose output shape
