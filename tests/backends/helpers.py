@@ -105,3 +105,12 @@ def check_pinned_buffers(acc: Any, pins: PinCalls, expected: list[Any]) -> None:
     del dropped
     gc.collect()
     assert key not in owned
+
+
+def accelerator_for(hooks: object, name: str) -> object:
+    """An accelerator built from ``hooks`` as backend ``name`` (no entry point needed)."""
+    from ds_core.accelerator import build_accelerator
+    from ds_core.plugins import BackendEntry
+
+    entry = BackendEntry(name, f"ds-core-{name}", "0.1.0", f"{name}.plugin:hooks", plugin=hooks)
+    return build_accelerator(entry)
