@@ -58,14 +58,32 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def _floor_medians(
+    floors: dict[str, list[RunResult]],
+) -> tuple[dict[str, float | str], dict[str, float]]:
+    """Median step ms and CPU ms of each configuration's world-size-1 runs (step: or why it
+    has none)."""
+    wall: dict[str, float | str] = {}
+    cpu: dict[str, float] = {}
+    for name, results in floors.items():
+        ok = [r for r in results if r.error is None]
+        steps = [s for r in ok for s in r.step_s]
+        wall[name] = statistics.median(steps) * 1e3 if steps else "failed"
+        if steps:
+            cpu[name] = statistics.median(s for r in ok for s in r.cpu_s) * 1e3
+    return wall, cpu
+
+
 def summarize(
     runs: dict[str, list[RunResult]],
     args: argparse.Namespace,
     n_params: int,
     host_bytes: dict[str, int],
+    floors: dict[str, list[RunResult]] | None = None,
 ) -> str:
     """The table and ratios, as text; ``host_bytes``: offload runs' host-side model-state
-    bytes on rank 0, by configuration."""
+    bytes on rank 0, by configuration; ``floors``: each configuration's runs at world size 1
+    (the no-communication floor), by configuration."""
     world = args.world
     tokens_per_step = args.micro_batch * args.seq * world
     rows: dict[str, dict[str, Any]] = {}
@@ -124,8 +142,12 @@ def summarize(
         "/ideal: logical bytes over 2Ψ (stages 0-2) or 3Ψ (stage 3)"
     )
     best_peer = {0: "ddp", 1: "zero_opt", 2: "zero_opt", 3: "fsdp2"}
+    floor_ms, floor_cpu = _floor_medians(floors or {})
     lines.append("")
-    lines.append(f"{'config':<13} {'time/DDP':>9} {'time/peer':>10} {'peer':>9} {'cpu/DDP':>8}")
+    lines.append(
+        f"{'config':<13} {'time/DDP':>9} {'time/peer':>10} {'peer':>9} {'cpu/DDP':>8} "
+        f"{'floor ms':>9} {'time/floor':>10} {'time/ddpfl':>10} {'cpu/floor':>9}"
+    )
     for name, r in rows.items():
         if "error" in r:
             continue
@@ -136,7 +158,25 @@ def summarize(
         vs_peer = f"{r['median_s'] / pr['median_s']:.2f}" if "median_s" in pr else "n/a"
         vs_ddp = f"{r['median_s'] / ddp['median_s']:.2f}" if "median_s" in ddp else "n/a"
         cpu_ddp = f"{r['cpu_s'] / ddp['cpu_s']:.2f}" if "cpu_s" in ddp else "n/a"
-        lines.append(f"{name:<13} {vs_ddp:>9} {vs_peer:>10} {peer:>9} {cpu_ddp:>8}")
+        own = floor_ms.get(name)
+        ddp_floor = floor_ms.get("ddp")
+        fl = f"{own:.1f}" if isinstance(own, float) else (own or "n/a")
+        vs_floor = f"{r['median_s'] * 1e3 / own:.2f}" if isinstance(own, float) else "n/a"
+        vs_ddpfl = (
+            f"{r['median_s'] * 1e3 / ddp_floor:.2f}" if isinstance(ddp_floor, float) else "n/a"
+        )
+        cpu_floor = f"{r['cpu_s'] * 1e3 / floor_cpu[name]:.2f}" if name in floor_cpu else "n/a"
+        lines.append(
+            f"{name:<13} {vs_ddp:>9} {vs_peer:>10} {peer:>9} {cpu_ddp:>8} "
+            f"{fl:>9} {vs_floor:>10} {vs_ddpfl:>10} {cpu_floor:>9}"
+        )
+    if floor_ms:
+        lines.append(
+            "floor: the configuration alone at world size 1 (same micro-batch, 1 thread, same "
+            "engine), median step ms; time/ddpfl: over DDP's floor (plain torch, no "
+            "communication); the ddp row's time/floor is DDP/floor; cpu/floor: CPU seconds per "
+            "step per rank over the floor's"
+        )
     for name in OFFLOAD:
         if name in rows and "state" in rows[name] and name[:3] in rows and name in host_bytes:
             dev, base = rows[name]["state"], rows[name[:3]].get("state", 0)

@@ -43,6 +43,18 @@ comm hook that sees its buckets), the bytes this process actually wrote to its s
 DDP's. Ratios are printed against DDP and against the best peer for the same ZeRO stage
 (stage 0: DDP; stages 1/2: ZeroRedundancyOptimizer; stage 3: FSDP2).
 
+The no-communication floor (issue 32): unless ``--floors none``, every configuration in
+``--floors`` (default: all of ``--configs``) is also run at world size 1, in the same rounds,
+interleaved with the others (``floor:<config>`` in the rotation): rank 0 starts this script as
+a child with ``--world 1`` (same preset, micro-batch, sequence length, warm-up and measured
+steps, one thread like each rank) while the other ranks wait at a barrier, so one process does
+one rank's share of forward and backward alone, with the same engine and config. The ratio
+table prints each configuration's step over its own floor (``time/floor``) and over DDP's
+floor (``time/ddpfl``: plain torch, model + fused AdamW at world size 1). At world size 1 the
+ZeRO stages partition nothing, so their floor also runs the optimizer over all parameters
+where each of 2 ranks steps half: the floor is the cost of a rank's forward and backward plus
+the whole optimizer step, slightly above a rank's compute share.
+
 It prints and never asserts. Memory runs set ``MALLOC_MMAP_THRESHOLD_=65536`` so freed large
 tensors return to the OS and resident memory tracks live tensors.
 """
@@ -55,6 +67,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -348,6 +361,8 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunRes
     """:func:`measure` one configuration; ``<config>+nolive`` measures it with ds_core's
     liveness watchdog stopped (restarted after), ``<config>+nohang`` without the hang check's
     per-call record, so their cost shows against ``<config>``."""
+    if name.startswith(FLOOR):
+        return run_floor(name, args)
     base, plus, flag = name.partition("+")
     if not plus:
         return measure(name, args, tokens)
@@ -373,6 +388,42 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunRes
         liveness.start()
     result.name = name
     return result
+
+
+FLOOR = "floor:"
+
+
+def run_floor(name: str, args: argparse.Namespace) -> RunResult:
+    """``floor:<config>``: ``<config>`` at world size 1, in a child process that rank 0 starts
+    (the other ranks wait at a barrier, idle); every rank gets the child's :class:`RunResult`."""
+    config = name[len(FLOOR) :]
+    result = RunResult(name)
+    if dist.get_rank() == 0:
+        with tempfile.TemporaryDirectory(prefix="ds_core_floor_") as tmp:
+            out = Path(tmp) / "floor.json"
+            cmd = [
+                sys.executable, str(Path(__file__).resolve()), "--world", "1",
+                "--configs", config, "--floors", "none", "--rounds", "1",
+                "--preset", f"{args.preset}:{args.micro_batch}", "--seq", str(args.seq),
+                "--warmup", str(args.warmup), "--steps", str(args.steps),
+                "--json", str(out), "--quiet",
+            ]  # fmt: skip
+            env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if proc.returncode != 0 or not out.exists():
+                tail = (proc.stderr or proc.stdout).strip().splitlines()
+                result.error = f"floor run failed ({proc.returncode}): {tail[-1] if tail else ''}"
+            else:
+                record = json.loads(out.read_text())
+                child = next(iter(record.values()))[config][0]
+                result = RunResult(**{**child, "name": name})
+    box: list[Any] = [result]
+    dist.broadcast_object_list(box, src=0)  # the other ranks wait here while the child runs
+    return box[0]  # type: ignore[no-any-return]
+
+
+#: the launcher's variables a child must not inherit (it starts its own process group)
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def measure(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunResult:
@@ -487,21 +538,25 @@ def run_preset(
 ) -> dict[str, list[RunResult]]:
     """Every configuration on one preset, interleaved over rounds; rank 0 prints the table."""
     rank = dist.get_rank()
-    runs: dict[str, list[RunResult]] = {c: [] for c in configs}
+    floors = floor_configs(args, configs)
+    order = configs + [FLOOR + c for c in floors]
+    runs: dict[str, list[RunResult]] = {c: [] for c in order}
     t_start = time.perf_counter()
     for round_ in range(args.rounds):
-        k = round_ % len(configs)
-        for name in configs[k:] + configs[:k]:  # rotated so no configuration always goes first
+        k = round_ % len(order)
+        for name in order[k:] + order[:k]:  # rotated so no configuration always goes first
             result = run_one(name, args, tokens)
             runs[name].append(result)
             if rank == 0:
                 status = result.error or f"median {statistics.median(result.step_s) * 1e3:.0f} ms"
+                if args.quiet:
+                    continue
                 print(
                     f"[{time.perf_counter() - t_start:5.0f}s] {args.preset} round "
                     f"{round_ + 1}/{args.rounds} {name}: {status}",
                     flush=True,
                 )
-    if rank == 0:
+    if rank == 0 and not args.quiet:
         n_params = GPT(PRESETS[args.preset]).n_params()
         print()
         print(
@@ -510,9 +565,24 @@ def run_preset(
             f"{args.seq}, {args.world} gloo ranks × 1 thread, {args.rounds} rounds × "
             f"{args.steps} measured steps (after {args.warmup} warm-up), torch {torch.__version__}"
         )
-        print(summarize(runs, args, n_params, HOST_BYTES))
+        measured = {n: r for n, r in runs.items() if not n.startswith(FLOOR)}
+        floor_runs = {n[len(FLOOR) :]: r for n, r in runs.items() if n.startswith(FLOOR)}
+        print(summarize(measured, args, n_params, HOST_BYTES, floor_runs))
         print(flush=True)
     return runs
+
+
+def floor_configs(args: argparse.Namespace, configs: list[str]) -> list[str]:
+    """The configurations whose world-size-1 floor is measured (``--floors``)."""
+    if args.floors == "none" or args.world == 1:
+        return []
+    if args.floors == "all":
+        return list(configs)
+    wanted = args.floors.split(",")
+    unknown = [c for c in wanted if c not in configs]
+    if unknown:
+        raise SystemExit(f"--floors: {unknown} not in --configs; name configurations it runs")
+    return wanted
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -531,6 +601,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(PEERS + DS_STAGES))
     p.add_argument("--json", default=None, help="also write every run's figures here")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed runs")
+    p.add_argument(
+        "--floors",
+        default="all",
+        help="configurations also run at world size 1 (the no-communication floor): "
+        "'all' (of --configs), 'none', or a comma-separated subset",
+    )
+    p.add_argument("--quiet", action="store_true", help="print nothing (a floor child run)")
     return p.parse_args(argv)
 
 
