@@ -13,6 +13,8 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
 - ``zero_opt``  torch ZeroRedundancyOptimizer(AdamW) + DDP (shards optimizer state)
 - ``fsdp2``     torch ``fully_shard`` per block and at the root (shards everything)
 - ``ds0``..``ds3`` ds_core stages 0-3 (``ds_core.initialize``), persistence threshold 0
+- ``ds3_block`` stage 3 with each transformer ``Block`` a leaf module
+  (``zero_optimization.leaf_module``): one unit per block, as ``fsdp2`` shards per block
 - ``ds1_off``..``ds3_off`` the same with ``offload_optimizer: {"device": "cpu"}``, ``ds3_param``
   with ``offload_param: {"device": "cpu"}`` and ``ds3_off_param`` with both; ``ds2_nvme`` /
   ``ds3_nvme`` with ``offload_optimizer: {"device": "nvme"}``; ``ds3_param_nvme`` and
@@ -229,9 +231,11 @@ def ds_config(
     offload: bool = False,
     offload_param: bool | str = False,
     nvme_path: str | None = None,
+    leaf_blocks: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed-style config of a ds_core run in these benchmarks (optimizer offload to
-    ``nvme_path`` when given, else to the host)."""
+    ``nvme_path`` when given, else to the host; ``leaf_blocks``: each GPT ``Block`` a stage-3
+    leaf module)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -248,6 +252,8 @@ def ds_config(
         "steps_per_print": 10**9,
         "log_level": "warning",
     }
+    if leaf_blocks:
+        cfg["zero_optimization"]["leaf_module"] = {"classes": ["Block"]}
     if offload and nvme_path is not None:
         cfg["zero_optimization"]["offload_optimizer"] = {
             "device": "nvme",
@@ -288,6 +294,7 @@ def build_ds(
     offload: bool = False,
     offload_param: bool | str = False,
     name: str = "",
+    leaf_blocks: bool = False,
 ) -> Trainer:
     import ds_core
     from ds_core.comm.counting import CommCounter
@@ -305,6 +312,7 @@ def build_ds(
             nvme_path=(NVME_DIR or tempfile.gettempdir())
             if name in ("ds2_nvme", "ds3_nvme")
             else None,
+            leaf_blocks=leaf_blocks,
         ),
     )
 
@@ -348,7 +356,7 @@ def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
     if name == "fsdp2":
         return build_fsdp2(model)
     if name in DS_STAGES:
-        return build_ds(model, int(name[2]), micro_batch)
+        return build_ds(model, int(name[2]), micro_batch, leaf_blocks=name.endswith("_block"))
     if name in OFFLOAD:
         # ds2_nvme/ds3_nvme: optimizer state on NVMe; *_param_nvme: stage-3 shards on NVMe
         optimizer = "_off" in name or name in ("ds2_nvme", "ds3_nvme")
@@ -617,6 +625,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # a shared 2-core host at load 10+ can starve rank 0's rendezvous store for over the
+    # watchdog's default 10 beats (docs/architecture.md §3.10) while the ranks are fine
+    os.environ.setdefault("DS_LIVENESS_MISSES", "60")
     mp.spawn(worker, args=(args, free_port()), nprocs=args.world, join=True)
 
 

@@ -249,6 +249,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
                 zcfg.stage3_prefetch_bucket_size,
                 zcfg.stage3_max_live_parameters,
                 zcfg.stage3_max_reuse_distance,
+                placed.leaves,
             )
 
         # - optimizer and schedule

@@ -33,6 +33,7 @@ from ds_core.zero.partition import (
     set_param_data,
 )
 from ds_core.zero.partitioned_init import INIT_ATTR, restore_full
+from ds_core.zero.stage3 import hooked_parameters, leaf_modules
 
 log = logging.getLogger("ds_core.zero")
 
@@ -138,6 +139,10 @@ class Placement:
             self.zparams[name] = zp
             self.by_param[id(p)] = zp
         self.param_swap: ParamSwapper | None = None
+        #: stage 3's leaf modules (``zero_optimization.leaf_module``): one unit per subtree.
+        self.leaves: set[nn.Module] = (
+            leaf_modules(model, self.zcfg.leaf_module) if plan.partitions_parameters else set()
+        )
         self.units: list[FlatUnit] = self._build_units(model)
         self._place(model)
         self.trainable = [zp for zp in self.zparams.values() if zp.trainable]
@@ -176,7 +181,8 @@ class Placement:
 
     def _build_units(self, model: nn.Module) -> list[FlatUnit]:
         """Group parameters into units (see [Note: shard layout]): reduce buckets of
-        ``reduce_bucket_size`` elements, and at stage 3 one unit per module's own parameters."""
+        ``reduce_bucket_size`` elements, and at stage 3 one unit per module's own parameters
+        (a leaf module's: its subtree's, :mod:`ds_core.zero.stage3`)."""
         limit = self.zcfg.reduce_bucket_size
         units: list[FlatUnit] = []
         if self.plan.partitions_parameters:
@@ -191,15 +197,20 @@ class Placement:
                     self.acc.name,
                 )
             seen: set[int] = set()
-            for sub in model.modules():
+            for _, params in hooked_parameters(model, self.leaves):
                 own = [
                     self.by_param[id(p)]
-                    for p in sub._parameters.values()
+                    for p in params
                     if p is not None and id(p) not in seen and id(p) in self.by_param
                 ]
                 own = [zp for zp in own if zp.mode is Mode.PARTITIONED]
                 seen.update(id(zp.param) for zp in own)
-                for part in bucketize(own, limit):
+                # frozen parameters in units of their own: a unit's gradient buffer covers
+                # every element, and a frozen one's range would never be written (a leaf
+                # module can hold both kinds)
+                trainable = [zp for zp in own if zp.trainable]
+                frozen = [zp for zp in own if not zp.trainable]
+                for part in bucketize(trainable, limit) + bucketize(frozen, limit):
                     units.append(
                         FlatUnit(part, Mode.PARTITIONED, self.device, host, self.param_swap)
                     )

@@ -20,6 +20,10 @@ the swapped shards of the module after the prefetched one are read from their fi
 same time (see [Note: NVMe parameter swap]), so each gather finds its shard in host memory.
 The trace must be the same on every rank (data-dependent module order would desynchronise the
 collectives). All collectives go through ``get_accelerator()``.
+
+Leaf modules (``zero_optimization.leaf_module``, :func:`leaf_modules`): a leaf's units hold
+its whole subtree's parameters and only the leaf is hooked, so it is gathered, prefetched and
+released as one: one all-gather per leaf and pass instead of one per submodule.
 """
 
 from __future__ import annotations
@@ -31,7 +35,50 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ds_core.errors import ConfigError
+from ds_core.zero.config.sections import LeafModuleConfig
 from ds_core.zero.partition import FlatUnit, ZeroParam
+
+
+def leaf_modules(model: nn.Module, cfg: LeafModuleConfig) -> set[nn.Module]:
+    """The outermost modules of ``model`` that ``cfg`` names (by class, name or name suffix).
+
+    :raises ConfigError: an entry of ``cfg`` matches no module of ``model``.
+    """
+    if not (cfg.classes or cfg.names or cfg.name_suffixes):
+        return set()
+    matched: set[nn.Module] = set()
+    used: set[tuple[str, str]] = set()
+    for name, sub in model.named_modules():
+        cls = type(sub)
+        spellings = {cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"}
+        hits = [("classes", c) for c in cfg.classes if c in spellings]
+        hits += [("names", n) for n in cfg.names if n == name]
+        hits += [("name_suffixes", x) for x in cfg.name_suffixes if name.endswith(x)]
+        if hits:
+            matched.add(sub)
+            used.update(hits)
+    for key in ("classes", "names", "name_suffixes"):
+        for entry in getattr(cfg, key):
+            if (key, entry) not in used:
+                raise ConfigError(
+                    f"zero_optimization.leaf_module.{key}: {entry!r} matches no module of the "
+                    "model; name a module class (Block or pkg.module.Block) or a module name "
+                    "as model.named_modules() gives it"
+                )
+    inside = {id(m) for leaf in matched for m in leaf.modules() if m is not leaf}
+    return {m for m in matched if id(m) not in inside}
+
+
+def hooked_parameters(root: nn.Module, leaves: set[nn.Module]) -> list[tuple[nn.Module, list[Any]]]:
+    """Each module that gets stage-3 hooks, with the parameters it gathers: a leaf all of its
+    subtree's, a module inside a leaf none (it is left out), any other its direct ones."""
+    inside = {id(m) for leaf in leaves for m in leaf.modules() if m is not leaf}
+    return [
+        (sub, list(sub.parameters()) if sub in leaves else list(sub._parameters.values()))
+        for sub in root.modules()
+        if id(sub) not in inside
+    ]
 
 
 class _PreBackward(torch.autograd.Function):
@@ -105,6 +152,7 @@ class ParamCoordinator:
         (prefetches that would exceed it are not issued; what a module needs is always gathered).
     :param max_reuse_distance: ``stage3_max_reuse_distance``: a unit the trace uses again
         within this many elements is kept gathered after its module instead of released.
+    :param leaves: leaf modules (:func:`leaf_modules`): hooked for their whole subtree.
     """
 
     def __init__(
@@ -114,6 +162,7 @@ class ParamCoordinator:
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int,
+        leaves: set[nn.Module] | None = None,
     ) -> None:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
@@ -121,9 +170,9 @@ class ParamCoordinator:
         #: module -> the units of its direct partitioned parameters (a tied weight's unit is
         #: in every module that uses it).
         self.module_units: dict[nn.Module, list[FlatUnit]] = {}
-        for sub in module.modules():
+        for sub, params in hooked_parameters(module, leaves or set()):
             units: list[FlatUnit] = []
-            for p in sub._parameters.values():
+            for p in params:
                 zp = by_param.get(id(p)) if p is not None else None
                 if zp is not None and zp.unit is not None and zp.unit not in units:
                     units.append(zp.unit)

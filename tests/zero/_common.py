@@ -110,6 +110,7 @@ class Scenario:
     sometimes: bool = False  # `unused` gets gradients in the first micro-batch of a step only
     overlap: bool = False  # zero_optimization.overlap_comm (asynchronous reduce-scatters)
     extra: dict[str, Any] = field(default_factory=dict)
+    leaf: dict[str, Any] = field(default_factory=dict)  # zero_optimization.leaf_module
 
     def config(self) -> dict[str, Any]:
         gas_cfg = 1 if self.explicit_boundary else self.gas
@@ -127,6 +128,8 @@ class Scenario:
                 "overlap_comm": self.overlap,
             },
         }
+        if self.leaf:
+            cfg["zero_optimization"]["leaf_module"] = self.leaf
         cfg.update(self.extra)
         return cfg
 

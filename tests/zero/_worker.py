@@ -48,6 +48,10 @@ def stage_scenarios(world: int) -> dict[str, Scenario]:
         "s2": Scenario(stage=2, world=2),
         "s3": Scenario(stage=3, world=2),
         "s3_persist": Scenario(stage=3, world=2, threshold=100, bucket=10_000),
+        # leaf modules: the MoE layer (gate and experts) gathered as one unit, with prefetch;
+        # the whole model as one leaf (the tied weight inside it)
+        "s3_leaf": Scenario(stage=3, world=2, overlap=True, bucket=10_000, leaf={"classes": "MoE"}),
+        "s3_leaf_root": Scenario(stage=3, world=2, bucket=10_000, leaf={"names": [""]}),
         "s0_ep2": Scenario(stage=0, world=2, ep_size=2),
         "s2_ep2": Scenario(stage=2, world=2, ep_size=2),
         "s3_ep2": Scenario(stage=3, world=2, ep_size=2),
@@ -100,7 +104,14 @@ def train(sc: Scenario) -> dict[str, Any]:
     with torch.no_grad():
         eval_out = engine(on_device(probe))
     state = global_names(model, engine.gathered_state_dict())
-    return {"losses": losses, "norms": norms, "state": state, "eval_out": eval_out}
+    gathered = sum(1 for u in engine.units if u.mode.name == "PARTITIONED")
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": state,
+        "eval_out": eval_out,
+        "partitioned_units": gathered,
+    }
 
 
 def count_bytes() -> dict[str, Any]:

@@ -455,7 +455,7 @@ def test_deepspeed_0_19_knobs_load_and_its_features_are_refused_by_name() -> Non
     with pytest.warns(UserWarning) as record:
         cfg = load_config(knobs, 1)
     text = str(record[0].message)
-    for key in ("disable_python_gc", "zero_optimization.leaf_module",
+    for key in ("disable_python_gc",
                 "zero_optimization.offload_optimizer.cpuadam_cores_perc",
                 "expert_parallel.comm_num_sm"):  # fmt: skip
         assert key in text, text

@@ -118,3 +118,19 @@ def test_expert_split_and_replicated_give_the_same_norm(suite: SuiteGetter, back
             rtol=RTOL,
             atol=ATOL,
         )
+
+
+def test_leaf_modules_are_gathered_as_one_unit(suite: SuiteGetter, backend: str) -> None:
+    """``leaf_module`` scenarios (which also match the reference, above): the MoE leaf holds
+    its gate and experts in one unit, the whole-model leaf everything in two (the trainable
+    parameters, the frozen ``frozen`` layer: frozen parameters never share a unit)."""
+    results = suite("stages", 2, backend)
+    net, seen, outside = TinyNet(1), set(), 0
+    for name, sub in net.named_modules():
+        own = [p for p in sub.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        outside += bool(own) and not name.startswith("moe")
+    assert [r["partitioned_units"] for r in results.ranks("s3_leaf")] == [outside + 1] * 2
+    assert [r["partitioned_units"] for r in results.ranks("s3_leaf_root")] == [2, 2]
+    per_module = results.ranks("s3_persist")[0]["partitioned_units"]
+    assert per_module > outside + 1, per_module  # without leaves the MoE is several units

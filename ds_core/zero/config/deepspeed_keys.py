@@ -56,7 +56,6 @@ _IGNORED: dict[tuple[str, ...], frozenset[str]] = {
             "stage3_allgather_sequential",
             "parameter_alignment",
             "enable_sanity_checks",
-            "leaf_module",
             "save_muon_momentum_buffer_in_memory",
         }
     ),

@@ -59,6 +59,7 @@ from ds_core.zero.config.precision import (
 from ds_core.zero.config.sections import (
     ActivationCheckpointingConfig,
     ExpertParallelConfig,
+    LeafModuleConfig,
     PipelineConfig,
     TensorParallelConfig,
     TorchAutocastConfig,
@@ -145,6 +146,9 @@ class ZeroConfig(BaseModel):
     sub_group_size: Int = Field(default=1_000_000_000, gt=0)
     """Elements of optimizer state stepped (and, with NVMe offload, swapped) as one piece:
     each unit's range is cut into sub-groups of at most this many elements. (Default: 1e9)"""
+    leaf_module: LeafModuleConfig = LeafModuleConfig()
+    """Stage-3 modules gathered and released whole, their submodules unhooked
+    (:class:`~ds_core.zero.config.sections.LeafModuleConfig`). (Default: none)"""
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     """Optimizer offload (stages 1-3). DeepSpeed's legacy ``cpu_offload: true`` (with
     ``cpu_offload_use_pin_memory``) means ``{"device": "cpu"}``. (Default: off)"""

@@ -19,6 +19,7 @@ from ds_core.zero.config.types import Bool, Int
 
 __all__ = [
     "ActivationCheckpointingConfig",
+    "LeafModuleConfig",
     "ExpertParallelConfig",
     "TPLayerSpecConfig",
     "TPPartitionConfig",
@@ -38,6 +39,38 @@ _AUTOCAST_DTYPES = {
     "half": "float16",
     "torch.float16": "float16",
 }
+
+
+class LeafModuleConfig(BaseModel):
+    """``zero_optimization.leaf_module``: stage-3 modules gathered and released whole.
+
+    A leaf module's parameters, its submodules' included, form its units (one unit up to
+    ``reduce_bucket_size`` elements) and are gathered before its forward and its backward and
+    released after, with no hooks on its submodules: one all-gather and one reduce-scatter
+    per leaf where each submodule would issue its own (FSDP2's per-block ``fully_shard``).
+    Fewer, larger collectives: cheaper where each collective has a fixed cost (small layers,
+    bench/README.md "zero_vs_peers.py"), at the price of the whole leaf gathered at once. The
+    outermost matching module is the leaf. The same keys as DeepSpeed 0.19.8
+    (``runtime/zero/leaf_module_config.py``), whose default lists three ``transformers`` MoE
+    blocks; ds_core's default is empty (no module is a leaf unless named). An entry that
+    matches no module of the model is an error at ``initialize``."""
+
+    model_config = _FROZEN
+
+    classes: list[str] = []
+    """Class names: ``Block``, ``pkg.module.Block`` (``__module__`` + ``__qualname__``)."""
+    names: list[str] = []
+    """Module names as ``model.named_modules()`` gives them (``blocks.0``)."""
+    name_suffixes: list[str] = []
+    """Module names ending so (``.mlp``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_string(cls, data: Any) -> Any:
+        # DeepSpeed accepts a single string for each list
+        if isinstance(data, dict):
+            return {k: [v] if isinstance(v, str) else v for k, v in data.items()}
+        return data
 
 
 class TorchAutocastConfig(BaseModel):
