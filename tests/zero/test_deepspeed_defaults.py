@@ -191,6 +191,18 @@ ROWS: list[Row] = [
         f"{ZERO}.max_live_parameters"),
     Row("zero_optimization.stage3_max_reuse_distance", 1_000_000_000,
         f"{ZERO}.max_reuse_distance"),
+    Row("zero_optimization.leaf_module.classes", [
+        "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"],
+        "runtime/zero/leaf_module_config.py:DEFAULT_LEAF_MODULE_CLASSES", [],
+        "ds_core names no class by default: its stage 3 does not special-case transformers' "
+        "MoE blocks, and an entry matching no module of the model is an error at initialize",
+        note="stage-3 modules gathered and released whole, one unit per leaf"),
+    Row("zero_optimization.leaf_module.names", [],
+        "runtime/zero/leaf_module_config.py:DEFAULT_LEAF_MODULE_NAMES"),
+    Row("zero_optimization.leaf_module.name_suffixes", [],
+        "runtime/zero/leaf_module_config.py:DEFAULT_LEAF_MODULE_NAME_SUFFIXES"),
     Row("zero_optimization.ignore_unused_parameters", True, f"{ZERO}.ignore_unused_parameters",
         note="false: a step with a trainable parameter that got no gradient raises, at stages "
         "1/2 with optimizer offload (where DeepSpeed asserts)"),
