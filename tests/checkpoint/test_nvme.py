@@ -8,6 +8,11 @@ uninterrupted host-offload run, and one saved without offload (torch's AdamW, it
 tensor) loads onto NVMe holding the saved state. The NVMe checkpoint holds the same values as the host-offload
 one, and no swap file is in it. A rank SIGKILLed mid-swap or mid-save leaves the previous
 checkpoint loadable, bit for bit.
+
+The save/load cases run on every backend of ``CHECKPOINT_BACKENDS`` (``backend`` fixture,
+tests/checkpoint/conftest.py): on sim the swap buffers sit between the device's parameters and
+the files. The kill case stays on cpu: what it tests is the file system's state after a
+SIGKILL, which no device changes.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("label", list(LOADS))
 @pytest.mark.parametrize("stage", STAGES)
-def test_nvme_state_resumes_exactly(suite: Any, stage: int, label: str, fmt: str) -> None:
+def test_nvme_state_resumes_exactly(
+    suite: Any, backend: str, stage: int, label: str, fmt: str
+) -> None:
     target, source = LOADS[label]
-    ref = suite("nvme_save").ranks(f"save_{source}_s{stage}")
-    got = suite("nvme_load").ranks(f"{label}_s{stage}_{fmt}")
+    ref = suite("nvme_save", backend).ranks(f"save_{source}_s{stage}")
+    got = suite("nvme_load", backend).ranks(f"{label}_s{stage}_{fmt}")
     for r, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert b["path"].endswith("global_step3"), b["path"]
         equal(a["at_save"], b["loaded"], f"rank{r}.loaded")
@@ -46,8 +53,10 @@ def test_nvme_state_resumes_exactly(suite: Any, stage: int, label: str, fmt: str
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_nvme_checkpoint_holds_what_host_offload_holds(suite: Any, stage: int) -> None:
-    res = suite("nvme_save")
+def test_nvme_checkpoint_holds_what_host_offload_holds(
+    suite: Any, backend: str, stage: int
+) -> None:
+    res = suite("nvme_save", backend)
     nvme, cpu = res.ranks(f"save_nvme_s{stage}"), res.ranks(f"save_cpu_s{stage}")
     for a, b in zip(nvme, cpu, strict=True):
         equal(a["at_save"], b["at_save"])  # the same training on both sides

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.zero._common import on_device
 from tests.zero._offload import NVME_TEST_ROOT
 
 MICRO = 3
@@ -88,7 +89,7 @@ def steps(engine: Any, n: int, seed: int = 1) -> list[float]:
     for _ in range(n):
         x, y = torch.randn(2 * MICRO, 7, generator=g), torch.randn(2 * MICRO, 5, generator=g)
         sl = slice(rank * MICRO, (rank + 1) * MICRO)
-        loss = (engine(x[sl].to(dtype)).float() - y[sl]).pow(2).mean()
+        loss = (engine(on_device(x[sl]).to(dtype)).float() - on_device(y[sl])).pow(2).mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -110,7 +111,9 @@ def pair(
         out: dict[str, Any] = {"losses": steps(engine, STEPS)}
         out["state"] = {k: v.clone() for k, v in engine.gathered_state_dict().items()}
         with torch.no_grad():
-            out["eval"] = engine(torch.ones(2, 7, dtype=torch.bfloat16 if bf16 else None))
+            out["eval"] = engine(
+                on_device(torch.ones(2, 7, dtype=torch.bfloat16 if bf16 else None))
+            )
         out["bytes"] = engine.model_state_bytes()
         sw = engine.param_swap
         if sw is not None:
@@ -212,7 +215,7 @@ def gathered_edit(param: str) -> Callable[[], dict[str, Any]]:
             if comm.get_rank() == 1:
                 weight.data.fill_(0.25)
         with torch.no_grad():
-            engine(torch.ones(2, 7))  # every unit gathered: the edited shard is evicted
+            engine(on_device(torch.ones(2, 7)))  # every unit gathered: the edited shard is evicted
         out = {"edited": engine.gathered_state_dict()["a.weight"].clone()}
         for g in engine.optimizer.param_groups:
             g["lr"] = 0.0

@@ -1,9 +1,16 @@
-"""Optimizer state on NVMe (``offload_optimizer.device = "nvme"``) at stages 1-3 on 2 gloo ranks.
+"""Optimizer state on NVMe (``offload_optimizer.device = "nvme"``) at stages 1-3 on 2 ranks, on
+cpu and on the simulated accelerator in its lazy mode (:data:`NVME_BACKENDS`).
 
 Oracles: the same run with host offload (bit for bit: the same kernel on the same bytes, in
 sub-groups of 37 elements that cut parameters in pieces), and the single-process reference
 (``check_against_reference``). Swap files go to a real file system folder
-(``DS_CORE_NVME_TEST_DIR``, else the system's temporary folder)."""
+(``DS_CORE_NVME_TEST_DIR``, else the system's temporary folder).
+
+On sim the swap path's device side runs for real: gradients leave the device for the swap
+buffers and updated parameters come back through them. Lazy mode, not threads: queued device
+work runs only when waited for, so a copy read before its event fails every time (one sim mode
+is enough for the swap's ordering; running both would double the suite's minutes).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,18 +29,21 @@ import torch
 from ds_core.errors import ConfigError
 from ds_core.zero.config import load_config
 from tests.zero._offload import nvme_scenarios
-from tests.zero.conftest import SuiteResults
+from tests.zero.conftest import BACKENDS, SuiteGetter
 from tests.zero.test_zero_stages import check_against_reference
 
 PAIRS = [(s, g) for s in (1, 2, 3) for g in (1, 3)]
+#: cpu, and sim in lazy mode where installed (see the module docstring).
+NVME_BACKENDS = [b for b in BACKENDS if b in ("cpu", "sim-lazy")]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
 @pytest.mark.parametrize(("stage", "gas"), PAIRS)
 def test_nvme_equals_host_offload_bit_for_bit(
-    suite: Callable[[str, int], SuiteResults], stage: int, gas: int
+    suite: SuiteGetter, backend: str, stage: int, gas: int
 ) -> None:
-    res = suite("nvme", 2)
+    res = suite("nvme", 2, backend)
     for cpu, nvme in zip(res.ranks(f"s{stage}_gas{gas}_cpu"), res.ranks(f"s{stage}_gas{gas}_nvme"),
                          strict=True):  # fmt: skip
         assert nvme["losses"] == cpu["losses"] and nvme["norms"] == cpu["norms"]
@@ -45,18 +55,16 @@ def test_nvme_equals_host_offload_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
 @pytest.mark.parametrize("name", [f"s{s}_gas{g}_nvme" for s, g in PAIRS] + ["s2_nvme_big_subgroup"])
-def test_nvme_matches_single_process_reference(
-    suite: Callable[[str, int], SuiteResults], name: str
-) -> None:
-    check_against_reference(nvme_scenarios()[name], suite("nvme", 2).ranks(name))
+def test_nvme_matches_single_process_reference(suite: SuiteGetter, backend: str, name: str) -> None:
+    check_against_reference(nvme_scenarios()[name], suite("nvme", 2, backend).ranks(name))
 
 
 @pytest.mark.slow
-def test_nvme_with_parameter_offload_equals_host_offload(
-    suite: Callable[[str, int], SuiteResults],
-) -> None:
-    res = suite("nvme", 2)
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
+def test_nvme_with_parameter_offload_equals_host_offload(suite: SuiteGetter, backend: str) -> None:
+    res = suite("nvme", 2, backend)
     for cpu, nvme in zip(res.ranks("s3_param_cpu"), res.ranks("s3_param_nvme"), strict=True):
         assert nvme["losses"] == cpu["losses"]
         for name, value in cpu["state"].items():
@@ -64,12 +72,13 @@ def test_nvme_with_parameter_offload_equals_host_offload(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
 @pytest.mark.parametrize("name", ["s1_gas1_nvme", "s2_gas3_nvme", "s3_gas1_nvme", "s3_param_nvme"])
 def test_host_holds_buffer_count_sub_groups_and_files_go_at_destroy(
-    suite: Callable[[str, int], SuiteResults], name: str
+    suite: SuiteGetter, backend: str, name: str
 ) -> None:
     sc = nvme_scenarios()[name]
-    for r in suite("nvme", 2).ranks(name):
+    for r in suite("nvme", 2, backend).ranks(name):
         # Masters and moments on the host: buffer_count buffers of one sub-group's three
         # regions (each padded to 4 KiB for O_DIRECT), nothing else, no optimizer state.
         assert len(r["swap_buffers"]) == sc.buffer_count

@@ -1,4 +1,7 @@
-"""Stage-3 parameters on NVMe (``offload_param.device = "nvme"``) on 2 gloo ranks.
+"""Stage-3 parameters on NVMe (``offload_param.device = "nvme"``) on 2 ranks, on cpu and on the
+simulated accelerator in lazy mode (tests/zero/test_zero_nvme.py's ``NVME_BACKENDS``: shards
+read from their files are copied to the device for every gather, and lazy mode fails a gather
+that reads a copy before it ran).
 
 Oracle: the same training with ``offload_param.device = "cpu"``, bit for bit (the same
 arithmetic on the same bytes; the swap only moves them). The model's units have odd element
@@ -10,7 +13,6 @@ from __future__ import annotations
 import os
 import resource
 import signal
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -21,17 +23,19 @@ from ds_core.zero.config import load_config
 from ds_core.zero.config.offload import AioConfig, OffloadParamConfig
 from ds_core.zero.offload.nvme_param import ParamSwapper
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
-from tests.zero.conftest import SuiteResults
+from tests.zero.conftest import SuiteGetter
+from tests.zero.test_zero_nvme import NVME_BACKENDS
 
 PAIRS = [(bf, o) for bf in ("fp32", "bf16") for o in ("dev", "cpu", "nvme")]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
 @pytest.mark.parametrize(("precision", "optimizer"), PAIRS)
 def test_nvme_params_equal_host_params_bit_for_bit(
-    suite: Callable[[str, int], SuiteResults], precision: str, optimizer: str
+    suite: SuiteGetter, backend: str, precision: str, optimizer: str
 ) -> None:
-    res = suite("nvme_param", 2)
+    res = suite("nvme_param", 2, backend)
     for cpu, nvme in zip(res.ranks(f"cpu_{precision}_{optimizer}"),
                          res.ranks(f"nvme_{precision}_{optimizer}"), strict=True):  # fmt: skip
         assert nvme["losses"] == cpu["losses"]
@@ -47,10 +51,11 @@ def test_nvme_params_equal_host_params_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
 def test_max_in_cpu_keeps_the_first_units_on_the_host_and_swaps_the_rest(
-    suite: Callable[[str, int], SuiteResults],
+    suite: SuiteGetter, backend: str
 ) -> None:
-    res = suite("nvme_param", 2)
+    res = suite("nvme_param", 2, backend)
     for cpu, nvme in zip(res.ranks("cpu_fp32_in_cpu"), res.ranks("nvme_fp32_in_cpu"),
                          strict=True):  # fmt: skip
         assert nvme["losses"] == cpu["losses"]
@@ -65,11 +70,12 @@ def test_max_in_cpu_keeps_the_first_units_on_the_host_and_swaps_the_rest(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
 @pytest.mark.parametrize(("precision", "optimizer"), PAIRS)
 def test_the_buffer_pool_is_the_only_host_copy_of_swapped_shards(
-    suite: Callable[[str, int], SuiteResults], precision: str, optimizer: str
+    suite: SuiteGetter, backend: str, precision: str, optimizer: str
 ) -> None:
-    for r in suite("nvme_param", 2).ranks(f"nvme_{precision}_{optimizer}"):
+    for r in suite("nvme_param", 2, backend).ranks(f"nvme_{precision}_{optimizer}"):
         # buffer_count=2 buffers, each the largest shard's bytes (buffer_size is larger)
         assert r["pool"] == [max(r["parts"])] * 2
         assert all(r["host_shards"])
@@ -81,10 +87,11 @@ def test_the_buffer_pool_is_the_only_host_copy_of_swapped_shards(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
 def test_a_gathered_parameters_edit_reaches_the_swap_file_and_the_master(
-    suite: Callable[[str, int], SuiteResults],
+    suite: SuiteGetter, backend: str
 ) -> None:
-    res = suite("nvme_param", 2)
+    res = suite("nvme_param", 2, backend)
     for cpu, nvme in zip(res.ranks("cpu_gathered_edit"), res.ranks("nvme_gathered_edit"),
                          strict=True):  # fmt: skip
         assert torch.equal(nvme["edited"], torch.full((13, 7), 0.25))
@@ -93,19 +100,21 @@ def test_a_gathered_parameters_edit_reaches_the_swap_file_and_the_master(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
 def test_open_descriptors_stay_flat_over_steps_and_engines(
-    suite: Callable[[str, int], SuiteResults],
+    suite: SuiteGetter, backend: str
 ) -> None:
-    for r in suite("nvme_param", 2).ranks("fds"):
+    for r in suite("nvme_param", 2, backend).ranks("fds"):
         counts = r["counts"]
         assert len(set(counts[1:])) == 1, counts
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", NVME_BACKENDS)
 def test_checkpoint_of_nvme_params_resumes_on_nvme_and_on_the_host(
-    suite: Callable[[str, int], SuiteResults],
+    suite: SuiteGetter, backend: str
 ) -> None:
-    for r in suite("nvme_param", 2).ranks("checkpoint"):
+    for r in suite("nvme_param", 2, backend).ranks("checkpoint"):
         assert r["nvme_equal"] and r["cpu_equal"]
         assert r["nvme_after"] == r["src_after"] and r["cpu_after"] == r["src_after"]
 
