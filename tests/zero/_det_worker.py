@@ -1,25 +1,33 @@
-"""Rank worker for the determinism tests: ``python -m tests.zero._det_worker WORLD OUTDIR``.
+"""Rank job of the determinism tests (:func:`run_jobs`, on a rank pool: tests/rankpool.py).
 
 Per stage, three 20-step trainings of the tiny model (MoE, tied and frozen weights, dropout,
 data drawn from torch's global generator during training, clipping, accumulation): two under
 the config's deterministic policy, each started from a differently scrambled generator state,
-and one without the policy. Each rank saves ``OUTDIR/det.rank<r>.pt``.
+and one without the policy. Data is drawn on the host and trained on the backend's device, so
+on an accelerator the dropout masks come from the device's generator (the policy must seed
+it). Each rank saves ``OUTDIR/det.rank<r>.pt``, on the host.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import socket
-import sys
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 
-from tests.rankpool import rank_env
-from tests.zero._common import IN, MICRO, OUT, Scenario, TinyNet, load_reference, reference_state
+from tests.zero._common import (
+    IN,
+    MICRO,
+    OUT,
+    Scenario,
+    TinyNet,
+    load_reference,
+    on_device,
+    reference_state,
+    to_host,
+)
 
 STEPS = 20
 
@@ -54,7 +62,7 @@ def train(stage: int, ep_size: int, deterministic: bool, scramble: int) -> dict[
     for _ in range(STEPS * engine.gas):
         x = torch.randn(world * MICRO, IN)[rank * MICRO : (rank + 1) * MICRO]
         y = torch.randn(world * MICRO, OUT)[rank * MICRO : (rank + 1) * MICRO]
-        loss = F.mse_loss(engine(x), y)
+        loss = F.mse_loss(engine(on_device(x)), on_device(y))
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().clone())
@@ -91,7 +99,7 @@ def train_gpt(stage: int, deterministic: bool, scramble: int) -> dict[str, Any]:
         rank, world = comm.get_rank(), comm.get_world_size()
         losses = []
         for _ in range(STEPS * engine.gas):
-            tokens = torch.randint(0, cfg.vocab_size, (world, 33))[rank : rank + 1]
+            tokens = on_device(torch.randint(0, cfg.vocab_size, (world, 33))[rank : rank + 1])
             loss = engine(tokens[:, :-1], tokens[:, 1:])
             engine.backward(loss)
             engine.step()
@@ -126,24 +134,9 @@ def jobs() -> dict[str, dict[str, Any]]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(rank_env(rank, world, port, DS_ACCELERATOR="cpu"))
-    torch.set_num_threads(1)
-    import ds_core
+def run_jobs(outdir: str) -> None:
+    """Every training of :func:`jobs` on this rank; the results, on the host, in
+    ``OUTDIR/det.rank<r>.pt``."""
+    from ds_core import comm
 
-    ds_core.init_distributed(timeout=300)
-    torch.save(jobs(), os.path.join(outdir, f"det.rank{rank}.pt"))
-    torch.distributed.barrier()
-    ds_core.destroy_distributed()
-
-
-def main() -> None:
-    world, outdir = int(sys.argv[1]), sys.argv[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    mp.spawn(_rank, args=(world, port, outdir), nprocs=world, join=True)
-
-
-if __name__ == "__main__":
-    main()
+    torch.save(to_host(jobs()), os.path.join(outdir, f"det.rank{comm.get_rank()}.pt"))

@@ -1,4 +1,5 @@
-"""Two 2-rank trainings under the deterministic policy are bitwise equal, stages 0-3.
+"""Two 2-rank trainings under the deterministic policy are bitwise equal, stages 0-3, on cpu and
+on the simulated accelerator (:data:`DET_BACKENDS`).
 
 Two models: the ZeRO tests' tiny model (MoE, tied and frozen weights) plus input dropout, under
 the config key; and the GPT example's tiny preset (0.1 M parameters, 32 tokens a sample: the
@@ -6,40 +7,58 @@ default preset would take minutes on the shared 2-core CI machine), built under
 ``determinism.enable`` so its initialisation is seeded too. 20 steps of 2 micro-batches each.
 Each deterministic run starts from a differently scrambled generator state; a run without the
 policy shows that the seeding is what makes them equal.
+
+On sim the dropout masks come from the device's generator, which only the policy's
+``manual_seed_all`` seeds. Threads mode, not lazy: there the device's work runs on its own
+threads while the host goes on, so a result that depended on timing would differ between the
+two runs; lazy mode runs queued work in one order by construction, and proves nothing here.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.rankpool import RankPools
+from tests.zero._common import backend_env
+from tests.zero.conftest import BACKENDS
+
 SCENARIOS = ["s0", "s1", "s2", "s3", "s3_ep2"]
 GPT = ["gpt_s0", "gpt_s1", "gpt_s2", "gpt_s3"]
+#: cpu, and sim in threads mode where installed (see the module docstring).
+DET_BACKENDS = [b for b in BACKENDS if b in ("cpu", "sim-threads")]
 
-pytestmark = pytest.mark.slow  # two trainings on two real rank processes
+# slow: trainings on two real rank processes
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("backend", DET_BACKENDS)]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("det")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.zero._det_worker", "2", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"determinism worker failed:\n{proc.stderr[-6000:]}")
-    return [torch.load(out / f"det.rank{r}.pt", weights_only=False) for r in range(2)]
+def det_results(
+    tmp_path_factory: pytest.TempPathFactory, rank_pools: RankPools
+) -> Callable[[str], list[dict[str, Any]]]:
+    """``det_results(backend)``: each rank's trainings (tests/zero/_det_worker.py), run once."""
+    cache: dict[str, list[dict[str, Any]]] = {}
+
+    def get(backend: str) -> list[dict[str, Any]]:
+        if backend not in cache:
+            out: Path = tmp_path_factory.mktemp(f"det-{backend}")
+            env = backend_env(backend, 2)
+            rank_pools.get(2, env).run("tests.zero._det_worker:run_jobs", str(out))
+            cache[backend] = [
+                torch.load(out / f"det.rank{r}.pt", weights_only=False) for r in range(2)
+            ]
+        return cache[backend]
+
+    return get
+
+
+@pytest.fixture
+def ranks(det_results: Callable[[str], list[dict[str, Any]]], backend: str) -> list[dict[str, Any]]:
+    return det_results(backend)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -81,11 +100,16 @@ def test_without_the_policy_the_same_runs_differ(
     assert not _equal(a["losses"], plain["losses"])
 
 
-def test_policy_is_on_during_training_and_off_after_destroy(ranks: list[dict[str, Any]]) -> None:
+def test_policy_is_on_during_training_and_off_after_destroy(
+    ranks: list[dict[str, Any]], backend: str
+) -> None:
+    device = backend.partition("-")[0]
     for res in ranks:
         for scenario in SCENARIOS:
             det, plain = res[scenario]["det_a"], res[scenario]["plain"]
             assert det["policy_on"] and not det["policy_after_destroy"]
             assert not plain["policy_on"] and plain["knobs"] == []
             assert "torch.use_deterministic_algorithms" in det["knobs"]
-            assert "seed:torch.host" in det["knobs"] and "seed:cpu.device(all)" in det["knobs"]
+            assert (
+                "seed:torch.host" in det["knobs"] and f"seed:{device}.device(all)" in det["knobs"]
+            )
