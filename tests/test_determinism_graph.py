@@ -1,5 +1,11 @@
 """engine.capture(): replay equals eager bit for bit on the CPU backend, follows new inputs
-and training steps, and every refusal is loud (single process, world size 1)."""
+and training steps, and every refusal is loud (single process, world size 1).
+
+On every backend of the engine matrix (:data:`CAPTURE_BACKENDS`, a one-rank pool each): where
+the backend declares ``graph_capture`` the replays equal eager forwards; where it does not
+(sim), ``engine.capture`` raises ``NotSupportedError`` naming the capability and the backend
+before the function runs, and only ``eager_fallback=True`` gives an eager callable, which says
+so."""
 
 from __future__ import annotations
 
@@ -14,6 +20,13 @@ from torch import nn
 import ds_core
 from ds_core import DSCoreError, NotSupportedError
 from ds_core.zero.capture import CapturedFn
+from tests.rankpool import RankPools
+from tests.zero._common import backend_env
+from tests.zero.conftest import installed_backends
+
+#: cpu (declares graph capture) and sim in one async mode (declares none: a refusal does not
+#: depend on the mode; threads shares the checkpoint suites' one-rank pool).
+CAPTURE_BACKENDS = [b for b in installed_backends() if b in ("cpu", "sim-threads")]
 
 
 class Net(nn.Module):
@@ -128,3 +141,25 @@ def test_eager_fallback_only_when_asked_and_it_says_so(make_engine: Any) -> None
     assert not run.captured and isinstance(run.refusal, DSCoreError)
     with torch.no_grad():
         assert torch.equal(run(x), engine(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", CAPTURE_BACKENDS)
+def test_capture_replays_where_declared_and_refuses_loudly_where_not(
+    rank_pools: RankPools, backend: str
+) -> None:
+    r = rank_pools.get(1, backend_env(backend, 1)).run("tests._capture_worker:capture_job")[0]
+    assert r["backend"] == backend.partition("-")[0]
+    if r["declared"]:
+        assert len(r["pairs"]) == 4
+        for replayed, eager in r["pairs"]:
+            assert torch.equal(replayed, eager)
+        return
+    kind, message, capability = r["refusal"]
+    assert kind == "NotSupportedError" and capability == "graph_capture", r["refusal"]
+    assert "graph_capture" in message and r["backend"] in message, message
+    assert r["calls_before_refusal"] == 0  # refused before anything ran
+    fallback = r["fallback"]
+    assert fallback["captured"] is False and fallback["refusal"] == "NotSupportedError"
+    assert fallback["device"] == r["device"]  # the eager callable runs on the device
+    assert torch.equal(fallback["output"], r["eager"])
