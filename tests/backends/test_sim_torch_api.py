@@ -90,3 +90,42 @@ def test_autocast_contexts_open_and_torch_disables_an_enabled_one(mode: str) -> 
         mode,
     )
     assert r["dtypes"] == [] and r["off"] == r["on"] == "torch.float32" and r["warned"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_convolutions_run_their_host_kernels_forward_and_backward(mode: str) -> None:
+    """torch sends convolutions on a device other than CPU/CUDA to operators it only declares
+    (``convolution_overrideable``): sim registers ``convolution`` and ``convolution_backward``
+    with its host fallback, so they equal the host's bit for bit (the CIFAR-style loop of
+    tests/compat/_loops.py trains a Conv2d on sim)."""
+    r = run(
+        """
+        sim = device.init()
+        diffs = {}
+        for name, make in {
+            "conv2d": lambda: torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2),
+            "conv_transpose2d": lambda: torch.nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2),
+            "conv1d_no_bias": lambda: torch.nn.Conv1d(4, 6, 3, bias=False),
+        }.items():
+            torch.manual_seed(0)
+            host, dev = make(), make()
+            dev.load_state_dict(host.state_dict())
+            dev.to("sim")
+            shape = (2, 4, 9) if name.startswith("conv1d") else (2, 4, 9, 9)
+            x = torch.randn(*shape, requires_grad=True)
+            xd = x.detach().to("sim").requires_grad_()
+            y, yd = host(x), dev(xd)
+            y.pow(2).sum().backward()
+            yd.pow(2).sum().backward()
+            pairs = [(yd, y), (xd.grad, x.grad)] + [
+                (a.grad, b.grad) for a, b in zip(dev.parameters(), host.parameters())
+            ]
+            diffs[name] = [str(yd.device)] + [
+                bool(torch.equal(a.cpu(), b)) for a, b in pairs
+            ]
+        out(**diffs)
+        """,
+        mode,
+    )
+    for name, (dev, *equal) in r.items():
+        assert dev == "sim:0" and all(equal), (name, equal)

@@ -1078,6 +1078,16 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
+// Convolutions have composite kernels that would send a device other than CPU/CUDA to
+// convolution_overrideable / convolution_backward_overrideable, which torch only declares
+// (they raise "not implemented"): the fallback above never saw them, so nn.Conv2d failed on
+// sim. Registered here, the two entry points run their host kernels like every other
+// operator; autograd still records convolution's own backward.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
 // ------------------------------------------------------------------------ Python API
 
 void configure(int devices, int64_t capacity, bool lazy, double pcie_gbps) {
