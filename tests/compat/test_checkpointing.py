@@ -1,12 +1,13 @@
 """ds_core.checkpointing: DeepSpeed's configure()/checkpoint() on torch.utils.checkpoint;
-gradients equal to no checkpointing within 1e-6 on the GPT example (single process, cpu)."""
+gradients equal to no checkpointing within 1e-6 on the GPT example (single process, cpu), and
+the same on the simulated accelerator's device (a one-rank pool, :data:`ACT_BACKENDS`): there
+the saved inputs of ``cpu_checkpointing`` leave the device and come back, and the recomputed
+dropout masks come from the device's generator."""
 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,11 +16,15 @@ from torch import nn
 
 from ds_core import ConfigError, checkpointing
 from ds_core.zero.config import load_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from gpt import GPT, PRESETS
+from tests.compat._act_ckpt import SECTIONS, gpt_grads
+from tests.rankpool import RankPools
+from tests.zero._common import backend_env
+from tests.zero.conftest import installed_backends
 
 TOL = 1e-6
+#: the backends other than cpu (which the in-process tests cover): sim, one async mode (threads
+#: shares the checkpoint suites' one-rank pool; the recomputation's order is autograd's).
+ACT_BACKENDS = [b for b in installed_backends() if b == "sim-threads"]
 
 
 @pytest.fixture(autouse=True)
@@ -29,29 +34,7 @@ def _reset() -> Iterator[None]:
     checkpointing.reset()
 
 
-def gpt_grads(ckpt: bool) -> tuple[float, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = GPT(PRESETS["tiny"])
-    idx = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
-    tgt = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(2))
-    x = model.wte(idx) + model.wpe(torch.arange(16))
-    for block in model.blocks:
-        x = checkpointing.checkpoint(block, x) if ckpt else block(x)
-    logits = model.lm_head(model.ln_f(x))
-    loss = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), tgt.reshape(-1))
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
-
-
-@pytest.mark.parametrize(
-    "section",
-    [
-        {},
-        {"cpu_checkpointing": True},
-        {"synchronize_checkpoint_boundary": True, "profile": True},
-        {"partition_activations": True, "contiguous_memory_optimization": True},
-    ],
-)
+@pytest.mark.parametrize("section", SECTIONS)
 def test_gradients_equal_no_checkpointing(section: dict[str, Any]) -> None:
     checkpointing.configure(None, deepspeed_config={"activation_checkpointing": section})
     loss, grads = gpt_grads(ckpt=False)
@@ -97,3 +80,23 @@ def test_refusals_name_the_reason() -> None:
         checkpointing.configure(None, contiguous_checkpointing=True)
     with pytest.raises(ConfigError, match=r"activation_checkpointing\.profile"):
         load_config({"activation_checkpointing": {"profile": "yes"}}, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ACT_BACKENDS)
+def test_on_the_device_gradients_and_dropout_masks_equal_no_checkpointing(
+    rank_pools: RankPools, backend: str
+) -> None:
+    r = rank_pools.get(1, backend_env(backend, 1)).run("tests.compat._act_ckpt:run_job")[0]
+    assert r["device"].startswith(backend.partition("-")[0])
+    host_loss, host_grads = gpt_grads(ckpt=False)  # the single-process host reference
+    for i, section in enumerate(SECTIONS):
+        (loss, grads), (loss_ck, grads_ck) = r[f"gpt{i}"]["plain"], r[f"gpt{i}"]["ckpt"]
+        assert loss_ck == pytest.approx(loss, abs=TOL), section
+        assert loss == pytest.approx(host_loss, abs=TOL), section
+        for name, g in grads.items():
+            torch.testing.assert_close(grads_ck[name], g, rtol=0, atol=TOL, msg=name)
+            torch.testing.assert_close(g, host_grads[name], rtol=0, atol=TOL, msg=name)
+        drop = r[f"dropout{i}"]
+        for got, want in zip(drop["ckpt"], drop["plain"], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=TOL)
