@@ -139,6 +139,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         self.acc: Accelerator = get_accelerator()
         self.acc.configure(config.accelerator)
         self.device = self.acc.device()
+        self._check_autocast()
         self.world = comm.get_world_size()
         self.rank = comm.get_rank()
         self.norm_dtype = torch.float64 if self.acc.is_fp64_supported() else torch.float32

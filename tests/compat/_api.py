@@ -50,8 +50,8 @@ def members(stage: int) -> dict[str, Any]:
     state = engine.state_dict()
     out["state_keys"] = list(state)
     out["state_shapes"] = {k: tuple(v.shape) for k, v in state.items()}
-    x = torch.randn(MICRO, HIDDEN)
-    y = torch.randint(0, HIDDEN, (MICRO,))
+    x = torch.randn(MICRO, HIDDEN).to(engine.device)
+    y = torch.randint(0, HIDDEN, (MICRO,)).to(engine.device)
     engine.backward(engine(x, y))
     engine.step()  # not the boundary yet (gas 2): nothing updates
     out["global_samples_mid_window"] = engine.global_samples
@@ -68,19 +68,25 @@ def errors() -> dict[str, Any]:
     import ds_core as deepspeed
     from ds_core import comm
 
+    acc = deepspeed.get_accelerator()
+    right = acc.communication_backend_name()
+    wrong = "nccl" if right != "nccl" else "gloo"
     out: dict[str, Any] = {
+        "accelerator": acc.name,
+        "comm_backend": right,
         "is_initialized": comm.is_initialized(),
         "local_rank": comm.get_local_rank(),
         "barrier": comm.barrier() is not None,
-        "wrong_backend": _error(lambda: deepspeed.init_distributed(dist_backend="nccl")),
-        "right_backend": _error(lambda: deepspeed.init_distributed(dist_backend="gloo")),
+        "wrong_backend": _error(lambda: deepspeed.init_distributed(dist_backend=wrong)),
+        "wrong_backend_name": wrong,
+        "right_backend": _error(lambda: deepspeed.init_distributed(dist_backend=right)),
     }
     torch.manual_seed(0)
     cfg = stage_config(0)
     del cfg["optimizer"]
     fwd, opt, _, sched = deepspeed.initialize(model=SimpleModel(HIDDEN), config=cfg)
-    x = torch.randn(MICRO, HIDDEN)
-    y = torch.randint(0, HIDDEN, (MICRO,))
+    x = torch.randn(MICRO, HIDDEN).to(fwd.device)
+    y = torch.randint(0, HIDDEN, (MICRO,)).to(fwd.device)
     with torch.no_grad():
         out["forward_only_loss"] = float(fwd(x, y))
     out["forward_only_returns"] = (opt, sched)

@@ -3,7 +3,9 @@
 Each ``*_loop`` is written as DeepSpeed's own examples are (``import ds_core as deepspeed``,
 ``deepspeed.initialize``, ``engine.backward``/``engine.step``), with nothing adapted to ds_core;
 each ``*_reference`` trains the same model in one process on the global batch (every rank's
-samples) with ``torch.optim``. The loops run on every rank of a gloo group (tests/compat/_worker.py).
+samples) with ``torch.optim``. The loops run on every rank of a process group on the selected
+backend (tests/compat/_worker.py) and put their batches on the engine's device, as DeepSpeed's
+examples do (``.to(device)``, ``device=`` for tensors made in the loop).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def autocast_loop(stage: int, world: int, rank: int) -> dict[str, Any]:
     model = SimpleModel(hidden_dim=HIDDEN, nlayers=2)
     engine, _, _, _ = deepspeed.initialize(config=cfg, model=model)
     xs, ys = simple_data(world)
+    xs, ys = xs.to(engine.device), ys.to(engine.device)
     width = world * MICRO
     for s in range(SIMPLE_STEPS):
         mine = slice(s * width + rank * MICRO, s * width + (rank + 1) * MICRO)
@@ -159,6 +162,7 @@ def nosync_loop(world: int, rank: int) -> dict[str, Any]:
     model = SimpleModel(hidden_dim=HIDDEN, nlayers=2)
     engine, _, _, _ = deepspeed.initialize(config=stage_config(0), model=model)
     xs, ys = simple_data(world)
+    xs, ys = xs.to(engine.device), ys.to(engine.device)
     width = world * MICRO
     mine = [slice(m * width + rank * MICRO, m * width + (rank + 1) * MICRO) for m in range(2)]
     with engine.no_sync():
@@ -330,14 +334,15 @@ def gan_loop(stage: int, world: int, rank: int) -> dict[str, Any]:
         optimizer=optimizerG,
         config=gan_config(stage),
     )
+    device = model_engineD.device
     reals, noises = gan_data(world)
     d_losses, g_losses = [], []
     for i in range(GAN_ITERS):
         lo = (i * world + rank) * MICRO
-        real, noise = reals[lo : lo + MICRO], noises[lo : lo + MICRO]
+        real, noise = reals[lo : lo + MICRO].to(device), noises[lo : lo + MICRO].to(device)
         # (1) Update D network: maximize log(D(x)) + log(1 - D(G(z)))
         netD.zero_grad()
-        label = torch.full((MICRO,), REAL_LABEL)
+        label = torch.full((MICRO,), REAL_LABEL, device=device)
         output = netD(real)
         errD_real = criterion(output, label)  # noqa: N806
         model_engineD.backward(errD_real)

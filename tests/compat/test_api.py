@@ -1,5 +1,5 @@
 """DeepSpeed's engine members and entry-point errors (observed by tests/compat/_api.py on 2
-gloo ranks)."""
+ranks of each backend of tests/compat/conftest.py's ``COMPAT_BACKENDS``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ def test_engine_members_have_deepspeeds_meaning(loops: list[dict[str, Any]], sta
     for rank in range(WORLD):
         m = loops[rank][f"members_s{stage}"]
         assert (m["local_rank"], m["global_rank"], m["world_size"]) == (rank, rank, WORLD)
-        assert m["device"] == "cpu"
+        # one device per rank on an accelerator (sim:0, sim:1); the host on cpu
+        device = loops[rank]["backend"].partition("-")[0]
+        assert m["device"] == ("cpu" if device == "cpu" else f"{device}:{rank}")
         assert (m["fp16"], m["bf16"], m["stage"]) == (False, False, stage)
         assert (m["micro"], m["gas"]) == (MICRO, 2)
         assert m["train_batch_size"] == MICRO * 2 * WORLD
@@ -68,13 +70,20 @@ def test_forward_only_engine(loops: list[dict[str, Any]]) -> None:
         assert "built without one" in msg
 
 
+#: each matrix backend's communication backend (README's backends table)
+COMM = {"cpu": "gloo", "sim": "simccl"}
+
+
 def test_comm_queries_and_init_distributed_arguments(loops: list[dict[str, Any]]) -> None:
     for rank in range(WORLD):
         e = loops[rank]["errors"]
+        device = loops[rank]["backend"].partition("-")[0]
+        assert (e["accelerator"], e["comm_backend"]) == (device, COMM[device])
         assert e["is_initialized"] and e["barrier"] and e["local_rank"] == rank
         assert e["right_backend"] == "no error"
-        assert "dist_backend='nccl'" in e["wrong_backend"] and "'gloo'" in e["wrong_backend"]
-        assert "'cpu'" in e["wrong_backend"]
+        wrong = e["wrong_backend_name"]
+        assert f"dist_backend='{wrong}'" in e["wrong_backend"], e["wrong_backend"]
+        assert f"'{COMM[device]}'" in e["wrong_backend"] and f"'{device}'" in e["wrong_backend"]
 
 
 def test_initialize_config_sources(loops: list[dict[str, Any]]) -> None:

@@ -9,6 +9,7 @@ each docstring and in ``docs/from-deepspeed.md``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from ds_core.zero.reducer import GradReducer
 from ds_core.zero.steps import StepBook
 
 if TYPE_CHECKING:  # the engine subclasses this mixin
+    from ds_core.accelerator import Accelerator
     from ds_core.zero.engine import ZeroEngine
 
 __all__ = ["DeepSpeedEngineAPI", "strip_module_prefix"]
@@ -55,6 +57,7 @@ class DeepSpeedEngineAPI:
     stage: int
     plan: StagePlan
     device: torch.device
+    acc: Accelerator
     fp16: bool
     bf16: bool
     optimizer: Any
@@ -336,6 +339,36 @@ class DeepSpeedEngineAPI:
         if not section.enabled:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=section.torch_dtype)
+
+    def _check_autocast(self) -> None:
+        """Refuse ``torch_autocast`` where torch would not autocast on the engine's device.
+
+        torch turns an autocast context whose device has no autocast for the dtype into a
+        disabled one, with only a warning (the simulated accelerator registers none), so the
+        forward would run in full precision while the config says otherwise.
+
+        :raises ConfigError: naming ``torch_autocast.dtype``, the backend and the device type.
+        """
+        section = self.config.torch_autocast
+        if not section.enabled:
+            return
+        kind = self.device.type
+        dtype: torch.dtype | None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's warning; the error below says more
+                with torch.autocast(kind, dtype=section.torch_dtype):
+                    dtype = torch.get_autocast_dtype(kind)
+                    enabled = torch.is_autocast_enabled(kind)
+        except RuntimeError:  # torch knows no autocast for this device type at all
+            dtype, enabled = section.torch_dtype, False
+        if not enabled:
+            raise ConfigError(
+                f"torch_autocast.dtype {section.dtype or 'default'} ({dtype}): torch has no "
+                f"autocast to it on the '{self.acc.name}' backend's device ({kind}), so the "
+                "forward would silently run in full precision; set torch_autocast.enabled to "
+                "false, or train in that precision with bf16.enabled / fp16.enabled"
+            )
 
     # -- gradient synchronisation ------------------------------------------------------------
 
