@@ -1,4 +1,8 @@
-"""``ds-core checkpoint convert | export | inspect`` on the exact-resume suite's checkpoints."""
+"""``ds-core checkpoint convert | export | inspect`` on the exact-resume suite's checkpoints,
+saved on every backend of ``CHECKPOINT_BACKENDS`` (``backend`` fixture,
+tests/checkpoint/conftest.py): the offline tools read a checkpoint written from a device's
+memory as one written from the host's (the exact-resume suite runs on each backend anyway, so
+this costs no training)."""
 
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def native(suite: Any) -> Path:
-    root: Path = suite("resume_save").ckroot / "s3" / "native"
+def native(suite: Any, backend: str) -> Path:
+    root: Path = suite("resume_save", backend).ckroot / "s3" / "native"
     return root
 
 
