@@ -25,7 +25,7 @@ from tests.zero._common import backend_env
 from tests.zero.conftest import installed_backends
 
 #: cpu (declares graph capture) and sim in one async mode (declares none: a refusal does not
-#: depend on the mode; threads shares the checkpoint suites' one-rank pool).
+#: depend on the mode).
 CAPTURE_BACKENDS = [b for b in installed_backends() if b in ("cpu", "sim-threads")]
 
 

@@ -22,8 +22,8 @@ from tests.zero._common import backend_env
 from tests.zero.conftest import installed_backends
 
 TOL = 1e-6
-#: the backends other than cpu (which the in-process tests cover): sim, one async mode (threads
-#: shares the checkpoint suites' one-rank pool; the recomputation's order is autograd's).
+#: the backends other than cpu (which the in-process tests cover): sim in one async mode (the
+#: recomputation runs in autograd's order, which the mode does not change).
 ACT_BACKENDS = [b for b in installed_backends() if b == "sim-threads"]
 
 
