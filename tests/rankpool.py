@@ -102,9 +102,18 @@ class RankPool:
         port = free_port()
         self._procs: list[subprocess.Popen[bytes]] = []
         for rank in range(world):
+            # PYTHONFAULTHANDLER: a rank killed by a signal (a crash in a backend's native
+            # code) leaves its threads' Python stacks in its log, which the failure shows.
             env_r = {
                 **env,
-                **rank_env(rank, world, port, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                **rank_env(
+                    rank,
+                    world,
+                    port,
+                    OMP_NUM_THREADS="1",
+                    PYTHONUNBUFFERED="1",
+                    PYTHONFAULTHANDLER="1",
+                ),
             }
             with open(self._logdir / f"rank{rank}.log", "wb") as log:
                 self._procs.append(
