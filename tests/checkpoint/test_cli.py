@@ -1,8 +1,8 @@
 """``ds-core checkpoint convert | export | inspect`` on the exact-resume suite's checkpoints,
 saved on every backend of ``CHECKPOINT_BACKENDS`` (``backend`` fixture,
 tests/checkpoint/conftest.py): the offline tools read a checkpoint written from a device's
-memory as one written from the host's (the exact-resume suite runs on each backend anyway, so
-this costs no training)."""
+memory as one written from the host's (the exact-resume suite's saves, run once per test
+process: no training of its own when test_resume ran in the same process)."""
 
 from __future__ import annotations
 
