@@ -9,8 +9,9 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from pathlib import Path
 from typing import Literal
 
@@ -338,6 +339,7 @@ class AsyncIO:
             max(1, int(thread_count)), thread_name_prefix="ds_aio"
         )
         self._pending: list[Future[None]] = []
+        self._pruned = 0  # requests that finished cleanly and left ``_pending`` unwaited
 
     @property
     def implementation(self) -> str:
@@ -349,7 +351,7 @@ class AsyncIO:
         return direct_supported(os.path.dirname(os.path.abspath(path)) or ".")
 
     def _submit(self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int,
-                write: bool) -> Future[None]:  # fmt: skip
+                write: bool, after: Iterable[Future[None]]) -> Future[None]:  # fmt: skip
         if self._pool is None:
             raise AsyncIOError(errno.EBADF, "AsyncIO: the handle is closed")
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -364,27 +366,53 @@ class AsyncIO:
         args = (p, write, tensor.data_ptr(), nbytes, int(offset), self.block_size,
                 self.blocks_in_flight, self._direct(p))  # fmt: skip
 
+        before = list(after)
+
         def run() -> None:
             try:
+                # Futures submitted earlier to this FIFO pool: each has started, or will before
+                # this one, so waiting for them here cannot deadlock.
+                done, _ = wait_all(before)
+                for f in done:
+                    failed = f.exception()
+                    if failed is not None:
+                        raise AsyncIOError(
+                            errno.ECANCELED,
+                            f"{'write' if write else 'read'} of {nbytes} bytes at offset "
+                            f"{offset} of '{p}' not started: a request it waits for failed "
+                            f"({failed})",
+                        ) from failed
                 if nbytes:
                     self.impl(*args)
             finally:
-                del keep[:]
+                del hold[:]
 
-        keep = [tensor]  # the tensor's memory stays alive until the transfer ends
+        hold = [tensor]  # the tensor's memory stays alive until the transfer ends
         fut = self._pool.submit(run)
+        # Finished requests that succeeded have nothing left to report: a handle written
+        # back without waiting (NVMe offload) must not grow its list step after step.
+        keep = [f for f in self._pending if not f.done() or f.exception() is not None]
+        self._pruned += len(self._pending) - len(keep)
+        self._pending = keep
         self._pending.append(fut)
         return fut
 
-    def submit_read(self, tensor: torch.Tensor, path: str | os.PathLike[str],
-                    offset: int = 0) -> Future[None]:  # fmt: skip
-        """Start reading ``tensor``'s bytes from ``path`` at ``offset``."""
-        return self._submit(tensor, path, offset, write=False)
+    def submit_read(self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int = 0,
+                    after: Iterable[Future[None]] = ()) -> Future[None]:  # fmt: skip
+        """Start reading ``tensor``'s bytes from ``path`` at ``offset``.
 
-    def submit_write(self, tensor: torch.Tensor, path: str | os.PathLike[str],
-                     offset: int = 0) -> Future[None]:  # fmt: skip
-        """Start writing ``tensor``'s bytes into ``path`` at ``offset`` (created if absent)."""
-        return self._submit(tensor, path, offset, write=True)
+        :param after: requests of this handle that must finish first (a write still draining
+            from ``tensor``'s memory or into the same file); the caller does not wait for
+            them. When one of them failed, this request fails without running
+            (:class:`AsyncIOError`, ``ECANCELED``, naming the failure).
+        """
+        return self._submit(tensor, path, offset, False, after)
+
+    def submit_write(self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int = 0,
+                     after: Iterable[Future[None]] = ()) -> Future[None]:  # fmt: skip
+        """Start writing ``tensor``'s bytes into ``path`` at ``offset`` (created if absent);
+        ``after`` as for :meth:`submit_read`."""
+        return self._submit(tensor, path, offset, True, after)
 
     def wait(self) -> int:
         """Wait for every request submitted so far; returns how many completed.
@@ -393,6 +421,7 @@ class AsyncIO:
             the operation and the file.
         """
         pending, self._pending = self._pending, []
+        pruned, self._pruned = self._pruned, 0
         first: BaseException | None = None
         for f in pending:
             exc = f.exception()
@@ -400,10 +429,14 @@ class AsyncIO:
                 first = exc
         if first is not None:
             raise first
-        return len(pending)
+        return len(pending) + pruned
 
     def _sync(self, fut: Future[None]) -> None:
-        self._pending.remove(fut)  # reported here, not again by the next wait()
+        # Reported here, not again by the next wait() (pruned if it finished cleanly).
+        if fut in self._pending:
+            self._pending.remove(fut)
+        else:
+            self._pruned -= 1
         fut.result()
 
     def sync_read(

@@ -8,17 +8,29 @@ sub-groups of at most ``zero_optimization.sub_group_size`` elements; a sub-group
 ``<nvme_path>/ds_core_swap/rank<R>.<pid>/sg<N>.swp``, holds three regions (master, exp_avg,
 exp_avg_sq), each starting at a 4 KiB-aligned offset so ``O_DIRECT`` moves them whole.
 
-The step, per sub-group in order, through ``buffer_count`` host buffers (each one sub-group's
-three regions, pinned where the backend has it):
+The step, per sub-group, through ``buffer_count`` host buffers (each one sub-group's three
+regions, pinned where the backend has it):
 
-1. the next sub-group's read is submitted into the next buffer (after any write still
-   draining from that buffer) before the current one is touched: its I/O runs while
+1. reads run ``buffer_count - 1`` sub-groups ahead of the update, each queued in the I/O
+   engine behind the write still draining from its buffer (``AsyncIO``'s ``after``), so the
+   step itself never waits for a write before it reuses a buffer;
 2. the current sub-group is updated by ``DeepSpeedCPUAdam``'s kernel (the same kernel and
    scalars as the host-offload step, so the same bits), piece by piece per parameter with
    that parameter's group's hyperparameters, the gradient multiplier fused;
 3. the updated master goes to the unit's device range (16-bit through a staging buffer the
    size of a sub-group, cast on the host, as host offload does), and
-4. the buffer is written back asynchronously; the step ends when every write has landed.
+4. the buffer is written back asynchronously and the step returns without waiting: the
+   writes drain during the next forward and backward.
+
+The last ``buffer_count`` sub-groups of a step stay *resident*: their buffers hold their
+current state, and the next step takes the sub-groups in the opposite order, so it starts
+with them without reading them (it waits only for their write-backs to have landed, long
+done by then). A step thus reads ``max(0, N - buffer_count)`` of its ``N`` sub-groups and
+keeps ``min(N, buffer_count)`` of them off its critical path; the order of sub-groups
+changes no bits (Adam is element-wise). Everything else that touches the files or buffers
+(checkpoint save and load, :meth:`read_state`, teardown) first waits for every write-back
+and forgets the resident ones (:meth:`_drain`); a failed write-back is raised there or by
+the next step, naming the file.
 
 The optimizer's parameters (``zp.master``) are storage-less (``meta``) placeholders that
 carry the parameter groups (learning rate, betas, weight decay, as schedulers change them);
@@ -33,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -116,6 +129,14 @@ class NvmeOptimizerOffload(OptimizerOffload):
         self.step_count = 0
         self._held: _SubGroup | None = None  # the sub-group in buffer 0 outside a step
         self._dirty = False
+        #: sub-group index -> buffer holding its current state (the last step's last ones).
+        self._resident: dict[int, int] = {}
+        self._buf_writes: list[list[Future[None]]] = []  # per buffer: its last write-back
+        self._sg_writes: dict[int, list[Future[None]]] = {}  # per sub-group: its last write
+        self._forward = False  # the last step's order (it alternates)
+        #: seconds the steps waited, summed: for a swap-in (``swap_in_s``) and for a resident
+        #: buffer's write-back (``swap_out_s``); benchmarks read and reset them.
+        self.io_waits = {"swap_in_s": 0.0, "swap_out_s": 0.0}
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -129,6 +150,7 @@ class NvmeOptimizerOffload(OptimizerOffload):
         self._stride = -(-self._sg_max * 4 // ALIGN) * ALIGN
         for _ in range(min(self.buffer_count, 1 + sum(-(-s // self._sg_max) for s in sizes))):
             self._buffers.append(self._host(_REGIONS * self._stride // 4, torch.float32))
+        self._buf_writes = [[] for _ in self._buffers]
         with torch.no_grad():
             for unit in units:
                 grad = self._host(unit.part, torch.float32)
@@ -185,8 +207,12 @@ class NvmeOptimizerOffload(OptimizerOffload):
     def _write(self, sg: _SubGroup, buf: torch.Tensor) -> list[Future[None]]:
         return [self.io.submit_write(t, sg.path, off) for t, off in self._regions(sg, buf)]
 
-    def _read(self, sg: _SubGroup, buf: torch.Tensor) -> list[Future[None]]:
-        return [self.io.submit_read(t, sg.path, off) for t, off in self._regions(sg, buf)]
+    def _read(
+        self, sg: _SubGroup, buf: torch.Tensor, after: list[Future[None]] | None = None
+    ) -> list[Future[None]]:
+        return [
+            self.io.submit_read(t, sg.path, off, after or ()) for t, off in self._regions(sg, buf)
+        ]
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -205,8 +231,8 @@ class NvmeOptimizerOffload(OptimizerOffload):
         return True
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float | None) -> None:
-        """Swap in, update, publish and swap out every sub-group, the next one's read in
-        flight while the current one is updated (see [Note: NVMe optimizer swap])."""
+        """Swap in, update, publish and swap out every sub-group, reads ``buffer_count - 1``
+        sub-groups ahead and write-backs left draining (see [Note: NVMe optimizer swap])."""
         if not isinstance(optimizer, DeepSpeedCPUAdam):
             raise ConfigError(
                 f"offload_optimizer.device='nvme' steps with DeepSpeedCPUAdam; got "
@@ -217,22 +243,58 @@ class NvmeOptimizerOffload(OptimizerOffload):
         scale = 1.0 if grad_scale is None else float(grad_scale)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self.step_count += 1
-        nbuf = len(self._buffers)
-        writes: list[list[Future[None]]] = [[] for _ in range(nbuf)]
-        reads: list[Future[None]] = self._read(self.sub_groups[0], self._buffers[0])
-        for i, sg in enumerate(self.sub_groups):
-            buf = self._buffers[i % nbuf]
-            for f in reads:
-                f.result()
-            if i + 1 < len(self.sub_groups):
-                nxt = (i + 1) % nbuf
-                for f in writes[nxt]:
-                    f.result()  # that buffer's last write-back has landed
-                reads = self._read(self.sub_groups[i + 1], self._buffers[nxt])
+        nbuf, count = len(self._buffers), len(self.sub_groups)
+        # Resident sub-groups (the previous step's last ones, still in their buffers) go
+        # first: the order alternates, so they need no read.
+        self._forward = not self._forward
+        order = list(range(count)) if self._forward else list(range(count - 1, -1, -1))
+        order.sort(key=lambda i: i not in self._resident)  # stable: resident ones first
+        free = [b for b in range(nbuf) if b not in self._resident.values()]
+        slot: list[int] = []  # buffer of each position in ``order``
+        for pos, i in enumerate(order):
+            if i in self._resident:
+                slot.append(self._resident[i])
+            elif free:
+                slot.append(free.pop(0))
+            else:
+                slot.append(slot[pos - nbuf])  # the buffer released longest ago
+        reads: dict[int, list[Future[None]]] = {}
+        ahead = 0  # positions whose read is submitted (or that need none)
+        for pos, i in enumerate(order):
+            sg, b = self.sub_groups[i], slot[pos]
+            # Reads up to nbuf - 1 positions ahead, each queued behind the write still
+            # draining from its buffer and the sub-group's own last write.
+            while ahead < min(count, pos + nbuf):
+                j = order[ahead]
+                if j not in self._resident:
+                    after = self._buf_writes[slot[ahead]] + self._sg_writes.get(j, [])
+                    reads[ahead] = self._read(self.sub_groups[j], self._buffers[slot[ahead]],
+                                              after)  # fmt: skip
+                ahead += 1
+            t0 = time.perf_counter()
+            if pos in reads:
+                for f in reads.pop(pos):
+                    f.result()
+                self.io_waits["swap_in_s"] += time.perf_counter() - t0
+            else:  # resident: its last write-back must have read the buffer before it changes
+                for f in self._buf_writes[b]:
+                    f.result()
+                self.io_waits["swap_out_s"] += time.perf_counter() - t0
+            buf = self._buffers[b]
             self._update(sg, buf, optimizer, group_of, scale)
             self._publish(sg, buf)
-            writes[i % nbuf] = self._write(sg, buf)
-        self.io.wait()  # every write landed (raises the first failure, naming the file)
+            self._buf_writes[b] = self._sg_writes[i] = self._write(sg, buf)
+        # Written back without waiting: the last ``nbuf`` stay resident for the next step;
+        # a checkpoint, a load or teardown waits for the writes (:meth:`_drain`).
+        self._resident = {order[pos]: slot[pos] for pos in range(max(0, count - nbuf), count)}
+
+    def _drain(self) -> None:
+        """Wait for every write-back (raising the first failure, naming the file) and forget
+        the resident sub-groups: the caller reuses the buffers."""
+        self._resident.clear()
+        self._buf_writes = [[] for _ in self._buffers]
+        self._sg_writes.clear()
+        self.io.wait()
 
     def _update(
         self,
@@ -287,7 +349,7 @@ class NvmeOptimizerOffload(OptimizerOffload):
         it was changed) and return the buffer."""
         if self._held is not sg:
             self.settle()
-            self.io.wait()
+            self._drain()
             self._read(sg, self._buffers[0])
             self.io.wait()
             self._held = sg
@@ -366,6 +428,7 @@ class NvmeOptimizerOffload(OptimizerOffload):
 
     def read_state(self, unit: FlatUnit) -> dict[str, torch.Tensor]:
         """``unit``'s master and moments, read from the files into new host tensors."""
+        self._drain()
         hr = self._of[id(unit)]
         out = {k: torch.empty(unit.part) for k in ("master", "exp_avg", "exp_avg_sq")}
         for sg in self.sub_groups:
