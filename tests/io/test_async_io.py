@@ -192,3 +192,35 @@ def test_report_names_the_active_implementation() -> None:
     out = subprocess.run([sys.executable, "-m", "ds_core.cli", "report"], env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert "async I/O        pure-Python path (DS_CORE_ASYNC_IO=python)" in out.stdout, out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_request_after_a_slow_write_sees_its_bytes_and_a_failed_one_cancels_it(
+    disk: Path, impl: str
+) -> None:
+    path = disk / "after.bin"
+    with AsyncIO(implementation=impl, thread_count=2) as h:  # type: ignore[arg-type]
+        inner = h.impl
+        gate = threading.Event()
+
+        def held_write(p: str, write: bool, *rest: object) -> None:
+            if write:
+                gate.wait(10)  # the write cannot finish before the read is queued
+            inner(p, write, *rest)  # type: ignore[arg-type]
+
+        h.impl = held_write  # type: ignore[assignment]
+        src = torch.arange(5000, dtype=torch.float32)
+        w = h.submit_write(src, path)
+        back = torch.zeros(5000)
+        r = h.submit_read(back, path, after=[w])
+        assert not r.done()  # queued behind the write, on the second worker
+        gate.set()
+        r.result(timeout=30)
+        assert torch.equal(back, src)
+        # A failed write cancels what waits for it; both are reported, the write first.
+        bad = h.submit_write(src, disk / "no_such_folder" / "x.bin")
+        r2 = h.submit_read(back, path, after=[bad])
+        with pytest.raises(AsyncIOError, match="not started: a request it waits for failed"):
+            r2.result(timeout=30)
+        with pytest.raises(AsyncIOError, match="no_such_folder"):
+            h.wait()

@@ -15,11 +15,13 @@ is enough for the swap's ordering; running both would double the suite's minutes
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import torch
 
 from ds_core.errors import ConfigError
 from ds_core.zero.config import load_config
-from tests.zero._offload import nvme_scenarios
+from tests.zero._offload import NVME_TEST_ROOT, nvme_scenarios
 from tests.zero.conftest import BACKENDS, SuiteGetter
 from tests.zero.test_zero_stages import check_against_reference
 
@@ -190,3 +192,26 @@ def test_a_file_size_limit_is_refused_at_engine_start(tmp_path: Path) -> None:
     out = _start(tmp_path, "fsize")
     assert out.startswith("ERR offload_optimizer.nvme_path: writing the initial swap files in")
     assert "sg0.swp" in out and "File too large" in out, out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_write_backs_drain_after_the_step_and_a_save_waits_for_them(
+    tmp_path: Path, stage: int
+) -> None:
+    """One process, every swap write slowed (tests/zero/_nvme_overlap.py): the step returns
+    with its write-backs in flight, later steps (resident sub-groups first, the rest read
+    ahead) stay bit for bit equal to host offload, and checkpoints saved right after a step
+    (one followed by more steps) hold exactly host offload's state."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    work = Path(tempfile.mkdtemp(dir=NVME_TEST_ROOT)) if NVME_TEST_ROOT else tmp_path
+    out = subprocess.run([sys.executable, "-m", "tests.zero._nvme_overlap", str(work), port,
+                          str(stage)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["sub_groups"] > r["buffers"] == 3  # some sub-groups are read in every step
+    assert all(n > 0 for n in r["in_flight"]), r["in_flight"]
+    assert r["losses_equal"] and r["params_equal"]
+    assert r["saves"] == 2 and r["checkpoint_mismatches"] == []
