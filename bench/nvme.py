@@ -20,7 +20,15 @@ part, ``--preset small`` for a quick look at it.
    sampling the resident set every millisecond (and the kernel's ``VmHWM``, reset before
    the save): peak above the resident set before the save, against one sub-group's buffer
    (3 x 4 bytes x sub_group_size) and against the state's size.
-3. Step time: ``bench/zero_vs_peers.py``'s table for ``ds2_off,ds2_nvme,ds3_off,ds3_nvme``.
+3. Kernel asynchronous I/O against the engine's thread pool (``--no-kaio`` skips it): the
+   same requests (1-256 MiB, 256 MiB in all, 1 MiB blocks, 8 in flight, ``O_DIRECT``,
+   page-aligned buffers) through Linux native AIO from one thread (``bench/kernel_aio.c``,
+   raw ``io_submit``/``io_getevents`` syscalls, built like ``ds_core.ops``' kernels) and
+   through :class:`ds_core.io.AsyncIO` (compiled pool): MiB/s and the process's CPU seconds
+   per GiB moved (on a machine whose cores are all busy with training, the I/O's CPU time
+   is what shows in the step), medians of ``--repeat``, interleaved, page cache dropped
+   before reads.
+4. Step time: ``bench/zero_vs_peers.py``'s table for ``ds2_off,ds2_nvme,ds3_off,ds3_nvme``.
 
 It prints and never asserts.
 """
@@ -36,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -193,6 +202,81 @@ def save_memory(folder: str) -> None:
         print(out.stdout.strip() or out.stderr[-3000:])
 
 
+def kernel_aio(folder: str, repeat: int) -> None:
+    import ctypes
+
+    from ds_core.io import AsyncIO
+    from ds_core.ops._build import build_shared_library
+
+    lib = build_shared_library("bench_kernel_aio", [ROOT / "bench" / "kernel_aio.c"],
+                               cflags=("-std=c11", "-Wall"), quiet=True)  # fmt: skip
+    fn = lib.kaio_transfer
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int]  # fmt: skip
+    fn.restype = ctypes.c_int
+    path = os.path.join(folder, "ds_core_bench_kaio.bin")
+
+    def fsync() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def kaio(addr: int, size: int, count: int, write: bool) -> None:
+        for i in range(count):
+            rc = fn(path.encode(), int(write), addr, size, i * size, MiB, 8)
+            if rc:
+                raise OSError(-rc, f"kernel AIO on {path}: {os.strerror(-rc)}")
+        if write:
+            fsync()
+
+    def pool(t: torch.Tensor, size: int, count: int, write: bool) -> None:
+        for i in range(count):
+            (io.submit_write if write else io.submit_read)(t, path, i * size)
+        io.wait()
+        if write:
+            fsync()
+
+    def timed(run: Any, *a: Any) -> tuple[float, float]:
+        w, c = time.perf_counter(), time.process_time()
+        run(*a)
+        return time.perf_counter() - w, time.process_time() - c
+
+    io = AsyncIO(implementation="compiled")
+    print(f"kernel {os.uname().release}; Linux native AIO from one thread vs the compiled "
+          f"pool, both 1 MiB blocks x 8 in flight, O_DIRECT; load average "
+          f"{' '.join(open('/proc/loadavg').read().split()[:3])}")  # fmt: skip
+    print(f"{'request':>8} {'op':>5} {'pool MiB/s':>11} {'kaio MiB/s':>11} {'kaio/pool':>9} "
+          f"{'pool cpu s/GiB':>15} {'kaio cpu s/GiB':>15}")  # fmt: skip
+    try:
+        for size_mib in (1, 8, 64, 256):
+            size, count = size_mib * MiB, TOTAL // (size_mib * MiB)
+            buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+            buf.write(b"\1" * size)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            t = torch.frombuffer(buf, dtype=torch.uint8)
+            cells: dict[str, list[tuple[float, float]]] = {k: [] for k in ("pw", "kw", "pr", "kr")}
+            for _ in range(repeat):  # interleaved
+                cells["pw"].append(timed(pool, t, size, count, True))
+                cells["kw"].append(timed(kaio, addr, size, count, True))
+                drop_caches()
+                cells["pr"].append(timed(pool, t, size, count, False))
+                drop_caches()
+                cells["kr"].append(timed(kaio, addr, size, count, False))
+            gib = TOTAL / (1 << 30)
+            for op, p, k in (("write", "pw", "kw"), ("read", "pr", "kr")):
+                pw, kw = (statistics.median(x[0] for x in cells[c]) for c in (p, k))
+                pc, kc = (statistics.median(x[1] for x in cells[c]) for c in (p, k))
+                print(f"{size_mib:>5} MiB {op:>5} {TOTAL / MiB / pw:>11.0f} "
+                      f"{TOTAL / MiB / kw:>11.0f} {pw / kw:>9.2f} {pc / gib:>15.3f} "
+                      f"{kc / gib:>15.3f}", flush=True)  # fmt: skip
+            del t  # the buffer closes only once no view is left
+            buf.close()
+    finally:
+        io.close()
+        if os.path.exists(path):
+            os.remove(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp", help="folder under test (a real disk)")
@@ -201,16 +285,25 @@ def main(argv: list[str] | None = None) -> None:
         "--threads", default="1,4", help="aio intra_op_parallelism values, one table each"
     )
     ap.add_argument("--no-steps", action="store_true", help="skip the training step times")
+    ap.add_argument("--no-kaio", action="store_true", help="skip kernel AIO vs the pool")
+    ap.add_argument("--only-kaio", action="store_true", help="only kernel AIO vs the pool")
     ap.add_argument("--preset", default="large", help="GPT preset for the step times")
     ap.add_argument("--rounds", default="1")
     ap.add_argument("--steps", default="3")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.only_kaio:
+        print("## kernel asynchronous I/O vs the thread pool")
+        kernel_aio(args.dir, args.repeat)
+        return
     print("## I/O engine vs plain sequential O_DIRECT I/O")
     for threads in (int(t) for t in args.threads.split(",")):
         bandwidth(args.dir, args.repeat, threads)
     print("\n## host memory of a save of NVMe-resident optimizer state")
     save_memory(args.dir)
+    if not args.no_kaio:
+        print("\n## kernel asynchronous I/O vs the thread pool")
+        kernel_aio(args.dir, args.repeat)
     if args.no_steps:
         return
     print("\n## GPT step time: host vs NVMe optimizer offload")
