@@ -28,7 +28,11 @@ part, ``--preset small`` for a quick look at it.
    per GiB moved (on a machine whose cores are all busy with training, the I/O's CPU time
    is what shows in the step), medians of ``--repeat``, interleaved, page cache dropped
    before reads.
-4. Step time: ``bench/zero_vs_peers.py``'s table for ``ds2_off,ds2_nvme,ds3_off,ds3_nvme``.
+4. Where the NVMe step waits (``--only-waits``: this section alone): 2 ranks, the GPT
+   (``--preset``), stages 2 and 3, host then NVMe optimizer offload interleaved, ``--steps``
+   + 2 warm-up steps each: median step and ``engine.step()`` time, and the NVMe step's waits
+   per step (``NvmeOptimizerOffload.io_waits``: swap-in and write-back), printed per step.
+5. Step time: ``bench/zero_vs_peers.py``'s table for ``ds2_off,ds2_nvme,ds3_off,ds3_nvme``.
 
 It prints and never asserts.
 """
@@ -277,6 +281,72 @@ def kernel_aio(folder: str, repeat: int) -> None:
             os.remove(path)
 
 
+def _waits_rank(rank: int, stage: int, device: str, port: int, preset: str, steps: int,
+                folder: str) -> None:  # fmt: skip
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import ds_core
+    from examples.gpt import GPT, PRESETS
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS[preset])
+    off: dict[str, Any] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        off["nvme_path"] = folder
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.0}},
+           "steps_per_print": 10**9, "log_level": "warning",
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                 "reduce_bucket_size": 6_000_000, "offload_optimizer": off}}  # fmt: skip
+    engine, *_ = ds_core.initialize(model=model, config=cfg)
+    waits: dict[str, float] | None = getattr(engine.offload, "io_waits", None)
+    g = torch.Generator().manual_seed(rank)
+    whole, opt = [], []
+    for i in range(steps + 2):
+        x = torch.randint(0, model.cfg.vocab_size, (1, 64), generator=g)
+        t0 = time.perf_counter()
+        engine.backward(engine(x, x))
+        t1 = time.perf_counter()
+        engine.step()
+        t2 = time.perf_counter()
+        if i >= 2:
+            whole.append(t2 - t0)
+            opt.append(t2 - t1)
+        if rank == 0 and waits is not None:
+            print(f"  stage {stage} nvme step {i}: {1e3 * (t2 - t0):.0f} ms, step() "
+                  f"{1e3 * (t2 - t1):.0f} ms, waited swap-in {waits['swap_in_s']:.3f} s, "
+                  f"write-back {waits['swap_out_s']:.5f} s", flush=True)  # fmt: skip
+        if waits is not None:
+            waits.update(swap_in_s=0.0, swap_out_s=0.0)
+    if rank == 0:
+        subs = len(getattr(engine.offload, "sub_groups", []))
+        print(f"stage {stage} {device:>4}: step {1e3 * statistics.median(whole):.0f} ms, "
+              f"step() {1e3 * statistics.median(opt):.0f} ms (median of {steps})"
+              + (f"; {subs} sub-groups" if subs else ""), flush=True)  # fmt: skip
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+def step_waits(folder: str, preset: str, steps: int) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    print(f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    for stage in (2, 3):
+        for device in ("cpu", "nvme"):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.spawn(_waits_rank, args=(stage, device, port, preset, steps, folder), nprocs=2)
+    print(f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp", help="folder under test (a real disk)")
@@ -287,11 +357,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-steps", action="store_true", help="skip the training step times")
     ap.add_argument("--no-kaio", action="store_true", help="skip kernel AIO vs the pool")
     ap.add_argument("--only-kaio", action="store_true", help="only kernel AIO vs the pool")
+    ap.add_argument("--only-waits", action="store_true", help="only the NVMe step's waits")
     ap.add_argument("--preset", default="large", help="GPT preset for the step times")
     ap.add_argument("--rounds", default="1")
     ap.add_argument("--steps", default="3")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.only_waits:
+        print("## where the NVMe step waits")
+        step_waits(args.dir, args.preset, int(args.steps))
+        return
     if args.only_kaio:
         print("## kernel asynchronous I/O vs the thread pool")
         kernel_aio(args.dir, args.repeat)
