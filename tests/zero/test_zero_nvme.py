@@ -194,6 +194,7 @@ def test_a_file_size_limit_is_refused_at_engine_start(tmp_path: Path) -> None:
     assert "sg0.swp" in out and "File too large" in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_write_backs_drain_after_the_step_and_a_save_waits_for_them(
     tmp_path: Path, stage: int
