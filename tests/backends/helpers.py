@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Collection
 from typing import Any
 
@@ -114,3 +115,36 @@ def accelerator_for(hooks: object, name: str) -> object:
 
     entry = BackendEntry(name, f"ds-core-{name}", "0.1.0", f"{name}.plugin:hooks", plugin=hooks)
     return build_accelerator(entry)
+
+
+#: the sim backend's async modes
+SIM_MODES = ("threads", "lazy")
+
+
+def run_in_sim_process(
+    code: str, mode: str = "threads", timeout: float = 300, **env: str
+) -> dict[str, Any]:
+    """Run ``code`` (which calls ``out(**values)``) in a new process; return the values."""
+    prelude = textwrap.dedent(
+        """
+        import json, sys, torch
+        from ds_backend_sim import device, counters, reset_counters
+        def out(**kw):
+            print("RESULT " + json.dumps(kw), flush=True)
+        """
+    )
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DS_SIM_")}
+    full_env.update({"DS_SIM_ASYNC": mode, **env})
+    proc = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    )
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
