@@ -24,8 +24,8 @@ from ds_conformance.marks import hooks, promise, tier
 pytestmark = tier("basic")
 
 
-#: Hooks whose spec says "Device context: never" (query hooks that only describe), with the
-#: arguments the probe script calls them with.
+#: Hooks whose spec says "Device context: never" (query hooks that only describe, and the comm
+#: library's registration), with the arguments the probe script calls them with.
 NEVER_HOOKS: tuple[tuple[str, str], ...] = (
     ("ds_backend_info", "()"),
     ("ds_backend_capabilities", "()"),
@@ -39,6 +39,9 @@ NEVER_HOOKS: tuple[tuple[str, str], ...] = (
     ("ds_memory_is_pinned", "(torch.zeros(4),)"),
     ("ds_memory_empty_cache", "()"),  # "never creates one; a no-op on a device that has none"
     ("ds_op_providers", "()"),  # and each provider's status()
+    # Last: what it registers stays registered, so a context it made would also be charged
+    # to every hook after it.
+    ("ds_comm_prepare", "()"),
 )
 
 

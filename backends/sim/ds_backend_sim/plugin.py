@@ -145,7 +145,13 @@ class SimHooks(TorchStyleHooks):
 
     @hookimpl
     def ds_comm_prepare(self) -> bool:
-        device.init()  # registers simccl with torch.distributed
+        # The spec: no device context. simccl's registration needs only the device type's
+        # name (torch.device("sim") parses); the device itself is made later, by
+        # init_distributed's set_device or the first sim tensor.
+        taken = device.name_device_type()
+        if taken:
+            raise RuntimeError(taken)
+        collectives.register()
         return True
 
     @hookimpl
