@@ -32,9 +32,10 @@ and returns at once, which is how a batch starts every operation before waiting 
 synchronous call with nothing queued runs on the caller's thread.
 
 A dead peer: every wait is cut into slices (``LIVENESS_SLICE_S``) between which the peer's pid
-is checked, as the collectives do (:class:`ds_backend_cpu.shm.ShmProtocol`); before the pair
-has exchanged pids, the pid is taken from any shared-memory group already set up with that
-rank (:func:`ds_backend_cpu.shm_groups.known_pid`).
+is checked, as the collectives do (:class:`ds_backend_cpu.shm.ShmProtocol`), and a send checks
+it before writing (a free slot needs no wait, so a message to an exited peer would otherwise
+vanish without an error); before the pair has exchanged pids, the pid is taken from any
+shared-memory group already set up with that rank (:func:`ds_backend_cpu.shm_groups.known_pid`).
 """
 
 from __future__ import annotations
@@ -238,6 +239,14 @@ class Pair:
         """Stream ``data`` (contiguous bytes, 1-D uint8) to the peer, in slot-sized chunks."""
         assert self.segment is not None and self._flags is not None
         seg, what = self.segment, f"send to rank {self.peer}"
+        if not shm_sync.pid_alive(self.peer_pid):
+            # A free slot needs no wait, so without this a message to an exited peer would
+            # vanish: the spec makes it an error (ds_core/hookspecs/comm.py, Point-to-point).
+            self.broken = shm.ShmPeerError(
+                f"shared-memory {what}: rank {self.peer} (pid {self.peer_pid}) has exited "
+                f"(this is rank {self.me})"
+            )
+            raise self.broken
         size, n = seg.slot_bytes, data.numel()
         self._out += 1
         header = array.array("Q", [self._out, n, dtype, tag & (2**64 - 1), numel, 0, 0, 0])
