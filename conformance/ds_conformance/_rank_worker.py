@@ -1,6 +1,6 @@
 """One rank of a conformance group (``python -m ds_conformance._rank_worker``).
 
-Runs the requested jobs (``--jobs comm,zero``) on the backend named by ``DS_ACCELERATOR``
+Runs the requested jobs (``--jobs comm,zero``, or ``dead_peer`` alone) on the backend named by ``DS_ACCELERATOR``
 and writes one JSON object ``{result key: "" | failure}`` to ``--out``. A case that raises is
 recorded and the rank goes on, so one broken collective does not hide the others.
 """
@@ -74,6 +74,17 @@ def main() -> int:
     if "comm" in jobs:
         selected = set(json.loads(Path(args.cases).read_text())) if args.cases else None
         results.update(_comm(acc, args.rank, args.world, Path(args.out).parent, selected))
+    if "dead_peer" in jobs:  # a group of its own: one rank dies, so no clean shutdown
+        from ds_conformance import comm_dead_peer
+
+        selected = set(json.loads(Path(args.cases).read_text())) if args.cases else None
+        try:
+            results.update(comm_dead_peer.run(acc, args.rank, Path(args.out).parent, selected))
+        except Exception as exc:  # before any scenario ran: every one fails with it
+            results["dead_peer[setup]"] = _describe(exc)
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+        os._exit(0)  # destroying groups whose peer died may block; the rank only leaves
     if "zero" in jobs:
         from ds_conformance.zero_smoke import WORLD, run_all
 

@@ -34,11 +34,15 @@ def _free_port() -> int:
 
 
 def spawn_group(
-    world: int, jobs: Iterable[str], cases: Iterable[str] | None = None
+    world: int,
+    jobs: Iterable[str],
+    cases: Iterable[str] | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Run ``jobs`` on ``world`` ranks; return result key -> "" (pass) or the failure.
 
-    :param cases: the collective case keys to run (default: every case of the world size).
+    :param cases: the case keys to run (default: every case of the world size).
+    :param env_extra: variables set for the ranks on top of this process's environment.
 
     Key ``__group__`` carries problems of the group itself (a rank that crashed or hung).
     """
@@ -49,6 +53,7 @@ def spawn_group(
             selection.write_text(json.dumps(sorted(cases)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         env["OMP_NUM_THREADS"] = "1"
+        env.update(env_extra or {})
         procs = []
         for rank in range(world):
             out = Path(tmp) / f"rank{rank}.json"
@@ -93,30 +98,57 @@ class RankGroups:
     def __init__(self, items: list[pytest.Item]) -> None:
         self._jobs: set[str] = set()
         self._cases: set[str] = set()  # only the selected collective cases run (-k, ids)
+        self._dead: set[str] = set()  # the selected dead-peer scenarios
         for item in items:
             module = getattr(item, "module", None)
             name = module.__name__.rsplit(".", 1)[-1] if module is not None else ""
             if name in JOB_OF_MODULE:
                 self._jobs.add(JOB_OF_MODULE[name])
-            case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
-            if case is not None:
-                self._cases.add(case.key)
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if params.get("case") is not None:
+                self._cases.add(params["case"].key)
+            if name == "test_comm" and "dead_peer" in params:
+                self._dead.add(params["dead_peer"])
         self._results: dict[int, dict[str, str]] = {}
+        self._dead_results: dict[str, str] | None = None
 
     def result(self, acc: object, world: int, key: str) -> None:
         """Pass, fail or skip the calling test by the ranks' result under ``key``."""
         __tracebackhide__ = True
-        device_type = getattr(acc, "device_type", "cpu")
-        count = acc.device_count()  # type: ignore[attr-defined]
-        if device_type != "cpu" and count < world:
-            pytest.skip(f"{world} ranks need {world} devices; this host has {count}")
+        _skip_without_devices(acc, world)
         if world not in self._results:
             self._results[world] = spawn_group(world, self._jobs, self._cases)
-        results = self._results[world]
-        if key not in results:
-            pytest.fail(
-                f"no result for {key} from the ranks: {results.get('__group__', 'not run')}",
-                pytrace=False,
+        _report(self._results[world], key)
+
+    def dead_peer_result(self, acc: object, scenario: str) -> None:
+        """Pass, fail or skip the calling test by the dead-peer group's result for
+        ``scenario`` (:mod:`ds_conformance.comm_dead_peer`: a group of its own, since one of
+        its ranks dies; run once for every selected scenario)."""
+        __tracebackhide__ = True
+        from ds_conformance import comm_dead_peer as dead
+
+        _skip_without_devices(acc, dead.WORLD)
+        if self._dead_results is None:
+            keys = [dead.key(s) for s in sorted(self._dead or {scenario})]
+            # Without ds_core's liveness watchdog, which would end the survivor in the
+            # backend's stead (docs/architecture.md §3.10).
+            self._dead_results = spawn_group(
+                dead.WORLD, ["dead_peer"], keys, env_extra={"DS_LIVENESS": "0"}
             )
-        if results[key]:
-            pytest.fail(results[key], pytrace=False)
+        _report(self._dead_results, dead.key(scenario))
+
+
+def _skip_without_devices(acc: object, world: int) -> None:
+    device_type = getattr(acc, "device_type", "cpu")
+    count = acc.device_count()  # type: ignore[attr-defined]
+    if device_type != "cpu" and count < world:
+        pytest.skip(f"{world} ranks need {world} devices; this host has {count}")
+
+
+def _report(results: dict[str, str], key: str) -> None:
+    __tracebackhide__ = True
+    if key not in results:
+        why = results.get("dead_peer[setup]") or results.get("__group__", "not run")
+        pytest.fail(f"no result for {key} from the ranks: {why}", pytrace=False)
+    if results[key]:
+        pytest.fail(results[key], pytrace=False)

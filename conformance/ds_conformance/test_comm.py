@@ -6,6 +6,7 @@ case. Ranks are processes on the ``cpu`` device type; elsewhere a world size nee
 devices, else its cases skip. Cases whose id contains ``late-`` check blocking semantics with
 a late peer; ``stream-`` cases check stream ordering (``async_streams`` backends only);
 ``strided`` and ``transposed`` cases pass non-contiguous views (``comm_cases.LAYOUTS``).
+A peer that exits is checked on a 3-rank group of its own (:mod:`comm_dead_peer`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from ds_conformance.comm_cases import Case, cases
+from ds_conformance.comm_dead_peer import SCENARIOS as DEAD_PEER_SCENARIOS
 from ds_conformance.marks import capability, hooks, promise, tier
 from ds_conformance.ranks import RankGroups
 
@@ -212,3 +214,19 @@ def test_backend_name_is_a_torch_distributed_backend(acc: Any) -> None:
             f"communication_backend_name()={name!r}, but should be one of {sorted(known)} after ds_comm_prepare [ds_comm_backend_name]",
             pytrace=False,
         )
+
+
+@hooks("ds_comm_send", "ds_comm_recv", "ds_comm_batch_isend_irecv")
+@capability("p2p")
+@promise("comm", "**A dead peer is an error, not a hang.**")
+@promise("ds_comm_send", ":raises RuntimeError: when ``dst`` has exited")
+@promise("ds_comm_recv", ":raises RuntimeError: when ``src`` has exited")
+@promise("ds_comm_batch_isend_irecv", ":raises RuntimeError: when a peer has exited")
+@pytest.mark.parametrize("dead_peer", list(DEAD_PEER_SCENARIOS))
+def test_a_dead_peer_is_an_error_not_a_hang(
+    acc: Any, rank_groups: RankGroups, dead_peer: str
+) -> None:
+    """Rank 2 of 3 exits; rank 0's send, receive or batch with it on a subgroup ``[0, 2]``
+    must raise ``RuntimeError`` naming rank 2 and the operation, not hang
+    (:mod:`ds_conformance.comm_dead_peer`)."""
+    rank_groups.dead_peer_result(acc, dead_peer)
