@@ -34,13 +34,6 @@ import ds_conformance
 #: Abbreviations whose full stop ends no sentence.
 ABBREVIATIONS: tuple[str, ...] = ("e.g.", "i.e.", "etc.", "vs.", "cf.", "approx.")
 
-#: The first lines of the ratchet file (``python -m ds_conformance.coverage`` writes it).
-RATCHET_HEADER = (
-    "# Sentences of the hook specs that no conformance check reads yet (issue 28 §1), one\n"
-    "# 'owner<TAB>sentence' a line. The list only shrinks: tests/test_conformance_coverage.py\n"
-    "# fails on an uncovered sentence missing here and on a listed sentence that is covered."
-)
-
 #: The owner name of the package docstring of ``ds_core.hookspecs`` (rules of every hook).
 SHARED = "hookspecs"
 
@@ -316,32 +309,3 @@ def table(cov: Coverage) -> str:
     lines.append(", ".join(f"{k}: {v}" for k, v in cov.totals().items()))
     lines += [f"stale: {s}" for s in cov.stale]
     return "\n".join(lines)
-
-
-# -- the ratchet ------------------------------------------------------------------------------
-
-
-def ratchet_lines(cov: Coverage) -> list[str]:
-    """The uncovered sentences as lines of the ratchet file: ``owner<TAB>sentence``."""
-    return [f"{owner}\t{sentence}" for owner, sentence in cov.uncovered()]
-
-
-def parse_ratchet(text: str) -> list[tuple[str, str]]:
-    """(owner, sentence) of each line of a ratchet file (``#`` comments and blanks skipped).
-
-    :raises ValueError: naming the line that is not ``owner<TAB>sentence``.
-    """
-    entries: list[tuple[str, str]] = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        owner, tab, sentence = line.partition("\t")
-        if not tab or not owner or not sentence:
-            raise ValueError(f"line {number}: expected 'owner<TAB>sentence', got {line!r}")
-        entries.append((owner, sentence))
-    return entries
-
-
-if __name__ == "__main__":  # python -m ds_conformance.coverage: the ratchet file's content
-    print(RATCHET_HEADER)
-    print("\n".join(ratchet_lines(compute())))
