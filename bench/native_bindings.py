@@ -79,10 +79,11 @@ HELPERS: dict[str, tuple[Path, str, list[str], list[str], bool]] = {
                              float step_size, int adam_l2, void *out16, int out_kind,
                              int nthreads);
         void ds_cpu_adam_touch(float *p, const float *g, float *m, float *v, int64_t n,
-                               int nthreads);
+                               void *out16, int nthreads);
         const char *ds_cpu_adam_isa(void);
         int ds_cpu_adam_openmp(void);
         int ds_cpu_adam_has_fp16(void);
+        int64_t ds_cpu_adam_stream_min(void);
         """,
         ["-std=c11", "-ffp-contract=off", "-fno-math-errno", "-Wall"],
         [],

@@ -60,10 +60,11 @@ SIGNATURES: Signatures = {
         "int",
         (*_FP32_BUFFERS, "int64_t", *("float",) * 10, "int", "void *", "int", "int"),
     ),
-    "ds_cpu_adam_touch": ("void", (*_FP32_BUFFERS, "int64_t", "int")),
+    "ds_cpu_adam_touch": ("void", (*_FP32_BUFFERS, "int64_t", "void *", "int")),
     "ds_cpu_adam_isa": ("const char *", ()),
     "ds_cpu_adam_openmp": ("int", ()),
     "ds_cpu_adam_has_fp16": ("int", ()),
+    "ds_cpu_adam_stream_min": ("int64_t", ()),
 }
 
 
@@ -255,13 +256,27 @@ class CompiledAdamKernel:
         self.isa: str = lib.ds_cpu_adam_isa().decode()
         self.openmp = bool(lib.ds_cpu_adam_openmp())
         self.has_fp16 = bool(lib.ds_cpu_adam_has_fp16())
+        #: Elements from which the 16-bit copy-out bypasses the caches (non-temporal stores).
+        self.stream_min: int = lib.ds_cpu_adam_stream_min()
 
-    def touch(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
-        """Move an Adam step's bytes with no Adam arithmetic (``p, m, v += g``), for measuring
-        the update's memory-bandwidth bound. Contiguous fp32 host tensors of one size."""
-        _check(p, g, m, v, None, contiguous=True)
+    def touch(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        out16: torch.Tensor | None = None,
+    ) -> None:
+        """Move an Adam step's bytes with no Adam arithmetic (``p, m, v += g``; with ``out16``,
+        also write the new ``p``'s upper 16 bits there, stored as the step stores its copy),
+        for measuring the update's memory-bandwidth bound. Contiguous fp32 host tensors of one
+        size; ``out16`` bf16 or fp16 of that size.
+
+        :raises ValueError: on a dtype, device, size or layout the kernel cannot take.
+        """
+        _check(p, g, m, v, out16, contiguous=True)
         self._touch(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(),
-                    torch.get_num_threads())  # fmt: skip
+                    None if out16 is None else out16.data_ptr(), torch.get_num_threads())  # fmt: skip
 
     def describe(self) -> str:
         threads = "OpenMP" if self.openmp else "single-threaded (no OpenMP)"

@@ -152,6 +152,42 @@ def test_16bit_copy_out_rounds_like_torch(implementation: str, dtype: torch.dtyp
     assert torch.equal(out[ok].view(torch.int16), want[ok].view(torch.int16))  # signed zeros
 
 
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_streamed_16bit_copy_out_equals_python_path(dtype: torch.dtype, two_threads: None) -> None:
+    # Above stream_min the copy-out goes through a staging block and non-temporal stores, after
+    # a plain-store head up to the copy's first 64-byte boundary; a ragged tail ends it.
+    compiled = load_kernel("compiled")
+    assert isinstance(compiled, cpu_adam.CompiledAdamKernel)
+    n = compiled.stream_min + 4099
+    gen = torch.Generator().manual_seed(7)
+    p0 = torch.randn(n, generator=gen) * 100
+    special = torch.tensor([1.00390625, 65520.0, -1e-40, 3.4e38, float("inf"), float("nan")])
+    p0[3 : 3 + special.numel()] = special  # in the plain-store head
+    p0[-special.numel() :] = special  # in the tail
+    p0[n // 2 : n // 2 + special.numel()] = special  # in a streamed block
+    grads = [torch.randn(n, generator=gen) for _ in range(2)]
+    got = []
+    for kernel in (compiled, PythonAdamKernel()):
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        buf = torch.zeros(n + 40, dtype=dtype)
+        out = buf[5 : 5 + n]
+        for step, g in enumerate(grads, start=1):
+            kernel.step(p, g, m, v, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                        step=step, grad_scale=0.37, out16=out)  # fmt: skip
+        got.append((p, m, v, buf))
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "out16"), *got, strict=True):
+        same = (a == b) | (a.isnan() & b.isnan())
+        assert bool(same.all()), f"{name}: {(~same).sum().item()} elements differ"
+    p, _, _, buf = got[0]
+    want = p.to(dtype)
+    ok = ~want.isnan()
+    assert torch.equal(buf[5 : 5 + n][ok].view(torch.int16), want[ok].view(torch.int16))
+    assert not bool(buf[:5].view(torch.int16).any()) and not bool(
+        buf[5 + n :].view(torch.int16).any()
+    )
+
+
 def test_unscale_and_clip_in_the_same_pass_equals_scaling_first() -> None:
     kernel = load_kernel()
     gen = torch.Generator().manual_seed(3)
@@ -276,6 +312,26 @@ def test_bandwidth_probe_moves_the_bytes_it_claims() -> None:
     kernel.touch(p, g, m, v)
     assert torch.equal(p, torch.full((N,), 1.0)) and torch.equal(v, torch.full((N,), 4.0))
     assert torch.equal(m, torch.full((N,), 3.0)) and torch.equal(g, torch.full((N,), 1.0))
+
+
+@needs_cc
+@pytest.mark.parametrize("size", ["cached", "streamed"])
+def test_bandwidth_probe_writes_the_16bit_copy_like_the_step(size: str, two_threads: None) -> None:
+    kernel = load_kernel("compiled")
+    assert isinstance(kernel, cpu_adam.CompiledAdamKernel)
+    n = N if size == "cached" else kernel.stream_min + 4099
+    gen = torch.Generator().manual_seed(6)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = torch.zeros(n), torch.zeros(n)
+    want = p + g
+    buf = torch.full((n + 40,), 7.0, dtype=torch.bfloat16)
+    out = buf[7 : 7 + n]  # not 64-byte aligned: a plain-store head before the streamed part
+    kernel.touch(p, g, m, v, out)
+    assert torch.equal(p, want) and torch.equal(m, g) and torch.equal(v, g)
+    # The upper half of each new fp32 value (truncation: the probe moves bytes, not rounding).
+    assert torch.equal(out.view(torch.int16), (want.view(torch.int32) >> 16).to(torch.int16))
+    assert torch.equal(buf[:7], torch.full((7,), 7.0, dtype=torch.bfloat16))
+    assert torch.equal(buf[7 + n :], torch.full((33,), 7.0, dtype=torch.bfloat16))
 
 
 def test_ds_core_report_lists_cpu_adam_with_its_active_path() -> None:
