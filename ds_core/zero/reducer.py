@@ -11,18 +11,23 @@ collectives; whatever is incomplete when backward returns is issued then, zeros 
 the missing gradients. Handles are waited for, and their buffers reused or read, only after
 their ``wait()`` (the comm hookspec's ordering contract).
 
-Per stage, by the engine's :class:`~ds_core.zero.placement.StagePlan`:
+Per stage, by the engine's :class:`~ds_core.zero.placement.StagePlan`, one gradient path
+(:mod:`ds_core.zero.grad_paths`, chosen once by ``path_for``) owns the units' buffers:
 
-- stage 0 and stage 1 with accumulation: every micro-batch's gradient is added into a full fp32
-  accumulator per unit; the last micro-batch of the window issues the all-reduce (stage 0) or
-  reduce-scatter (stage 1) during its backward;
-- stage 2, stage 3, and stage 1 without accumulation: every micro-batch reduce-scatters through
-  one of a few reusable staging buffers (two with ``overlap_comm``, double-buffering), and the
-  reduced range is added into a persistent fp32 accumulator of ``part`` elements per unit.
-  The staging buffers exist only while reductions are pending: taken from the allocator at a
-  backward's first gradient and handed back once every collective completed, so the optimizer
-  step (and everything between steps) runs without them (with a caching allocator the next
-  backward gets the same blocks back at no cost).
+- stage 0 and stage 1 with accumulation (``LocalAllReduce``, ``LocalAccumulation``): every
+  micro-batch's gradient is added into a full fp32 accumulator per unit; the last micro-batch
+  of the window issues the all-reduce (stage 0) or reduce-scatter (stage 1) during its backward;
+- stage 2, stage 3, and stage 1 without accumulation (``Streaming``; ``StreamingToHost`` under
+  optimizer offload, summing into the host's accumulators): every micro-batch reduce-scatters
+  through one of a few reusable staging buffers (``StagingPool``: two with ``overlap_comm``,
+  double-buffering), and the reduced range is added into a persistent fp32 accumulator of
+  ``part`` elements per unit. The staging buffers exist only while reductions are pending:
+  taken from the allocator at a backward's first gradient and handed back once every
+  collective completed, so the optimizer step (and everything between steps) runs without
+  them (with a caching allocator the next backward gets the same blocks back at no cost).
+
+The reducer itself keeps what the paths share: the issue order, the collectives in flight
+(``Reduction`` records), the scaling below and the global norm.
 
 Gradients are summed across ranks with DeepSpeed's scaling: ``prescale_gradients`` divides by the
 number of data replicas (``world / sp_size``) before the collective, else
@@ -36,64 +41,29 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ds_core.accelerator import Accelerator
-from ds_core.comm.quantized import NodeGroups, quantized_reduce_scatter
+from ds_core.comm.quantized import NodeGroups
 from ds_core.types import Work
 from ds_core.zero.grad_norm import GlobalNorm, sum_of_squares
+from ds_core.zero.grad_paths import GradPath, Reduction, Streaming, UnitGrads, path_for
 from ds_core.zero.partition import PIPE_REPLICATED_ATTR, FlatUnit, Mode, ZeroParam
 from ds_core.zero.placement import StagePlan
 
 
-class _UnitGrads:
-    """One unit's gradient buffers (ownership as described in [Note: streaming reduction])."""
-
-    __slots__ = ("arrived", "local", "opened", "reduced", "staging", "touched", "unit")
-
-    def __init__(self, unit: FlatUnit) -> None:
-        self.unit = unit
-        #: full fp32 accumulator (local-accumulation policies; stage 0 reduces it in place).
-        self.local: torch.Tensor | None = None
-        #: this rank's reduced fp32 range (``part`` elements; stage 0: ``local`` itself).
-        self.reduced: torch.Tensor | None = None
-        #: the pooled staging buffer this micro-batch's gradients are copied into (streaming
-        #: policy; the unit uses its first ``padded`` elements).
-        self.staging: torch.Tensor | None = None
-        #: whether a reduction into ``reduced`` was issued in this window (later ones add).
-        self.opened = False
-        #: parameters whose gradient arrived in this backward (or, locally, in this window).
-        self.touched: set[int] = set()
-        self.arrived = 0
-
-
-@dataclass(eq=False)
-class _Reduction:
-    """A gradient collective in flight: the handle, the buffer it reads (the bucket, or its cast
-    to the communication dtype) and the one it writes, both kept alive until ``wait()`` as the
-    comm hookspec requires; ``staging`` goes back to the pool then, and ``first`` says whether
-    this is the window's first contribution to the unit."""
-
-    grads: _UnitGrads
-    handle: Work
-    input: torch.Tensor
-    output: torch.Tensor
-    staging: torch.Tensor | None
-    first: bool
-
-
 class GradReducer:
-    """Owns every gradient buffer and collective of the engine's backward.
+    """Owns every gradient collective of the engine's backward, in issue order; its
+    :attr:`path` owns the gradient buffers ([Note: streaming reduction]).
 
     :param units: the units holding trainable parameters, in the fixed issue order.
     :param world: ranks of ZeRO's group (data × sequence parallel): gradients are summed over
         it and divided by ``world // sp_size``, the data replicas (experts too, so every token of
         the global batch weighs the same).
-    :param plan: the engine's stage plan: all-reduce or reduce-scatter, and whether
-        micro-batches accumulate locally until the window's last backward.
+    :param plan: the engine's stage plan, which picks the gradient path
+        (:func:`~ds_core.zero.grad_paths.path_for`).
     :param acc: the accelerator (collectives, streams, events).
     :param comm_dtype: dtype gradients are reduced in (accumulation is always fp32).
     :param prescale: DeepSpeed's ``prescale_gradients``.
@@ -134,22 +104,16 @@ class GradReducer:
         grad_dtype: torch.dtype = torch.float32,
         qgz: NodeGroups | None = None,
     ) -> None:
-        self.plan = plan
-        #: ZeRO++ qgZ: reduce-scatters over the whole world go through quantized all-to-alls.
-        self.qgz = qgz
         self.norm_dtype = norm_dtype
-        self.grad_dtype = grad_dtype
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.world = world
         #: the global norm over the whole mesh's ranks.
         self._norm = GlobalNorm(acc, world * tp_size * pp_size)
         self.acc = acc
-        self.device = acc.device()
-        self.comm_dtype = comm_dtype
         self.overlap = overlap
-        self.units = [_UnitGrads(u) for u in units if u.trainable]
-        self._of: dict[int, _UnitGrads] = {
+        self.units = [UnitGrads(u) for u in units if u.trainable]
+        self._of: dict[int, UnitGrads] = {
             id(zp): ug for ug in self.units for zp in ug.unit.trainable
         }
         #: units another pipeline stage counts in the norm (a tied weight's copy; see
@@ -166,22 +130,12 @@ class GradReducer:
         #: multiplier applied before the collective, and the one the step applies after.
         self.pre_scale = 1.0 / replicas if prescale else 1.0 / predivide
         self._post_scale = 1.0 if prescale else predivide / replicas
-        if self.plan.accumulates_locally:
-            for ug in self.units:
-                ug.local = torch.zeros(ug.unit.padded, dtype=grad_dtype, device=self.device)
-                if self.plan.all_reduces_gradients:
-                    ug.reduced = ug.local
-        else:
-            for ug in self.units:
-                ug.reduced = torch.zeros(ug.unit.part, dtype=grad_dtype, device=self.device)
-        self._capacity = max((ug.unit.padded for ug in self.units), default=0)
-        #: staging buffers to fill before waiting for the oldest collective.
-        self._depth = 2 if overlap else 1
-        #: every staging buffer taken from the allocator, and those not in use.
-        self._pool: list[torch.Tensor] = []
-        self._free: deque[torch.Tensor] = deque()
         #: collectives in flight, oldest first.
-        self._inflight: deque[_Reduction] = deque()
+        self._inflight: deque[Reduction] = deque()
+        #: the stage's gradient path (:mod:`ds_core.zero.grad_paths`): the units' buffers.
+        self.path: GradPath = path_for(
+            plan, self.units, acc, comm_dtype, grad_dtype, qgz, overlap, self._complete_oldest
+        )
         self._stream = acc.Stream() if overlap else None
         #: optimizer offload's host accumulators (see :meth:`attach_host`), or ``None``.
         self.host: Any = None
@@ -206,48 +160,21 @@ class GradReducer:
 
     def begin_backward(self, boundary: bool) -> None:
         """Called before each backward; ``boundary``: the micro-batch ends the window."""
-        self.reducing = boundary or not self.plan.accumulates_locally
+        self.reducing = boundary or self.path.reduces_every_backward
         self._cursor = 0
         for ug in self.units:
             ug.arrived = 0
-            if (
-                self.reducing
-                and self.plan.all_reduces_gradients
-                and ug.opened
-                and ug.local is not None
-                and self.communicate
-            ):
-                # A second reducing backward in one window (a GAN's two discriminator
-                # losses): the all-reduce works in place, so the first result is set aside
-                # and added back when the second completes.
-                self.finish()
-                ug.reduced = ug.local.clone()
-            if not self.plan.accumulates_locally:
-                ug.touched.clear()
+        self.path.begin_backward(self.units, self.reducing and self.communicate)
 
     def on_grad(self, zp: ZeroParam, grad: torch.Tensor) -> None:
         """The post-accumulate-grad hook: take ``grad`` into the unit's buffer."""
         ug = self._of[id(zp)]
-        unit = ug.unit
-        src = grad.detach().reshape(-1)
         if self.require_every_gradient:
             self._arrived_in_window.add(id(zp))
-        if self.plan.accumulates_locally:
-            assert ug.local is not None
-            dst = ug.local[zp.offset : zp.offset + zp.numel]
-            if id(zp) in ug.touched:
-                dst.add_(src)
-            else:
-                dst.copy_(src)
-                ug.touched.add(id(zp))
-        else:
-            if ug.staging is None:
-                ug.staging = self._acquire()
-            ug.staging[zp.offset : zp.offset + zp.numel].copy_(src)
-            ug.touched.add(id(zp))
+        self.path.take(ug, zp, grad.detach().reshape(-1))
         if self.reducing:
             ug.arrived += 1
-            if ug.arrived == len(unit.trainable):
+            if ug.arrived == len(ug.unit.trainable):
                 self._issue_ready()
 
     def end_backward(self) -> None:
@@ -255,10 +182,7 @@ class GradReducer:
         if not self.reducing:
             return
         while self._cursor < len(self.units):
-            ug = self.units[self._cursor]
-            if not self.plan.accumulates_locally and ug.staging is None:
-                ug.staging = self._acquire()
-            self._issue(ug)
+            self._issue(self.units[self._cursor])
             self._cursor += 1
         if not self.overlap:
             self.finish()
@@ -271,22 +195,9 @@ class GradReducer:
             self._issue(ug)
             self._cursor += 1
 
-    def _acquire(self) -> torch.Tensor:
-        while not self._free and len(self._pool) >= self._depth and self._inflight:
-            self._complete_oldest()
-        if self._free:
-            return self._free.popleft()
-        # Below the depth, or every buffer held by a unit waiting for an earlier one
-        # (gradients arriving out of the issue order): take one more rather than stall.
-        buf = torch.empty(self._capacity, dtype=self.comm_dtype, device=self.device)
-        self._pool.append(buf)
-        return buf
-
-    def _issue(self, ug: _UnitGrads) -> None:
+    def _issue(self, ug: UnitGrads) -> None:
         unit = ug.unit
-        full = ug.local if self.plan.accumulates_locally else ug.staging
-        assert full is not None
-        buf = full[: unit.padded]
+        buf = self.path.bucket(ug)[: unit.padded]
         for zp in unit.trainable:
             if id(zp) not in ug.touched:  # no gradient reached it: it contributes zeros
                 buf[zp.offset : zp.offset + zp.numel].zero_()
@@ -296,30 +207,14 @@ class GradReducer:
             # summing where they accumulate (``zero()`` ends the window).
             ug.opened = True
             return
-        if self.plan.accumulates_locally:
-            ug.touched.clear()
-        pre = self.pre_scale
-        send = buf
-        if self.plan.accumulates_locally and self.comm_dtype != self.grad_dtype:
-            send = buf.to(self.comm_dtype)
-        if pre != 1.0:
-            send.mul_(pre)
+        send = self.path.send(ug, buf)
+        if self.pre_scale != 1.0:
+            send.mul_(self.pre_scale)
         first = not ug.opened
         ug.opened = True
-        if self.plan.all_reduces_gradients:
-            out = send
-        elif (
-            first
-            and not self.plan.accumulates_locally
-            and self.comm_dtype == self.grad_dtype
-            and self.host is None
-        ):
-            assert ug.reduced is not None
-            out = ug.reduced  # the window's first contribution lands in place
-        else:
-            out = torch.empty(unit.part, dtype=self.comm_dtype, device=self.device)
+        out = self.path.output(ug, send, first)
         handle = self._collective(unit, out, send)
-        self._inflight.append(_Reduction(ug, handle, send, out, ug.staging, first))
+        self._inflight.append(Reduction(ug, handle, send, out, ug.staging, first))
         ug.staging = None
         if not self.overlap:
             self._complete_oldest()
@@ -327,54 +222,32 @@ class GradReducer:
     def _collective(self, unit: FlatUnit, out: torch.Tensor, send: torch.Tensor) -> Work:
         acc = self.acc
         if self._stream is None:
-            return self._issue_collective(unit, out, send, False)
+            return self.path.collective(unit, out, send, False)
         ready = acc.Event()
         ready.record()  # on the producing (current) stream
         with acc.stream(self._stream):
             self._stream.wait_event(ready)
-            return self._issue_collective(unit, out, send, True)
+            return self.path.collective(unit, out, send, True)
 
-    def _issue_collective(
-        self, unit: FlatUnit, out: torch.Tensor, send: torch.Tensor, async_op: bool
-    ) -> Work:
-        if self.plan.all_reduces_gradients:
-            return self.acc.all_reduce(out, "sum", unit.group, async_op)
-        if self.qgz is not None and unit.group is None:
-            return quantized_reduce_scatter(out, send, self.qgz, async_op)
-        return self.acc.reduce_scatter(out, send, "sum", unit.group, async_op)
-
-    def _complete_oldest(self) -> None:
+    def _complete_oldest(self) -> bool:
+        """Wait for the oldest collective in flight and fold its result in; false when none
+        was in flight."""
+        if not self._inflight:
+            return False
         done = self._inflight.popleft()
         done.handle.wait()  # orders the current stream after the collective
-        ug, out, first = done.grads, done.output, done.first
-        if done.staging is not None:
-            self._free.append(done.staging)
-        if self.plan.all_reduces_gradients:
-            assert ug.local is not None
-            if out is not ug.local:
-                ug.local.copy_(out)
-            if ug.reduced is not None and ug.reduced is not ug.local:
-                ug.local.add_(ug.reduced)
-                ug.reduced = ug.local
-            return
-        if self.host is not None:  # optimizer offload: the window sums on the host
-            if first:
-                counts = not self._norm_replica(ug)
-                part = sum_of_squares(
-                    out if out.dtype == torch.float32 else out.float(), self.norm_dtype
-                )
-                self._host_partials.append(part if counts else part * 0)
-            else:
-                self._host_single = False
-            self.host.accumulate(ug.unit, out)
-            return
-        if ug.reduced is None:  # stage 1 with accumulation: the range lives during the step
-            ug.reduced = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
-        elif out is not ug.reduced:
-            if first and not self.plan.accumulates_locally:
-                ug.reduced.copy_(out)
-            else:
-                ug.reduced.add_(out)
+        if self.host is not None and done.first:
+            # Optimizer offload: the window sums on the host; its first contribution's
+            # squared norm is taken here, on the device (see :meth:`global_norm`).
+            out = done.output
+            part = sum_of_squares(
+                out if out.dtype == torch.float32 else out.float(), self.norm_dtype
+            )
+            self._host_partials.append(part if not self._norm_replica(done.grads) else part * 0)
+        elif self.host is not None:
+            self._host_single = False
+        self.path.land(done)
+        return True
 
     @property
     def post_scale(self) -> float:
@@ -385,11 +258,9 @@ class GradReducer:
     def finish(self) -> None:
         """Wait for every collective in flight and fold its result in, then hand the staging
         buffers back to the allocator unless a unit is still filling one; idempotent."""
-        while self._inflight:
-            self._complete_oldest()
-        if self._pool and all(ug.staging is None for ug in self.units):
-            self._pool.clear()
-            self._free.clear()
+        while self._complete_oldest():
+            pass
+        self.path.drop_staging_if_idle(self.units)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -416,12 +287,11 @@ class GradReducer:
         for ug in self.units:
             if self._norm_replica(ug):
                 continue
-            if ug.reduced is not None and (
-                not self.plan.all_reduces_gradients or ug.unit.group_rank == 0
-            ):
-                yield ug.reduced
+            buf = self.path.norm_buffer(ug)
+            if buf is not None:
+                yield buf
 
-    def _norm_replica(self, ug: _UnitGrads) -> bool:
+    def _norm_replica(self, ug: UnitGrads) -> bool:
         """Whether another rank counts ``ug`` in the norm: a TP replica off TP rank 0, or a
         tied weight's copy off the tie's first pipeline stage."""
         return id(ug) in self._pipe_replicas or (not ug.unit.tp_sharded and self.tp_rank != 0)
@@ -434,10 +304,8 @@ class GradReducer:
                 continue
             if self.host is not None:
                 yield self.host.buffer(ug.unit)
-            elif ug.reduced is not None and (
-                not self.plan.all_reduces_gradients or ug.unit.group_rank == 0
-            ):
-                yield ug.reduced
+            elif (buf := self.path.norm_buffer(ug)) is not None:
+                yield buf
 
     def global_norm(self, dtype: torch.dtype) -> torch.Tensor:
         """Global L2 norm of the reduced gradients, as a 0-dim ``dtype`` device tensor (one
@@ -467,12 +335,13 @@ class GradReducer:
         ``zero()`` (each window's start) and ``buffer(unit)`` (the host range, for the norm),
         and must hold every unit. Returns whether it was attached.
         """
-        if self.plan.accumulates_locally or not all(host.holds(ug.unit) for ug in self.units):
+        if not isinstance(self.path, Streaming):
+            return False
+        if not all(host.holds(ug.unit) for ug in self.units):
             return False
         self.finish()
         self.host = host
-        for ug in self.units:
-            ug.reduced = None  # the device accumulators are not needed any more
+        self.path = self.path.to_host(self.units, host)  # drops the device accumulators
         host.zero()
         return True
 
@@ -480,8 +349,8 @@ class GradReducer:
         """Each partitioned unit with this rank's reduced fp32 range (``part`` elements), for
         optimizer offload. Valid after :meth:`finish` at the window's end."""
         for ug in self.units:
-            if ug.reduced is not None and not self.plan.all_reduces_gradients:
-                yield ug.unit, ug.reduced
+            if (reduced := self.path.reduced_range(ug)) is not None:
+                yield ug.unit, reduced
 
     def scale_(self, factor: float | torch.Tensor) -> None:
         """Multiply every reduced gradient by ``factor`` (a float or a 0-dim device tensor)."""
@@ -521,34 +390,19 @@ class GradReducer:
             ug.opened = False
             ug.touched.clear()
             ug.arrived = 0
-            if ug.staging is not None:
-                self._free.append(ug.staging)
-                ug.staging = None
-            if self.plan.accumulates_locally and not self.plan.all_reduces_gradients:
-                ug.reduced = None
-            elif not self.plan.accumulates_locally and ug.reduced is not None:
-                ug.reduced.zero_()  # a bucket nobody reduces this window must read as zeros
+            self.path.zero(ug)
 
     def nbytes(self) -> int:
         """Bytes of the persistent gradient buffers (accumulators; staging counted apart)."""
-        total = 0
-        for ug in self.units:
-            if ug.local is not None:
-                total += ug.local.numel() * ug.local.element_size()
-            elif not self.plan.accumulates_locally and ug.reduced is not None:
-                total += ug.reduced.numel() * ug.reduced.element_size()
-        return total
+        return sum(self.path.nbytes(ug) for ug in self.units)
 
     def staging_bytes(self) -> int:
         """Bytes of the staging buffers taken now (one unit each; none between steps)."""
-        return sum(b.numel() * b.element_size() for b in self._pool)
+        return self.path.staging_bytes()
 
     def release(self) -> None:
         """Free every buffer (engine teardown)."""
         self.finish()
-        for ug in self.units:
-            ug.local = ug.reduced = ug.staging = None
-        self._pool.clear()
-        self._free.clear()
+        self.path.release(self.units)
         self.units.clear()
         self._of.clear()
