@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ds_core.accelerator import get_accelerator
+from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.comm.quantized import quantized_all_gather
 from ds_core.types import Work
+from ds_core.zero.shard_storage import ShardStorage, storage_for
 
 if TYPE_CHECKING:
     from ds_core.zero.offload.nvme_param import ParamSwapper
@@ -41,6 +42,11 @@ PIPE_TIE_ATTR = "ds_pipe_tie"
 #: true on a tied parameter's copies outside the tie's first stage: DeepSpeed's name; the
 #: gradient norm counts the first stage's copy only.
 PIPE_REPLICATED_ATTR = "ds_pipe_replicated"
+
+
+def _accelerator() -> Accelerator:
+    """This module's ``get_accelerator``, looked up at each call (what a unit's storage uses)."""
+    return get_accelerator()
 
 
 def zero_param_of(param: torch.Tensor) -> ZeroParam | None:
@@ -216,12 +222,13 @@ class FlatUnit:
     Owns the parameters' storage: ``flat`` (the padded full buffer the parameters are views of;
     for PARTITIONED units only while gathered) and ``shard`` (PARTITIONED: this rank's range).
 
-    With ``host_shard`` (``offload_param``), a PARTITIONED unit's ``shard`` lives in host memory
-    (page-locked where the backend declares ``pinned_memory``) and a gather first copies it into
-    a device buffer of ``part`` elements that lives until the all-gather's handle is waited on.
-    With a ``swapper`` (``offload_param.device = "nvme"``) the host shard may instead live in a
-    swap file, ``shard`` being a view of a pool buffer only while resident (see
-    [Note: NVMe parameter swap]); every access goes through the swapper.
+    Where this rank's range lives is its :attr:`storage`, chosen once here
+    (:mod:`ds_core.zero.shard_storage`): inside ``flat`` (not PARTITIONED), a device shard, a
+    host shard with ``host_shard`` (``offload_param``; page-locked where the backend declares
+    ``pinned_memory``, and a gather first copies it into a device buffer of ``part`` elements
+    that lives until the all-gather's handle is waited on), or, with a ``swapper``
+    (``offload_param.device = "nvme"``), a swap file, ``shard`` being a view of a pool buffer
+    only while resident (see [Note: NVMe parameter swap]).
     """
 
     def __init__(
@@ -266,33 +273,16 @@ class FlatUnit:
         self.gather_count = 0
         #: an all-gather in flight (prefetch), with its input and output buffers.
         self.inflight: InFlight | None = None
-        #: ``offload_param``: the shard is on the host; ``pinned`` when page-locked.
-        self.host_shard = host_shard and mode is Mode.PARTITIONED
-        self.pinned = False
-        #: a device -> host write into a pinned host shard still in flight (see
-        #: :meth:`write_owned`); host reads of the shard wait for it, device reads are ordered.
-        self._host_write: Any = None
-        #: NVMe parameter offload: the swapper holding this unit's shard, or ``None``.
-        self.swapper: ParamSwapper | None = None
         #: ZeRO++ qwZ: gathers move 8-bit codes (:func:`~ds_core.comm.quantized.quantized_all_gather`).
         self.quantized_gather = False
         #: ZeRO++ hpZ: the copy partitioned inside a node (:meth:`enable_secondary`), or ``None``.
         self.secondary: Secondary | None = None
         self._refresh_secondary = False
+        #: where this rank's range lives (device, host, swap file, or inside ``flat``).
+        self.storage: ShardStorage = storage_for(
+            self, _accelerator, mode is Mode.PARTITIONED, host_shard, swapper
+        )
         if mode is Mode.PARTITIONED:
-            if self.host_shard and swapper is not None and swapper.adopt(self):
-                self.swapper = swapper  # no host memory until swapped in (zeros at first)
-                self.pinned = swapper.pinned
-            elif self.host_shard:
-                acc = get_accelerator()
-                if "pinned_memory" in acc.capabilities:
-                    self.shard, self.pinned = acc.alloc_pinned((self.part,), self.dtype), True
-                else:
-                    self.shard = torch.empty(self.part, dtype=self.dtype, device="cpu")
-            else:
-                self.shard = torch.empty(self.part, dtype=self.dtype, device=device)
-            if self.shard is not None:
-                self.shard[self._owned_tail() :].zero_()
             # One gather buffer for the unit's life whose storage is freed (resized to 0)
             # on release and refilled on gather: tensors autograd saved in forward view this
             # storage, so backward's re-gather makes them valid again instead of keeping
@@ -303,9 +293,24 @@ class FlatUnit:
             self.flat = torch.empty(self.padded, dtype=self.dtype, device=device)
             self.flat[self.numel :].zero_()
 
-    def _owned_tail(self) -> int:
+    def owned_tail(self) -> int:
         """Elements of this rank's range that hold parameters (the rest is padding)."""
         return max(0, min(self.part, self.numel - self.rank * self.part))
+
+    @property
+    def host_shard(self) -> bool:
+        """``offload_param``: the shard is in host memory (or a swap file)."""
+        return self.storage.on_host
+
+    @property
+    def pinned(self) -> bool:
+        """The host shard (or the swapper's buffers) is page-locked."""
+        return self.storage.pinned
+
+    @property
+    def swapper(self) -> ParamSwapper | None:
+        """NVMe parameter offload: the swapper holding this unit's shard, or ``None``."""
+        return self.storage.swapper
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -332,20 +337,12 @@ class FlatUnit:
 
     def settle_host_write(self) -> None:
         """Wait for a device -> host write into the shard (see :meth:`write_owned`)."""
-        if self._host_write is not None:
-            self._host_write.synchronize()
-            self._host_write = None
+        self.storage.settle()
 
     def _range(self, dirty: bool = False) -> torch.Tensor:
         if dirty and self.secondary is not None:
             self.secondary.valid = False  # the shard may change: the next gather is primary
-        if self.swapper is not None:
-            return self.swapper.fetch(self, dirty)
-        if self.shard is not None:
-            return self.shard
-        assert self.flat is not None
-        start = self.rank * self.part
-        return self.flat[start : start + self.part]
+        return self.storage.range(dirty)
 
     def write_owned(self, zp: ZeroParam, value: torch.Tensor) -> None:
         """Copy ``value`` (``zp``'s piece, any device) into this rank's range. Into a pinned
@@ -354,18 +351,12 @@ class FlatUnit:
         piece = self._range(dirty=True)[zp.shard_offset : zp.shard_offset + zp.shard_numel]
         if piece.data_ptr() == value.data_ptr():
             return
-        piece.copy_(value, non_blocking=self.pinned)
-        if self.pinned:  # the last event covers every earlier copy on the stream
-            self._host_write = get_accelerator().Event()
-            self._host_write.record()
+        self.storage.write(piece, value)
 
     def piece(self, zp: ZeroParam) -> torch.Tensor:
         """``zp``'s piece of this rank's range, flat, in the parameters' dtype (a copy when
         the shard is swapped: its buffer may be reused by the next swap-in)."""
-        if self.swapper is not None:
-            self.settle_host_write()
-            return self._range()[zp.shard_offset : zp.shard_offset + zp.shard_numel].clone()
-        return self.owned()[zp.shard_offset : zp.shard_offset + zp.shard_numel]
+        return self.storage.piece(zp)
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -426,15 +417,7 @@ class FlatUnit:
                 self.wait_gather()
             return
         self._refresh_secondary = sec is not None
-        src = self._range() if self.swapper is not None else self.shard
-        assert src is not None
-        if self.host_shard:
-            # Host -> device on the current stream, which the collective is ordered after.
-            host = src
-            src = torch.empty(self.part, dtype=self.dtype, device=self.device)
-            src.copy_(host, non_blocking=self.pinned)
-            if self.swapper is not None:
-                self.swapper.read_by_device(self)
+        src = self.storage.gather_source()
         handle: Work
         if self.quantized_gather and not exact:
             handle = quantized_all_gather(self.flat, src, self.group, async_op)
@@ -476,11 +459,7 @@ class FlatUnit:
         backend's pinned allocator."""
         self.release()
         self.settle_host_write()  # a write into the host shard may still be in flight
-        if self.swapper is not None:
-            self.swapper.forget(self)
-            self.swapper = None
-        elif self.pinned and self.shard is not None:
-            get_accelerator().free_pinned(self.shard)
+        self.storage.free()
         self.flat = self.shard = None
 
     @property
@@ -495,11 +474,9 @@ class FlatUnit:
         )
 
     def nbytes(self) -> int:
-        """Bytes of the unit's persistent parameter storage (padding included)."""
-        if self.swapper is not None:
-            return 0  # in a swap file; the pool is the swapper's (ParamSwapper.pool_bytes)
-        buf = self.shard if self.mode is Mode.PARTITIONED else self.flat
-        return 0 if buf is None else buf.numel() * buf.element_size()
+        """Bytes of the unit's persistent parameter storage (padding included; a swapped
+        shard's are the swapper's, ``ParamSwapper.pool_bytes``)."""
+        return self.storage.nbytes()
 
     def __repr__(self) -> str:
         return (
