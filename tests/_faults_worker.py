@@ -187,9 +187,14 @@ def run_phase(engine: Any, phase: str, spec: dict[str, Any], root: Path, fault: 
         with fault:
             convert_to_universal(root, root.parent / (root.name + "_universal"))
     elif phase == "nvme_swap":
+        # The step returns with its write-backs in flight (ds_core/zero/offload/nvme.py): a
+        # failed one is raised by the next step, before anything reads what it should have written.
         loss = engine(batch(spec)).pow(2).mean()
         engine.backward(loss)
         with fault:
+            engine.step()
+            loss = engine(batch(spec)).pow(2).mean()
+            engine.backward(loss)
             engine.step()
     else:
         raise ValueError(f"phase {phase!r}")

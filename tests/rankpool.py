@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # minutes on 2 loaded cores.
 JOB_TIMEOUT_S = 1200.0
 START_TIMEOUT_S = 300.0
+#: rank processes kept alive per test process (``DS_TEST_MAX_RANKS``; see :class:`RankPools`)
+MAX_LIVE_RANKS = int(os.environ.get("DS_TEST_MAX_RANKS", "10"))
 
 
 def free_port() -> int:
@@ -217,20 +219,32 @@ class RankPool:
 
 
 class RankPools:
-    """The run's pools, one per (world, environment); created on first use, closed at the end."""
+    """The test process's pools, one per (world, environment): created on first use, reused by
+    later tests, closed at the end. At most :data:`MAX_LIVE_RANKS` rank processes stay alive:
+    the least recently used pools are closed to make room (each rank holds a few hundred MiB,
+    and the suite runs in two test processes: keeping every pool of the run alive exhausted
+    the 24 GiB host, whose OOM killer then took a later test's ranks)."""
 
     def __init__(self) -> None:
+        #: least recently used first
         self._pools: dict[tuple[int, tuple[tuple[str, str], ...]], RankPool] = {}
 
     def get(self, world: int, env: dict[str, str]) -> RankPool:
         """A live pool of ``world`` ranks whose environment is this process's (less its
         ``DS_SIM_*`` settings) with ``env`` applied."""
         key = (world, tuple(sorted(env.items())))
-        pool = self._pools.get(key)
+        pool = self._pools.pop(key, None)
         if pool is None or not pool.alive:
+            self._make_room(world)
             base = {k: v for k, v in os.environ.items() if not k.startswith("DS_SIM_")}
-            pool = self._pools[key] = RankPool(world, {**base, **env})
+            pool = RankPool(world, {**base, **env})
+        self._pools[key] = pool  # now the most recently used
         return pool
+
+    def _make_room(self, world: int) -> None:
+        while self._pools and sum(p.world for p in self._pools.values()) + world > MAX_LIVE_RANKS:
+            oldest = next(iter(self._pools))
+            self._pools.pop(oldest).close()
 
     def close(self) -> None:
         for pool in self._pools.values():

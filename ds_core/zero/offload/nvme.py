@@ -240,6 +240,7 @@ class NvmeOptimizerOffload(OptimizerOffload):
                 "(optimizer.type Adam/AdamW) or pass a DeepSpeedCPUAdam"
             )
         self.settle()
+        self._raise_failed_writes()
         scale = 1.0 if grad_scale is None else float(grad_scale)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self.step_count += 1
@@ -287,6 +288,23 @@ class NvmeOptimizerOffload(OptimizerOffload):
         # Written back without waiting: the last ``nbuf`` stay resident for the next step;
         # a checkpoint, a load or teardown waits for the writes (:meth:`_drain`).
         self._resident = {order[pos]: slot[pos] for pos in range(max(0, count - nbuf), count)}
+
+    def _raise_failed_writes(self) -> None:
+        """Raise the first write-back of the previous step that already failed (naming its file,
+        bytes and errno), before anything reads what it should have written: otherwise a read
+        queued behind it would fail as cancelled, naming it only second-hand."""
+        for futures in self._sg_writes.values():
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    self._drain_quietly()
+                    raise f.exception()  # type: ignore[misc]
+
+    def _drain_quietly(self) -> None:
+        """Forget every pending write-back after one failed (the step is abandoned)."""
+        try:
+            self._drain()
+        except Exception:
+            pass  # the first failure is the one raised
 
     def _drain(self) -> None:
         """Wait for every write-back (raising the first failure, naming the file) and forget
