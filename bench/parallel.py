@@ -63,6 +63,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers_build
+import peers_report
 import zero_vs_peers as harness
 
 from examples.gpt import (
@@ -201,10 +203,10 @@ def run_one(
         "step_s": statistics.median(times[i] for i in measured),
         "compute_s": statistics.median(computes[i] for i in measured),
         "peak": peak,
-        "state": harness.ds_state_bytes(engine) or 0,
+        "state": peers_build.ds_state_bytes(engine) or 0,
         # ZeRO partitions over the ranks holding the same parameters: DP × SP (as DeepSpeed's
         # sequence-data-parallel group), one stage's DP ranks under PP, TP peers excluded
-        "state_formula": harness.zero_formula_bytes(held, args.stage, group),
+        "state_formula": peers_report.zero_formula_bytes(held, args.stage, group),
         "held": held,
         "coll": coll / args.steps,
         "coll_formula": 2 * 4 * held + sp_formula + tp_formula,

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers_report
 import zero_vs_peers as harness
 
 from examples.gpt import GPT, PRESETS, encode, make_corpus
@@ -85,8 +86,8 @@ def table(rows: list[dict[str, Any]], cores: int) -> str:
         if r["error"]:
             lines.append(f"{r['world']:>5} {r['preset']:<7} {r['config']:<6} {r['error']}")
             continue
-        stage = harness.config_stage(r["config"])
-        formula = harness.zero_formula_bytes(n, stage, r["world"])
+        stage = peers_report.config_stage(r["config"])
+        formula = peers_report.zero_formula_bytes(n, stage, r["world"])
         lines.append(
             f"{r['world']:>5} {r['preset']:<7} {n / 1e6:>6.1f}M {r['config']:<6} "
             f"{r['step_s'] * 1e3:>8.0f} {r['state'] / MiB:>14.1f} {formula / MiB:>8.1f} "

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers_build
 import zero_vs_peers as harness
 
 from examples.gpt import GPT, Batches, GPTConfig, encode, make_corpus
@@ -110,7 +111,7 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> dict[s
         "name": name,
         "step_s": statistics.median(times[1:]),
         "peak": peak.peak() - base,
-        "state": harness.ds_state_bytes(engine) or 0,
+        "state": peers_build.ds_state_bytes(engine) or 0,
         "zero": zero_bytes / args.steps,
         "zero_formula": 2 * 4 * reduced,
         "mp": (tp_bytes + mp_bytes) / args.steps,

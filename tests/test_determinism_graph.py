@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch import nn
 
 import ds_core
 from ds_core import DSCoreError, NotSupportedError
 from ds_core.zero.capture import CapturedFn
+from tests._capture_worker import Net
 from tests.rankpool import RankPools
 from tests.zero._common import backend_env
 from tests.zero.conftest import installed_backends
@@ -27,16 +27,6 @@ from tests.zero.conftest import installed_backends
 #: cpu (declares graph capture) and sim in one async mode (declares none: a refusal does not
 #: depend on the mode).
 CAPTURE_BACKENDS = [b for b in installed_backends() if b in ("cpu", "sim-threads")]
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 32)
-        self.b = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(F.gelu(self.a(x))).softmax(-1)
 
 
 @pytest.fixture
