@@ -7,6 +7,7 @@ is described in train_gpt.py's docstring.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import ctypes
 import json
@@ -191,6 +192,7 @@ def relaunch_under_torchrun(args: argparse.Namespace, script: Path) -> NoReturn:
         print("train_gpt: interrupted before the first step: nothing to keep", file=sys.stderr)
     if code in (0, INTERRUPTED):
         shutil.rmtree(run_dir, ignore_errors=True)
+    reap_ranks()
     # Leave without the interpreter's teardown: after torchrun's signal path the agent's C++
     # rendezvous store can still own a running thread when exit() runs static destructors, and
     # that aborts the process ("terminate called without an active exception", status -6 instead
@@ -198,6 +200,36 @@ def relaunch_under_torchrun(args: argparse.Namespace, script: Path) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def reap_ranks(grace_s: float = 30.0) -> None:
+    """Return once no rank of this launcher is left: torchrun's agent does not wait for its
+    workers when a second Ctrl+C interrupts its own shutdown, and a rank that the first one
+    ended may still be tearing down. After ``grace_s`` seconds the rest are killed."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # no child left
+        if pid:
+            continue  # reaped one; look for more at once
+        if time.monotonic() >= deadline:
+            for child in _children():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.01)
+
+
+def _children() -> list[int]:
+    """This process's live children (Linux ``/proc``; elsewhere none are found)."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def quiet_torchrun_log() -> None:
