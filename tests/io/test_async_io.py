@@ -7,10 +7,12 @@ also to /dev/shm where present (tmpfs: O_DIRECT is refused on older kernels)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,11 +30,16 @@ def disk(tmp_path: Path) -> Path:
     return Path(tempfile.mkdtemp(dir=root)) if root else tmp_path
 
 
-def _folders(disk: Path) -> list[Path]:
+@pytest.fixture
+def folders(disk: Path) -> Iterator[list[Path]]:
+    """``disk``, and a folder in /dev/shm where it is writable (removed after the test: a
+    tmpfs folder left behind holds memory until reboot)."""
     out = [disk]
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         out.append(Path(tempfile.mkdtemp(dir="/dev/shm")))
-    return out
+    yield out
+    if len(out) > 1:
+        shutil.rmtree(out[1], ignore_errors=True)
 
 
 def _fds() -> int:
@@ -41,8 +48,10 @@ def _fds() -> int:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("direct", [None, False])
-def test_unaligned_tensors_round_trip_exactly(disk: Path, impl: str, direct: bool | None) -> None:
-    for folder in _folders(disk):
+def test_unaligned_tensors_round_trip_exactly(
+    folders: list[Path], impl: str, direct: bool | None
+) -> None:
+    for folder in folders:
         h = AsyncIO(block_size=8192, queue_depth=3, intra_op_parallelism=3, thread_count=2,
                     use_direct=direct, implementation=impl)  # fmt: skip
         cases = [(12289, torch.bfloat16), (4096, torch.float32), (7, torch.float32),
