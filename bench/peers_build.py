@@ -74,33 +74,20 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
 
 
-def build_ddp(model: torch.nn.Module, zero_opt: bool) -> Trainer:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+def _torch_trainer(
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    model: torch.nn.Module,
+    opt: Any,
+    optim_state: Callable[[], dict[Any, Any]],
+    stage: int,
+) -> Trainer:
+    """A plain-torch peer's step (forward, backward, clipping, optimizer) with its
+    communication counted."""
     counter = TorchCommCounter()
-    # DDP reduces its buckets from C++, out of the wrapper's sight; torch's stock all-reduce
-    # hook (the same arithmetic: divide by world size, sum) issues each bucket's all-reduce
-    # through torch.distributed.all_reduce, where the counter sees the bucket's size.
-    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    if zero_opt:
-        opt: Any = ZeroRedundancyOptimizer(
-            model.parameters(),
-            optimizer_class=torch.optim.AdamW,
-            lr=LR,
-            weight_decay=0.0,
-            fused=True,
-        )
-        optim_state = lambda: opt.optim.state  # noqa: E731 - only this rank's shard
-    else:
-        opt = _adamw(model.parameters())
-        optim_state = lambda: opt.state  # noqa: E731
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with counter.installed():
-            loss = ddp(x, y)
+            loss = forward(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
@@ -115,8 +102,33 @@ def build_ddp(model: torch.nn.Module, zero_opt: bool) -> Trainer:
         lambda: _torch_state_bytes(model, optim_state()),
         lambda: counter.bytes,
         reset,
-        stage=1 if zero_opt else 0,
+        stage=stage,
     )
+
+
+def build_ddp(model: torch.nn.Module, zero_opt: bool) -> Trainer:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    # DDP reduces its buckets from C++, out of the wrapper's sight; torch's stock all-reduce
+    # hook (the same arithmetic: divide by world size, sum) issues each bucket's all-reduce
+    # through torch.distributed.all_reduce, where the step's counter sees the bucket's size.
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    if zero_opt:
+        opt: Any = ZeroRedundancyOptimizer(
+            model.parameters(),
+            optimizer_class=torch.optim.AdamW,
+            lr=LR,
+            weight_decay=0.0,
+            fused=True,
+        )
+        optim_state = lambda: opt.optim.state  # noqa: E731 - only this rank's shard
+    else:
+        opt = _adamw(model.parameters())
+        optim_state = lambda: opt.state  # noqa: E731
+    return _torch_trainer(ddp, model, opt, optim_state, stage=1 if zero_opt else 0)
 
 
 def build_fsdp2(model: torch.nn.Module) -> Trainer:
@@ -131,23 +143,7 @@ def build_fsdp2(model: torch.nn.Module) -> Trainer:
         opt = _adamw(model.parameters())
     except RuntimeError:  # no fused kernel for DTensor parameters in this torch
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    counter = TorchCommCounter()
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with counter.installed():
-            loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-        return loss.detach()
-
-    def reset() -> None:
-        counter.bytes = 0
-
-    return Trainer(
-        step, lambda: _torch_state_bytes(model, opt.state), lambda: counter.bytes, reset, stage=3
-    )
+    return _torch_trainer(model, model, opt, lambda: opt.state, stage=3)
 
 
 def ds_config(
