@@ -179,7 +179,26 @@ class GradPath:
 class LocalAccumulation(GradPath):
     """Stage 1 with accumulation: a full ``padded`` accumulator per unit sums the window's
     micro-batches; the window's last backward reduce-scatters it and the reduced range lives
-    until the window ends (it is the optimizer's gradient)."""
+    until the window ends (it is the optimizer's gradient).
+
+    The reduced range lands in this rank's own range of the accumulator, which the window no
+    longer needs once its reduce-scatter completed: the collective's output is freed as it
+    lands, so the optimizer step runs on the held model states (bench/memory_formula.py, row
+    ``1/gas4``: a separate range per unit held 4Ψ/N more through the step, 1.33 of ZeRO's
+    formula on the GPT example; tests/zero/test_zero_peak_memory.py).
+    """
+
+    def begin_backward(self, units: list[UnitGrads], reducing: bool) -> None:
+        if not reducing:
+            return
+        for ug in units:
+            if ug.reduced is not None:
+                # A second reducing backward in one window (a GAN's two discriminator
+                # losses): its gradients overwrite the accumulator, and with it the first
+                # result, which is set aside (it is added to the second's as that lands).
+                while self.complete_oldest():
+                    pass
+                ug.reduced = ug.reduced.clone()
 
     def allocate(self, ug: UnitGrads) -> None:
         ug.local = torch.zeros(ug.unit.padded, dtype=self.grad_dtype, device=self.device)
@@ -204,9 +223,12 @@ class LocalAccumulation(GradPath):
 
     def land(self, done: Reduction) -> None:
         ug, out = done.grads, done.output
-        if ug.reduced is None:  # the range lives during the step
-            ug.reduced = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
-        elif out is not ug.reduced:  # a second reducing backward in the window
+        if ug.reduced is None:  # the range lives during the step, inside the accumulator
+            assert ug.local is not None
+            start = ug.unit.rank * ug.unit.part
+            ug.reduced = ug.local[start : start + ug.unit.part]
+            ug.reduced.copy_(out)  # casts from the communication dtype
+        else:  # a second reducing backward in the window
             ug.reduced.add_(out)
 
     def zero(self, ug: UnitGrads) -> None:

@@ -35,7 +35,11 @@ class Stack(nn.Module):
         return x.pow(2).mean()
 
 
-def measure(stage: int) -> Callable[[], dict[str, Any]]:
+def measure(stage: int, gas: int = 1) -> Callable[[], dict[str, Any]]:
+    """``gas``: ``gradient_accumulation_steps`` (stage 1 accumulates a full gradient locally
+    and reduce-scatters it at the window's last backward; without accumulation it streams as
+    stage 2 does)."""
+
     def run() -> dict[str, Any]:
         import ds_core
 
@@ -49,17 +53,29 @@ def measure(stage: int) -> Callable[[], dict[str, Any]]:
         model = Stack()
         # what a user passes: torch's Adam at its defaults (the foreach kernels)
         opt = torch.optim.Adam(model.parameters(), lr=LR)
-        config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "zero_optimization": {"stage": stage},
+        }
+        if gas != 1:
+            config["gradient_accumulation_steps"] = gas
         engine, _, _, _ = ds_core.initialize(model=model, optimizer=opt, config=config)
         gen = torch.Generator().manual_seed(1 + ds_core.comm.get_rank())
-        batches = [on_device(torch.randn(MICRO, WIDTH, generator=gen)) for _ in range(3)]
-        for x in batches[:2]:  # the first step records stage 3's trace and builds the state
-            engine.backward(engine(x))
+        batches = [on_device(torch.randn(MICRO, WIDTH, generator=gen)) for _ in range(3 * gas)]
+
+        def micro_batches(k: int) -> None:
+            for x in batches[k * gas : (k + 1) * gas - 1]:
+                engine.backward(engine(x))
+                engine.step()  # not a boundary: no optimizer step
+            engine.backward(engine(batches[(k + 1) * gas - 1]))
+
+        for k in range(2):  # the first step records stage 3's trace and builds the state
+            micro_batches(k)
             engine.step()
         acc.synchronize()
         held = acc.memory_allocated() - before
         acc.reset_peak_memory_stats()
-        engine.backward(engine(batches[2]))
+        micro_batches(2)
         # with overlap_comm the last reductions are still in flight: their buffers are held
         staging = engine.reducer.staging_bytes()
         engine.step()
@@ -81,6 +97,10 @@ def measure(stage: int) -> Callable[[], dict[str, Any]]:
                 for p in group["params"]
             ),
             "overlap": bool(engine.overlap_comm),
+            # stage 0 and stage 1 with accumulation sum into a full local accumulator (no
+            # staging; ds_core/zero/grad_paths.py) and reduce once per window
+            "local": type(engine.reducer.path).__name__ in ("LocalAccumulation", "LocalAllReduce"),
+            "parts": sum(u.part for u in units) * 4,
             "n_params": sum(zp.numel for zp in engine.zparams.values()),
         }
         engine.destroy()
@@ -91,4 +111,4 @@ def measure(stage: int) -> Callable[[], dict[str, Any]]:
 
 
 def jobs() -> dict[str, Callable[[], dict[str, Any]]]:
-    return {f"s{stage}": measure(stage) for stage in range(4)}
+    return {**{f"s{stage}": measure(stage) for stage in range(4)}, "s1gas4": measure(1, 4)}
