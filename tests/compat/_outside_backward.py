@@ -111,7 +111,10 @@ def gan(ds: Any, stage: int, rank: int, variant: str) -> dict[str, Any]:
     )
     g = torch.Generator().manual_seed(3)
     n = ITERS * WORLD * MICRO
-    reals, noises = torch.randn(n, DIM, generator=g), torch.randn(n, NZ, generator=g)
+    # Drawn on the host (every backend sees the same data), used on the engine's device.
+    device = model_engineD.device
+    reals = torch.randn(n, DIM, generator=g).to(device)
+    noises = torch.randn(n, NZ, generator=g).to(device)
     through = variant in ("engines", "engines_plain")
     D = model_engineD if through else netD  # noqa: N806
     G = model_engineG if through else netG  # noqa: N806
@@ -136,7 +139,7 @@ def gan(ds: Any, stage: int, rank: int, variant: str) -> dict[str, Any]:
             lo = (i * WORLD + rank) * MICRO
             real, noise = reals[lo : lo + MICRO], noises[lo : lo + MICRO]
             zero(netD, model_engineD, optimizerD)
-            label = torch.full((MICRO,), 1.0)
+            label = torch.full((MICRO,), 1.0, device=device)
             errD_real = criterion(D(real), label)  # noqa: N806
             backward(model_engineD, errD_real)
             fake = G(noise)
@@ -186,7 +189,8 @@ def single(ds: Any, stage: int, rank: int, variant: str) -> dict[str, Any]:
         engine, *_ = ds.initialize(model=model, optimizer=opt, config=cfg)
     g = torch.Generator().manual_seed(5)
     n = ITERS * gas * WORLD * MICRO
-    xs, ys = torch.randn(n, HIDDEN, generator=g), torch.randn(n, generator=g)
+    xs = torch.randn(n, HIDDEN, generator=g).to(engine.device)
+    ys = torch.randn(n, generator=g).to(engine.device)
     fwd = model if variant == "module_plain" else engine
     losses = []
     try:

@@ -1,7 +1,12 @@
-"""A corpus of real DeepSpeed programs (tests/compat/clients) on 2 gloo ranks under the
+"""A corpus of real DeepSpeed programs (tests/compat/clients) on 2 ranks under the
 ``deepspeed`` -> ds_core shim, each against its plain-PyTorch twin: every rank's losses within
 1e-5 relative at fp32, and the final weights alike (docs/from-deepspeed.md, "A corpus of real
-clients")."""
+clients").
+
+``results`` is parametrised by :data:`tests.compat.conftest.COMPAT_BACKENDS`: the programs put
+their models and batches on the accelerator's device (``get_accelerator()``, as they put them
+on ``cuda``), so on ``sim`` they train on a device that is not the host, against the same
+host twins."""
 
 from __future__ import annotations
 
@@ -17,35 +22,45 @@ import torch
 
 from tests.compat import clients
 from tests.compat.clients import _twin
-from tests.compat.conftest import WORLD
+from tests.compat.conftest import COMPAT_BACKENDS, WORLD
 from tests.rankpool import RankPools
+from tests.zero._common import backend_env
 
 LOSS_RTOL = 1e-5
 CLIENT_DIR = Path(clients.__file__).parent
 DOC = Path(__file__).resolve().parents[2] / "docs" / "from-deepspeed.md"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=COMPAT_BACKENDS)
 def results(
-    tmp_path_factory: pytest.TempPathFactory, rank_pools: RankPools
-) -> dict[str, list[Any]]:
-    """Client name -> each rank's results (one rank-pool job runs them all)."""
-    tmp = tmp_path_factory.mktemp("compat_clients")
-    pool = rank_pools.get(WORLD, {"DS_ACCELERATOR": "cpu"})
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    rank_pools: RankPools,
+) -> dict[str, Any]:
+    """Client name -> each rank's results (one rank-pool job runs them all, results on the
+    host), and ``"backend"``: the matrix entry."""
+    backend = str(request.param)
+    tmp = tmp_path_factory.mktemp(f"compat_clients-{backend}")
+    pool = rank_pools.get(WORLD, backend_env(backend, WORLD))
     per_rank = pool.run("tests.compat.clients:run_all", str(tmp))
-    return {name: [r[name] for r in per_rank] for name in clients.CLIENTS}
+    out: dict[str, Any] = {name: [r[name] for r in per_rank] for name in clients.CLIENTS}
+    out["backend"] = backend
+    return out
 
 
-_REFS: dict[str, dict[str, Any]] = {}
+#: (backend, client) -> the twin's results; the batches a client draws differ per backend
+#: (the device's generator draws them on sim), so each backend's run has its own twin run.
+_REFS: dict[tuple[str, str], dict[str, Any]] = {}
 
 
-def reference(name: str, got: list[dict[str, Any]]) -> dict[str, Any]:
-    if name not in _REFS:
-        _REFS[name] = clients.load(name).reference(WORLD, got)
-    return _REFS[name]
+def reference(results: dict[str, Any], name: str) -> dict[str, Any]:
+    key = (results["backend"], name)
+    if key not in _REFS:
+        _REFS[key] = clients.load(name).reference(WORLD, results[name])
+    return _REFS[key]
 
 
-def ok(results: dict[str, list[Any]], name: str) -> list[dict[str, Any]]:
+def ok(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
     got = results[name]
     for rank, r in enumerate(got):
         assert "error" not in r, f"{name} raised on rank {rank}:\n{r['error']}"
@@ -75,18 +90,18 @@ LOSS_CURVES = [
 
 
 @pytest.mark.parametrize("name", LOSS_CURVES)
-def test_client_matches_its_twin(results: dict[str, list[Any]], name: str) -> None:
+def test_client_matches_its_twin(results: dict[str, Any], name: str) -> None:
     got = ok(results, name)
-    ref = reference(name, got)
+    ref = reference(results, name)
     for rank in range(WORLD):
         assert_losses(got[rank]["losses"], ref["losses"][rank], f"{name} rank {rank}")
         assert_state(got[rank]["state"], ref["state"], f"{name} rank {rank}")
 
 
-def test_cifar10_moe_matches_a_plain_top1_mixture(results: dict[str, list[Any]]) -> None:
+def test_cifar10_moe_matches_a_plain_top1_mixture(results: dict[str, Any]) -> None:
     """Expert parallelism over the 2 ranks: rank r holds expert r (``experts.0``)."""
     got = ok(results, "cifar10_moe")
-    ref = reference("cifar10_moe", got)
+    ref = reference(results, "cifar10_moe")
     for rank in range(WORLD):
         assert_losses(got[rank]["losses"], ref["losses"][rank], f"cifar10_moe rank {rank}")
         want = {}
@@ -99,9 +114,9 @@ def test_cifar10_moe_matches_a_plain_top1_mixture(results: dict[str, list[Any]])
         assert_state(got[rank]["state"], want, f"cifar10_moe rank {rank}")
 
 
-def test_gan_two_engines_match_their_twin(results: dict[str, list[Any]]) -> None:
+def test_gan_two_engines_match_their_twin(results: dict[str, Any]) -> None:
     got = ok(results, "gan")
-    ref = reference("gan", got)
+    ref = reference(results, "gan")
     for rank in range(WORLD):
         assert_losses(got[rank]["d_losses"], ref["d_losses"], f"gan D rank {rank}")
         assert_losses(got[rank]["g_losses"], ref["g_losses"], f"gan G rank {rank}")
@@ -109,7 +124,7 @@ def test_gan_two_engines_match_their_twin(results: dict[str, list[Any]]) -> None
         assert_state(got[rank]["D"], ref["D"], "gan D")
 
 
-def test_program_specifics(results: dict[str, list[Any]]) -> None:
+def test_program_specifics(results: dict[str, Any]) -> None:
     """What each program does besides training: DeepSpeed's data loader shards the cifar set
     (64 samples, 8 per rank and step, 3 epochs); HelloDeepSpeed saves a checkpoint;
     DeepSpeed-Chat evaluates before and after each epoch; the checkpoint test's second engine
@@ -131,7 +146,7 @@ def test_program_specifics(results: dict[str, list[Any]]) -> None:
 
 
 def test_unused_parameters_without_ignore_raise_at_the_first_step(
-    results: dict[str, list[Any]],
+    results: dict[str, Any],
 ) -> None:
     """DeepSpeed's test expects ``ignore_unused_parameters: false`` to raise (an
     ``AssertionError`` from its offload norm) at stage 2 with CPU offload; ds_core raises a

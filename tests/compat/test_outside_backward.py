@@ -1,9 +1,14 @@
 """Gradients made outside ``engine.backward`` (issue 26 §3), against DeepSpeed 0.19.8 itself.
 
 ``tests/compat/_outside_backward.py`` runs each program at ZeRO stages 0-3 on two ranks,
-once with real DeepSpeed (its CPU accelerator, gloo) and once with ds_core; the two runs go in
-parallel, each spawning its ranks once. Every ds_core result is compared with a DeepSpeed
-result within 1e-6 (losses and final parameters): the same stage where ds_core does what
+once with real DeepSpeed (its CPU accelerator, gloo) and once with ds_core per backend of
+:data:`tests.compat.conftest.COMPAT_BACKENDS` (cpu, and sim in lazy mode: the data drawn on the
+host and moved to the engine's device); DeepSpeed runs once, on cpu, in parallel with the first
+ds_core run, each spawning its ranks once. DeepSpeed runs on sim only through the interop
+adapter, where a module must be built on the device before ``initialize``
+(docs/interop.md, "Known differences"), which these programs, transcribing the examples, do
+not do; its cpu results are the reference for both ds_core runs. Every ds_core result is
+compared with a DeepSpeed result within 1e-6 (losses and final parameters): the same stage where ds_core does what
 DeepSpeed does, another stage of the same program where ds_core deliberately differs (the
 reason is in ``EXPECT``, and docs/from-deepspeed.md "Gradients made outside engine.backward"
 has the table). Where both refuse a pattern, both must raise; where ds_core refuses alone, its
@@ -20,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.compat.conftest import COMPAT_BACKENDS
+from tests.zero._common import backend_env
 
 pytest.importorskip("deepspeed", reason="real DeepSpeed is needed to compare against")
 pytestmark = pytest.mark.slow  # two spawned worker pairs (about 80 s on 2 busy cores)
@@ -76,8 +84,8 @@ for _name in ("gan_plain", "single_module_plain"):
         EXPECT[(_name, _stage)] = ("both_refuse",)
 
 
-def _run(impl: str, out: Path) -> subprocess.Popen[str]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+def _run(impl: str, out: Path, backend: str = "cpu") -> subprocess.Popen[str]:
+    env = dict(os.environ, **backend_env(backend, 2), OMP_NUM_THREADS="1")
     return subprocess.Popen(
         [sys.executable, "-m", "tests.compat._outside_backward", impl, str(out)],
         cwd=ROOT,
@@ -88,17 +96,33 @@ def _run(impl: str, out: Path) -> subprocess.Popen[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """``{"deepspeed": ..., "ds_core": ...}``, each ``{program: {stage: result}}``."""
-    tmp = tmp_path_factory.mktemp("outside_backward")
-    procs = {impl: _run(impl, tmp / f"{impl}.json") for impl in ("deepspeed", "ds_core")}
-    out = {}
-    for impl, proc in procs.items():
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{impl} worker failed:\n{err[-6000:]}"
-        out[impl] = json.loads((tmp / f"{impl}.json").read_text())
-    return out
+#: DeepSpeed's results (on cpu), run once per test session: the reference of every backend.
+_DEEPSPEED: dict[str, Any] = {}
+
+
+def _collect(proc: subprocess.Popen[str], out: Path, what: str) -> dict[str, Any]:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{what} worker failed:\n{err[-6000:]}"
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+@pytest.fixture(scope="module", params=COMPAT_BACKENDS)
+def results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    """``{"deepspeed": ..., "ds_core": ...}``, each ``{program: {stage: result}}``; ds_core's
+    on the parametrised backend."""
+    backend = str(request.param)
+    tmp = tmp_path_factory.mktemp(f"outside_backward-{backend}")
+    ds_proc = None if _DEEPSPEED else _run("deepspeed", tmp / "deepspeed.json")
+    ours = _run("ds_core", tmp / "ds_core.json", backend)
+    if ds_proc is not None:
+        _DEEPSPEED.update(_collect(ds_proc, tmp / "deepspeed.json", "deepspeed"))
+    return {
+        "deepspeed": _DEEPSPEED,
+        "ds_core": _collect(ours, tmp / "ds_core.json", f"ds_core on {backend}"),
+    }
 
 
 def _close(ours: dict[str, Any], theirs: dict[str, Any], what: str) -> None:

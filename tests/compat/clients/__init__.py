@@ -76,12 +76,14 @@ def load(name: str) -> ModuleType:
 
 
 def run_all(outdir: str, names: Sequence[str] = CLIENTS) -> dict[str, Any]:
-    """The rank job: every client on this rank, under the shim; client name -> its results."""
+    """The rank job: every client on this rank, under the shim; client name -> its results,
+    every tensor copied to the host (the test process compares them with host twins)."""
     import os
     import time
     import traceback
 
     from ds_core import comm
+    from tests.zero._common import to_host
 
     rank, world = comm.get_rank(), comm.get_world_size()
     out: dict[str, Any] = {}
@@ -97,7 +99,7 @@ def run_all(outdir: str, names: Sequence[str] = CLIENTS) -> dict[str, Any]:
         except Exception:  # reported by the client's test; the other clients still run
             out[name] = {"error": traceback.format_exc()}
         comm.barrier()
-    return out
+    return to_host(out)
 
 
 def run_some(outdir: str, names: Sequence[str]) -> dict[str, Any]:

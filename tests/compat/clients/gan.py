@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.utils.data
+from deepspeed.accelerator import get_accelerator  # CHANGED: for the torch.cuda calls below
 from torch.utils.data import TensorDataset
 
 # ------------------------------------------------------------------ gan_model.py
@@ -123,7 +124,7 @@ def set_seed(value: int) -> None:
     print("Random Seed: ", value)
     random.seed(value)
     torch.manual_seed(value)
-    # CHANGED: torch.cuda.manual_seed_all(value) dropped (no CUDA on this machine)
+    get_accelerator().manual_seed_all(value)  # CHANGED: torch.cuda's, through the accelerator
     np.random.seed(value)
 
 
@@ -159,8 +160,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     dataloader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batchSize, shuffle=True, num_workers=int(args.workers)
     )
-    # CHANGED: torch.cuda.set_device(args.local_rank) and a "cuda" device: the CPU here.
-    device = torch.device("cpu")
+    # CHANGED: torch.cuda.set_device and torch.device("cuda", ...) through the accelerator
+    # (the selected backend's device: the CPU, or sim's device local_rank).
+    get_accelerator().set_device(args.local_rank)
+    device = torch.device(get_accelerator().device_name(args.local_rank))
     ngpu = 0
     nz = int(args.nz)
     ngf = int(args.ngf)
@@ -192,6 +195,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     # CHANGED: torch.cuda.synchronize() and the wall-clock timing dropped (no CUDA).
     d_losses, g_losses, reals = [], [], []  # CHANGED: recorded for the twin
+    # CHANGED: the initial weights recorded for the twin: weights_init draws them with the
+    # device's generator (a "cuda" device's in the program), which the host twin cannot replay.
+    init = {"G": clone_state(netG), "D": clone_state(netD)}
     for epoch in range(args.epochs):
         for i, data in enumerate(dataloader, 0):
             # (1) Update D network: maximize log(D(x)) + log(1 - D(G(z)))
@@ -239,7 +245,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "batches": reals,
         "G": model_engineG.module_state_dict(),
         "D": model_engineD.module_state_dict(),
+        "init": init,
     }
+
+
+def clone_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """CHANGED (added): a copy of ``module``'s state, for the twin."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def config() -> dict[str, Any]:
@@ -264,24 +276,28 @@ def run(world: int, rank: int, outdir: str) -> dict[str, Any]:
     argv = ["--dataset", "fake", "--batchSize", "4", "--nz", "8", "--ngf", "4", "--ndf", "4"]
     argv += ["--workers", "0", "--outf", os.path.join(outdir, "gan_output")]
     argv += ["--deepspeed", "--deepspeed_config", path]
+    argv += ["--local_rank", os.environ["LOCAL_RANK"]]  # what DeepSpeed's launcher passes
     args = parser.parse_args(argv)  # CHANGED: the arguments come from the caller
     return train(args)
 
 
 def reference(world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     """Plain PyTorch (clipping at 1.0: DeepSpeed's default ``gradient_clipping``, which the
-    engines apply to the client optimizers too) on one rank's batches: every rank draws the same batches and noise (the
-    program seeds each rank alike and uses a plain DataLoader), so averaging the ranks'
-    gradients changes nothing."""
+    engines apply to the client optimizers too) on one rank's batches, from the program's
+    initial weights: every rank draws the same weights, batches and noise (the program seeds
+    each rank alike and uses a plain DataLoader), so averaging the ranks' gradients changes
+    nothing."""
     for r in results[1:]:
         for (a, na), (b, nb) in zip(r["batches"], results[0]["batches"], strict=True):
             assert torch.equal(a, b) and torch.equal(na, nb)
-    set_seed(999)
-    torch.rand(FAKE_SAMPLES, 3, 64, 64)  # the program draws its fake images first
+    for r in results[1:]:  # every rank seeds alike (set_seed(999)), so starts alike
+        for part in ("G", "D"):
+            for key, value in r["init"][part].items():
+                assert torch.equal(value, results[0]["init"][part][key]), (part, key)
     netG = Generator(0, 4, 3, 8)  # noqa: N806
-    netG.apply(weights_init)
+    netG.load_state_dict(results[0]["init"]["G"])
     netD = Discriminator(0, 4, 3)  # noqa: N806
-    netD.apply(weights_init)
+    netD.load_state_dict(results[0]["init"]["D"])
     criterion = nn.BCELoss()
     optD = torch.optim.Adam(netD.parameters(), lr=0.0002, betas=(0.5, 0.999))  # noqa: N806
     optG = torch.optim.Adam(netG.parameters(), lr=0.0002, betas=(0.5, 0.999))  # noqa: N806

@@ -428,8 +428,13 @@ def run(world: int, rank: int, outdir: str) -> dict[str, Any]:
     np.random.seed(
         rank
     )  # CHANGED: numpy's masking draws seeded (per rank, as unseeded ranks differ)
-    # CHANGED: train() called directly (fire is not installed).
-    return train(checkpoint_dir=os.path.join(outdir, "checkpoints"), **KWARGS)
+    # CHANGED: train() called directly (fire is not installed), with the --local_rank that
+    # DeepSpeed's launcher passes.
+    return train(
+        checkpoint_dir=os.path.join(outdir, "checkpoints"),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        **KWARGS,
+    )
 
 
 def reference(world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
