@@ -124,23 +124,41 @@ def measure(
             (torch.randn(micro, 1024, generator=gen).to(dev),) for _ in range(gas * (warmup + 1))
         ]
 
-    def one_step(k: int) -> None:
-        for args in batches[k * gas : (k + 1) * gas]:
+    def one_step(k: int, measured: bool = False) -> int:
+        """The window's micro-batches; ``measured``: returns the peak of its forwards and
+        backwards and resets the peak before the optimizer step (else 0)."""
+        window = batches[k * gas : (k + 1) * gas]
+        for args in window[:-1]:
             engine.backward(engine(*args))
-            engine.step()
+            engine.step()  # not a boundary
+        engine.backward(engine(*window[-1]))
+        backward_peak = 0
+        if measured:
+            acc.synchronize()
+            backward_peak = acc.max_memory_allocated()
+            acc.reset_peak_memory_stats()
+        engine.step()
+        return backward_peak
 
     for k in range(warmup):
         one_step(k)
     acc.synchronize()
     before = acc.memory_allocated()
     acc.reset_peak_memory_stats()
-    one_step(warmup)
+    backward_peak = one_step(warmup, measured=True)
     acc.synchronize()
-    peak = acc.max_memory_allocated()
+    step_peak = acc.max_memory_allocated()
     states = engine.model_state_bytes().get("total", 0)
     engine.destroy()
     acc.empty_cache()
-    return {"peak": peak, "before": before, "states": states, "n_params": n_params}
+    return {
+        "peak": max(backward_peak, step_peak),
+        "backward_peak": backward_peak,
+        "step_peak": step_peak,
+        "before": before,
+        "states": states,
+        "n_params": n_params,
+    }
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -200,7 +218,8 @@ def summarize(results: dict[str, Any], args: argparse.Namespace) -> str:
             f"({'fused=True' if args.optimizer == 'fused' else 'torch defaults: foreach'})"
         )
         head = f"{'stage':<7} {'formula MiB':>11}" + "".join(
-            f" | {v + ' peak MiB':>18} {'ratio':>5} {'held MiB':>8}" for v in variants
+            f" | {v + ' peak MiB':>18} {'ratio':>5} {'held MiB':>8} {'bwd MiB':>8} {'step MiB':>8}"
+            for v in variants
         )
         lines += [head, "-" * len(head)]
         peaks: dict[str, dict[str, float]] = {v: {} for v in variants}
@@ -217,8 +236,13 @@ def summarize(results: dict[str, Any], args: argparse.Namespace) -> str:
                     continue
                 peak = max(e["peak"] for e in everyone)
                 held = max(e["before"] for e in everyone)
+                bwd = max(e["backward_peak"] for e in everyone)
+                step = max(e["step_peak"] for e in everyone)
                 peaks[v][label] = peak
-                row += f" | {peak / MiB:>18.1f} {peak / formula:>5.2f} {held / MiB:>8.1f}"
+                row += (
+                    f" | {peak / MiB:>18.1f} {peak / formula:>5.2f} {held / MiB:>8.1f}"
+                    f" {bwd / MiB:>8.1f} {step / MiB:>8.1f}"
+                )
             lines.append(row)
         for v in variants:
             p = peaks[v]
@@ -235,7 +259,8 @@ def summarize(results: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append("")
     lines.append(
         "peak: max_memory_allocated() over the measured step (reset just before it), slowest "
-        "rank; ratio = peak / formula; held: memory_allocated() before the step"
+        "rank; ratio = peak / formula; held: memory_allocated() before the step; bwd / step: "
+        "the peak of the window's forwards and backwards / of the optimizer step"
     )
     for spec in args.variants:
         name, keys = parse_variant(spec)
