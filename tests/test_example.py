@@ -55,24 +55,133 @@ def test_train_gpt_with_flags_stage_2(tmp_path: Path) -> None:
     check_log(tmp_path, steps)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
+SIM_STEPS, SIM_SAVED_AT = 8, 3
+#: The example's own schedule lasts ``--steps`` (train_gpt.py build_config), so a 3-step run
+#: and an 8-step one would not share it: the config names the 8-step schedule for every run.
+SIM_CONFIG = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+    "scheduler": {
+        "type": "WarmupCosineLR",
+        "params": {"warmup_num_steps": 2, "cos_min_ratio": 0.1, "total_num_steps": SIM_STEPS},
+    },
+}
+needs_sim = pytest.mark.skipif(
     importlib.util.find_spec("ds_backend_sim") is None, reason="the sim backend is not installed"
 )
-def test_train_gpt_on_the_simulated_accelerator_stage_3(tmp_path: Path) -> None:
+
+
+@pytest.fixture(scope="module")
+def sim_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The example at stage 3 on 2 sim ranks, three runs shared by the sim tests: ``full``
+    (``SIM_STEPS`` steps, saved at the end, plotted), ``first`` (``SIM_SAVED_AT`` steps, saved)
+    and ``resumed`` (from ``first``'s checkpoint to ``SIM_STEPS``, saved). Each key is its
+    ``--out`` folder; ``<key>_ck`` its ``--save-dir``."""
+    tmp = tmp_path_factory.mktemp("train_gpt_sim")
+    (tmp / "ds_config.json").write_text(json.dumps(SIM_CONFIG))
+    runs: dict[str, Path] = {}
+    plans = {
+        "full": ("--steps", str(SIM_STEPS)),
+        "first": ("--steps", str(SIM_SAVED_AT)),
+        "resumed": ("--steps", str(SIM_STEPS), "--resume", str(tmp / "first_ck")),
+    }
+    for name, extra in plans.items():
+        out, ck = tmp / name, tmp / f"{name}_ck"
+        flags = ["--config", str(tmp / "ds_config.json")] + (
+            ["--no-plot"] if name != "full" else []
+        )
+        proc = run_example(out, *flags, *extra, "--save-dir", str(ck), backend="sim")
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
+        (out / "stderr.txt").write_text(proc.stderr)
+        runs[name], runs[f"{name}_ck"] = out, ck
+    return runs
+
+
+@pytest.mark.slow
+@needs_sim
+def test_train_gpt_on_the_simulated_accelerator_stage_3(sim_runs: dict[str, Path]) -> None:
     # The device is not the host: batches, parameters and the logged memory live on sim:N.
-    steps = 8
-    proc = run_example(
-        tmp_path, "--stage", "3", "--steps", str(steps), "--micro-batch", "4", "--lr", "1e-2",
-        backend="sim",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "ZeRO stage 3 | fp32 | 2 ranks on sim (simccl)" in proc.stderr
-    check_log(tmp_path, steps)
-    with open(tmp_path / "train_log.csv") as f:
+    full = sim_runs["full"]
+    assert "ZeRO stage 3 | fp32 | 2 ranks on sim (simccl)" in (full / "stderr.txt").read_text()
+    check_log(full, SIM_STEPS)
+    with open(full / "train_log.csv") as f:
         memory = [float(r["memory_mib_rank1"]) for r in csv.DictReader(f)]
     # the sim allocator's bytes: the tiny model's states, megabytes, not a process's RSS
     assert all(0 < m < 64 for m in memory), memory
+
+
+@pytest.mark.slow
+@needs_sim
+def test_train_gpt_on_sim_resumes_exactly(sim_runs: dict[str, Path]) -> None:
+    """Saved on sim at step 3 and resumed there: the losses of steps 4-8, the final weights,
+    optimizer state and torch's and the device's RNG states are bitwise those of the unbroken
+    run."""
+    from ds_core.checkpoint import consolidated_state_dict
+
+    stderr = (sim_runs["resumed"] / "stderr.txt").read_text()
+    assert f"resumed from {sim_runs['first_ck'] / 'global_step3'} at step 3" in stderr
+    want = logged_losses(sim_runs["full"])
+    assert logged_losses(sim_runs["first"]) == want[:SIM_SAVED_AT]
+    assert logged_losses(sim_runs["resumed"]) == want[SIM_SAVED_AT:]
+    for ck in ("full_ck", "resumed_ck"):
+        assert (sim_runs[ck] / "latest").read_text() == f"global_step{SIM_STEPS}"
+    got, ref = (
+        consolidated_state_dict(sim_runs["resumed_ck"]),
+        consolidated_state_dict(sim_runs["full_ck"]),
+    )
+    assert got.keys() == ref.keys()
+    for key, value in ref.items():
+        assert torch.equal(got[key], value), key
+    opt_got, opt_ref = (
+        torch.load(sim_runs[ck] / f"global_step{SIM_STEPS}" / "rank_00001.pt", weights_only=False)
+        for ck in ("resumed_ck", "full_ck")
+    )
+    # Python's and numpy's generators are not seeded by the example (each process starts
+    # from the OS's entropy) and it never draws from them: their saved states differ by run.
+    for rng in (opt_got["rng"], opt_ref["rng"]):
+        del rng["python"], rng["numpy"]
+    assert_same(opt_got, opt_ref, "rank 1's shard file")
+
+
+def assert_same(got: object, want: object, where: str) -> None:
+    """Bitwise equal nested state (tensors by ``torch.equal``, on the host)."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.device.type == "cpu", where
+        assert got.dtype == want.dtype and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_same(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+@pytest.mark.slow
+@needs_sim
+def test_a_checkpoint_saved_on_sim_exports_to_a_plain_module(
+    sim_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """``ds-core checkpoint export`` on the host reads the sim run's checkpoint (its tensors
+    were written from the device) into a safetensors file a plain ``GPT`` loads strictly."""
+    from safetensors.torch import load_file
+
+    from ds_core.checkpoint import consolidated_state_dict
+    from ds_core.cli import main
+    from examples.gpt import GPT, PRESETS
+
+    out = tmp_path / "gpt.safetensors"
+    assert main(["checkpoint", "export", str(sim_runs["resumed_ck"]), str(out)]) == 0
+    model = GPT(PRESETS["tiny"])
+    model.load_state_dict(load_file(out))
+    ref = consolidated_state_dict(sim_runs["full_ck"])
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, ref[key]), key
 
 
 @pytest.mark.slow
