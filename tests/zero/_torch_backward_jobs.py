@@ -105,6 +105,25 @@ def two_losses(stage: int, fp16: bool, style: str) -> dict[str, Any]:
     return {"params": trace, "counts": counts}
 
 
+def boundary_two_losses(stage: int) -> dict[str, Any]:
+    """Accumulation 2; the window's last micro-batch backpropagates two losses of one forward
+    (two reducing backwards in one window), fp32."""
+    engine, *_ = ds_core.zero.initialize(model=model(), config=config(stage, 2, False))
+    trace = []
+    for step in range(3):
+        x, y = batch(engine, step, 0)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()  # not a boundary
+        x, y = batch(engine, step, 1)
+        out = engine(x)
+        engine.backward(nn.functional.mse_loss(out, y), retain_graph=True)
+        engine.backward(out.abs().mean())
+        engine.step()
+        trace.append(params(engine))
+    engine.destroy()
+    return {"params": trace}
+
+
 def fp16_unscaled(stage: int) -> dict[str, Any]:
     """fp16: a plain ``loss.backward()`` without ``scale`` raises and changes nothing; the
     engine trains on after it."""

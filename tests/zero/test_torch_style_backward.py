@@ -85,6 +85,19 @@ def test_two_backwards_through_one_forward(
         assert_params_match(g["params"], w["params"], exact=True, fp16=fp16)
 
 
+@pytest.mark.slow
+def test_two_reducing_backwards_at_an_accumulation_boundary(run_ranks: RunJob) -> None:
+    """Two losses backpropagated in a window's last micro-batch: each backward reduces, and
+    the window's gradient is their sum with the earlier micro-batch's at every stage. Stage 1
+    with accumulation lands its first reduction inside the accumulator the second backward
+    refills (ds_core/zero/grad_paths.py, ``LocalAccumulation``), so it must set it aside.
+    Stages differ only in summation order: fp32 parameters within 1e-6."""
+    want = run_ranks(2, "boundary_two_losses", 0)
+    for stage in (1, 2, 3):
+        for g, w in zip(run_ranks(2, "boundary_two_losses", stage), want, strict=True):
+            assert_params_match(g["params"], w["params"], exact=False, fp16=False)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("stage", STAGES)
