@@ -153,7 +153,7 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         "scheduler": {
             "type": "WarmupCosineLR",
             "params": {
-                "warmup_num_steps": min(20, args.steps // 5),
+                "warmup_num_steps": max(1, min(20, args.steps // 5)),
                 "warmup_type": "linear",
                 "cos_min_ratio": 0.1,
             },

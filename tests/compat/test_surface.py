@@ -309,3 +309,15 @@ def test_lr_schedules_step_as_deepspeeds(name: str, params: dict[str, Any]) -> N
     theirs = _trace(getattr(ds, name), params)
     flat = [v for row in ours for v in row]
     assert flat == pytest.approx([v for row in theirs for v in row], abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+@pytest.mark.parametrize("steps", [0, -3, 2.5])
+def test_warmup_schedules_refuse_what_deepspeeds_refuse(name: str, steps: Any) -> None:
+    """DeepSpeed's warm-up schedules raise for a warm-up that is not a positive integer
+    (deepspeed/runtime/lr_schedules.py); ours raise the same ValueError, naming the field."""
+    cls = getattr(importlib.import_module("ds_core.runtime.lr_schedules"), name)
+    opt = torch.optim.Adam([nn.Parameter(torch.zeros(2))], lr=0.1)
+    extra = {} if name == "WarmupLR" else {"total_num_steps": 10}
+    with pytest.raises(ValueError, match="warmup_num_steps must be a positive integer"):
+        cls(opt, warmup_num_steps=steps, **extra)

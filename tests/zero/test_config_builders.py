@@ -238,7 +238,8 @@ def test_schedule_per_group_learning_rates() -> None:
 @pytest.mark.parametrize(
     ("sched_type", "params", "message"),
     [
-        ("WarmupLR", {"warmup_num_steps": -1}, "warmup_num_steps: must be >= 0, got -1"),
+        ("WarmupLR", {"warmup_num_steps": -1}, "warmup_num_steps: must be > 0, got -1"),
+        ("WarmupCosineLR", {"total_num_steps": 9, "warmup_num_steps": 0}, "must be > 0, got 0"),
         ("WarmupLR", {"warmup_max_lr": math.inf}, "warmup_max_lr: must be finite, got inf"),
         ("WarmupLR", {"warmup_min_lr": -0.1}, "must be >= 0, got -0.1"),
         ("WarmupLR", {"warmup_type": "cubic"}, "warmup_type: input should be 'log' or 'linear'"),
@@ -249,8 +250,8 @@ def test_schedule_per_group_learning_rates() -> None:
         ),
         (
             "WarmupCosineLR",
-            {"total_num_steps": 2, "warmup_num_steps": 0},
-            "total_num_steps (2) must be greater than warmup_num_steps (0, raised to 2",
+            {"total_num_steps": 2, "warmup_num_steps": 1},
+            "total_num_steps (2) must be greater than warmup_num_steps (1, raised to 2",
         ),
         ("WarmupCosineLR", {}, "scheduler.params.total_num_steps: is required"),
         (
@@ -275,7 +276,7 @@ def test_scheduler_type_errors() -> None:
 
 def test_builders_validate_directly_constructed_sections() -> None:
     with pytest.raises(
-        ConfigError, match=re.escape("scheduler.params.warmup_num_steps: must be >= 0")
+        ConfigError, match=re.escape("scheduler.params.warmup_num_steps: must be > 0")
     ):
         build_scheduler(
             SchedulerConfig(type="WarmupLR", params={"warmup_num_steps": -3}),

@@ -231,6 +231,21 @@ class _DeepSpeedSchedule(torch.optim.lr_scheduler.LRScheduler):
         return self.lr_at(self.last_batch_iteration)
 
 
+def _warmup_steps(value: int) -> int:
+    """DeepSpeed's effective warm-up length: at least 2 steps; 0, negatives and non-integers
+    are refused as DeepSpeed's schedules refuse them (``deepspeed/runtime/lr_schedules.py``).
+
+    Raises:
+        ValueError: ``value`` is not a positive integer.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"warmup_num_steps must be a positive integer, got {value!r} (use 1 for no warm-up: "
+            "DeepSpeed warms up over at least 2 steps)"
+        )
+    return max(2, value)
+
+
 class WarmupLR(_DeepSpeedSchedule):
     """DeepSpeed's ``WarmupLR``: from ``warmup_min_lr`` to ``warmup_max_lr`` over
     ``warmup_num_steps`` (log or linear), then constant at ``warmup_max_lr``.
@@ -255,7 +270,7 @@ class WarmupLR(_DeepSpeedSchedule):
             warmup_max_lr = float(optimizer.param_groups[0]["lr"])
         self.min_lrs = _per_group(warmup_min_lr, n, "warmup_min_lr")
         self.max_lrs = _per_group(warmup_max_lr, n, "warmup_max_lr")
-        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_num_steps = _warmup_steps(warmup_num_steps)
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_batch_iteration)
 
@@ -323,7 +338,7 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = warmup_min_ratio
         self.cos_min_ratio = cos_min_ratio
-        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_num_steps = _warmup_steps(warmup_num_steps)
         self.warmup_type = warmup_type
         self.org_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         super().__init__(optimizer, last_batch_iteration)

@@ -213,8 +213,8 @@ class WarmupLRParams(BaseModel):
     warmup_min_lr: LearningRates = 0.0
     warmup_max_lr: LearningRates | None = None
     """None means the optimizer's lr (DeepSpeed's current default)."""
-    warmup_num_steps: Int = Field(default=1000, ge=0)
-    """Steps of warm-up; DeepSpeed warms up over at least 2."""
+    warmup_num_steps: Int = Field(default=1000, gt=0)
+    """Steps of warm-up; DeepSpeed warms up over at least 2 and refuses 0."""
     warmup_type: Literal["log", "linear"] = "log"
     last_batch_iteration: Int = Field(default=-1, ge=-1)
 
@@ -238,7 +238,7 @@ class WarmupCosineLRParams(BaseModel):
 
     total_num_steps: Int = Field(gt=0)
     warmup_min_ratio: Float = Field(default=0.0, ge=0, le=1)
-    warmup_num_steps: Int = Field(default=1000, ge=0)
+    warmup_num_steps: Int = Field(default=1000, gt=0)
     cos_min_ratio: Float = Field(default=0.0001, ge=0, le=1)
     warmup_type: Literal["log", "linear"] = "log"
     last_batch_iteration: Int = Field(default=-1, ge=-1)
