@@ -111,6 +111,30 @@ class Runner:
         else:
             check()
 
+    def run_in_place(self, kind: str, dtype: torch.dtype, op: str, n: int, at: int,
+                     gen: torch.Generator) -> None:  # fmt: skip
+        """An in-place reduce-scatter (the output is chunk ``at`` of the input) or all-gather
+        (the input is this rank's chunk of the output), against gloo on separate buffers."""
+        acc, g, dist = self.acc, self.comm, self.dist
+        world, rank = dist.get_world_size(), dist.get_rank()
+        what = f"in-place {kind} {dtype} {op} n={n} world={world} chunk={at}"
+        if kind == "reduce_scatter":
+            inp = _data(gen, n * world, dtype, op)
+            ref = torch.empty(n, dtype=dtype)
+            g._gloo_reduce_scatter(ref, inp.clone(), op, None, False)
+            out = inp.view(world, n)[at]
+            acc.reduce_scatter(out, inp, op)
+            _same(out, ref, world, what)
+        else:
+            out = torch.empty(n * world, dtype=dtype)
+            inp = out.view(world, n)[rank]
+            inp.copy_(_data(gen, n, dtype, ""))
+            ref = torch.empty(n * world, dtype=dtype)
+            g._gloo_all_gather(ref, inp.clone(), None, False)
+            acc.all_gather(out, inp)
+            _same(out, ref, 1, what)
+        self.calls += 1
+
     def wait_all(self) -> None:
         for work, check in self.pending:
             work.wait()
@@ -145,6 +169,14 @@ def scenario_match(runner: Runner) -> dict[str, Any]:
                 runner.run("broadcast", None, dtype, "", n, async_op, gen, root_index=n)
                 runner.run("all_to_all", None, dtype, "", n, async_op, gen)
             runner.wait_all()
+    # Outputs that alias inputs, past several pieces: the own chunk read straight from the
+    # input (reduce-scatter), the own row skipped (all-gather).
+    me, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for n in (1, 1000, 70_001):
+            for at in (me, (me + 1) % world):
+                runner.run_in_place("reduce_scatter", dtype, "sum", n, at, gen)
+            runner.run_in_place("all_gather", dtype, "", n, me, gen)
     runner.run("barrier", None, torch.float32, "", 0, False, gen)
     return {}
 

@@ -21,7 +21,11 @@ fast peer's next record never overwrites one still being read.
 
 Buffers larger than a slot go through in pieces; each rank reduces only its region of each
 piece (an all-reduce region is 1/world of the piece, a reduce-scatter region is this rank's
-output chunk), so the reduction work is split evenly and nothing is reduced twice.
+output chunk), so the reduction work is split evenly and nothing is reduced twice. A rank
+copies into its slot only the regions its peers reduce and reads its own region straight from
+its buffer. An all-reduce rank so copies (2 world - 1) / world of the piece (its peers'
+regions in and out, its own result out to them) besides reducing 1/world of it: 1.5x the
+piece on 2 ranks, against 2x when every rank copied its whole piece in.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ OPS = ("", "sum", "avg", "max", "min", "product")
 MAX_DIMS = 8
 # All-reduces up to this size take one step, each rank reducing the whole buffer.
 SMALL_BYTES = 64 << 10
+# A broadcast moves in at least this many pieces (each at least MIN_PIECE bytes), to pipeline.
+BROADCAST_SPLIT = 4
+MIN_PIECE = 256 << 10
 
 # Record words (after the record's base). Unused fields stay 0 on every rank.
 _SEQ, _KIND, _DTYPE, _NUMEL, _NUMEL2, _OP, _ROOT, _ROW, _GROUP, _ERROR, _NDIM, _SHAPE = range(12)
@@ -283,8 +290,9 @@ class ShmProtocol:
         self.pieces += 1
         return self.seg.slots(self.pieces % 2, dtype)
 
-    def _cap(self, dtype: torch.dtype) -> int:
-        return self.seg.slot_bytes // torch.empty((), dtype=dtype).element_size()
+    def _cap(self, dtype: torch.dtype, nbytes: int = 0) -> int:
+        """Elements of ``dtype`` in ``nbytes`` (default: one slot)."""
+        return (nbytes or self.seg.slot_bytes) // torch.empty((), dtype=dtype).element_size()
 
     def barrier(self) -> None:
         self.begin("barrier", {}, (), "")
@@ -306,24 +314,29 @@ class ShmProtocol:
             return
         for i, start in enumerate(range(0, max(n, 1), cap)):
             m = min(cap, n - start)
+            piece = flat[start : start + m]
+            bounds = [m * r // w for r in range(w + 1)]
             slots = self._next_slots(flat.dtype)
-            slots[me, :m].copy_(flat[start : start + m])
+            # Only the regions the peers reduce go through my slot; my own region is read
+            # from the buffer itself (a copy of 1/world of the piece saved).
+            for r in self._peer_ranks:
+                slots[me, bounds[r] : bounds[r + 1]].copy_(piece[bounds[r] : bounds[r + 1]])
             if i == 0:
                 self.begin("all_reduce", fields, shape, "")
             else:
                 self._sync("all_reduce")
-            lo, hi = m * me // w, m * (me + 1) // w
-            _reduce_into(slots[me, lo:hi], [slots[r, lo:hi] for r in self._order()], op)
+            lo, hi = bounds[me], bounds[me + 1]
+            parts = [piece[lo:hi] if r == me else slots[r, lo:hi] for r in range(w)]
+            # Rank order for every region, so the bits do not depend on who reduced it; the
+            # result goes into my slot's own (so far unused) region, where the peers copy it.
+            mine = slots[me, lo:hi]
+            _reduce_into(mine, parts, op)
+            if op == "avg":
+                mine.div_(w)
+            piece[lo:hi].copy_(mine)
             self._sync("all_reduce")
-            for r in range(w):
-                a, b = m * r // w, m * (r + 1) // w
-                flat[start + a : start + b].copy_(slots[r, a:b])
-        if op == "avg":
-            flat.div_(w)
-
-    def _order(self) -> list[int]:
-        # This rank's slot first, so the in-place reduction reads it before overwriting it.
-        return [self.rank] + [r for r in range(self.world) if r != self.rank]
+            for r in self._peer_ranks:
+                piece[bounds[r] : bounds[r + 1]].copy_(slots[r, bounds[r] : bounds[r + 1]])
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, error: str,
                        shape: Sequence[int]) -> None:  # fmt: skip
@@ -333,19 +346,29 @@ class ShmProtocol:
         fields = {_DTYPE: DTYPES.index(inp.dtype) + 1, _NUMEL: inp.numel(), _NUMEL2: n,
                   _OP: OPS.index(op)}  # fmt: skip
         rows = inp.view(w, n) if not error else inp
+        # My own chunk is read from the input itself unless the output overlaps the input
+        # (an in-place reduce-scatter), where reading it after writing out could be wrong.
+        direct = not error and not _overlaps(out, inp)
+        senders = self._peer_ranks if direct else range(w)
         for i, start in enumerate(range(0, max(n, 1), cap)):
             m = min(cap, n - start)
             slots = self._next_slots(inp.dtype)
             if not error:
-                slots[me, : w * m].view(w, m).copy_(rows[:, start : start + m])
+                for r in senders:
+                    slots[me, r * m : (r + 1) * m].copy_(rows[r, start : start + m])
             if i == 0:
                 self.begin("reduce_scatter", fields, shape, error)
             else:
                 self._sync("reduce_scatter")
-            parts = [slots[r, me * m : (me + 1) * m] for r in range(w)]
-            _reduce_into(out[start : start + m], parts, op)
-        if op == "avg":
-            out.div_(w)
+            mine = slice(me * m, (me + 1) * m)
+            parts = [
+                rows[me, start : start + m] if r == me and direct else slots[r, mine]
+                for r in range(w)
+            ]
+            dst = out[start : start + m]
+            _reduce_into(dst, parts, op)
+            if op == "avg":
+                dst.div_(w)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, error: str,
                    shape: Sequence[int]) -> None:  # fmt: skip
@@ -353,6 +376,8 @@ class ShmProtocol:
         w, me, n = self.world, self.rank, inp.numel()
         cap = self._cap(inp.dtype)
         fields = {_DTYPE: DTYPES.index(inp.dtype) + 1, _NUMEL: n, _NUMEL2: out.numel()}
+        # The usual in-place form: the input is this rank's own chunk of the output.
+        in_place = not error and inp.data_ptr() == out.data_ptr() + me * n * inp.element_size()
         for i, start in enumerate(range(0, max(n, 1), cap)):
             m = min(cap, n - start)
             slots = self._next_slots(inp.dtype)
@@ -361,12 +386,22 @@ class ShmProtocol:
                 self.begin("all_gather", fields, shape, error)
             else:
                 self._sync("all_gather")
-            out.view(w, n)[:, start : start + m].copy_(slots[:, :m])
+            rows = out.view(w, n)[:, start : start + m]
+            if in_place:  # my row already holds my input: copy only the peers' rows
+                for r in self._peer_ranks:
+                    rows[r].copy_(slots[r, :m])
+            else:
+                rows.copy_(slots[:, :m])
 
     def broadcast(self, flat: torch.Tensor, root: int, shape: Sequence[int]) -> None:
         """Copy group rank ``root``'s ``flat`` to every rank."""
         me, n = self.rank, flat.numel()
-        cap = self._cap(flat.dtype)
+        # Pieces of at most 1/BROADCAST_SPLIT of the buffer: the root copies piece k+1 into the
+        # other parity's slot while the peers copy piece k out, so the two copies overlap
+        # instead of following each other.
+        cap = min(
+            self._cap(flat.dtype), max(-(-n // BROADCAST_SPLIT), self._cap(flat.dtype, MIN_PIECE))
+        )
         fields = {_DTYPE: DTYPES.index(flat.dtype) + 1, _NUMEL: n, _ROOT: root + 1}
         for i, start in enumerate(range(0, max(n, 1), cap)):
             m = min(cap, n - start)
@@ -410,6 +445,13 @@ class ShmProtocol:
                 if m:
                     at = recv_at[s] + start
                     out[at : at + m].copy_(slots[s, me * per : me * per + m])
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte of memory."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
 
 
 def memoryview_of(values: list[int]) -> memoryview:
