@@ -1,19 +1,27 @@
 """CPU collectives: gloo against shared memory, with the machine's copy bound, 2 and 4 ranks.
 
-Run: ``python bench/cpu_collectives.py [--worlds 2,4] [--min-kib 64] [--max-mib 256]``.
-For each world size and buffer size (powers of 4 from 64 KiB to 256 MiB) every rank times,
-interleaved rep by rep: a plain ``copy_`` of the buffer (all ranks at once, so the copy sees the
-same memory contention as the collectives), then all-reduce, reduce-scatter, all-gather and
-broadcast over the CPU backend's gloo path (what it used before shared memory: reduce-scatter
-and all-gather as all-reduces, see ``ds_backend_cpu.comm``) and over its shared-memory path.
-A rep's time is the slowest rank's; the tables print medians.
+Run: ``python bench/cpu_collectives.py [--worlds 2,4] [--min-kib 64] [--max-mib 256]
+[--evict-mib 64]``. For each world size and buffer size (powers of 4 from 64 KiB to 256 MiB,
+plus 32 MiB) every rank times, interleaved rep by rep: a plain ``copy_`` of the buffer (all ranks
+at once, so the copy sees the same memory contention as the collectives), then all-reduce,
+reduce-scatter, all-gather and broadcast over the CPU backend's gloo path (what it used before
+shared memory: reduce-scatter and all-gather as all-reduces, see ``ds_backend_cpu.comm``) and
+over its shared-memory path. A rep's time is the slowest rank's; the tables print medians.
+
+Out of cache: before every timed rep of every case (the copy and each collective alike) each
+rank writes a ``--evict-mib`` scratch buffer (default 64 MiB: 16x this VM's 4 MiB L2 per core;
+the L3 is shared by the whole host and only partly evicted), so the copy bound is a copy
+from and to memory that is not in the rank's caches, and the collectives start equally cold.
 
 Bound: the bytes a collective must move per rank (logical bytes, docs/architecture.md §3.4:
 all-reduce 2 x buffer, reduce-scatter 1 x its full input, all-gather 1 x its full output,
-broadcast 1 x buffer) divided by the copy bandwidth measured at that size in this run. ``size`` is the full buffer:
-the all-reduce and broadcast buffer, the reduce-scatter input and the all-gather output.
-Targets (issue 10): shared-memory all-reduce >= 3x gloo's at 32 MiB; reduce-scatter <= 0.6x the
-shared-memory all-reduce; every shared-memory collective within 2x its bound at >= 4 MiB.
+broadcast 1 x buffer) divided by the copy bandwidth measured at that size in this run. ``size``
+is the full buffer: the all-reduce and broadcast buffer, the reduce-scatter input and the
+all-gather output. ``shm/bound`` is wall time over the bound; ``cpu/bound`` the same with CPU
+seconds (each rank's ``thread_time``, slowest rank): on a shared machine a rank that waits for
+a descheduled peer sleeps, so CPU time is the work measure that load does not inflate.
+Targets (issue 32 §2): every shared-memory collective within 1.5x its bound at >= 4 MiB on 2
+ranks; all-reduce >= 3x gloo's at 32 MiB; reduce-scatter <= 0.6x the shared-memory all-reduce.
 
 ``--p2p`` instead times point-to-point between 2 ranks (issue 31): a ping-pong of synchronous
 send/recv pairs over the core's gloo path and over the backend's shared-memory channels
@@ -61,7 +69,7 @@ def _cases(
     }
 
 
-def _rank(rank: int, world: int, port: int, sizes: list[int], out: Any) -> None:
+def _rank(rank: int, world: int, port: int, sizes: list[int], evict_bytes: int, out: Any) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -81,25 +89,35 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], out: Any) -> None:
     acc.barrier()
     protocol = shm_groups.existing(None)
     path = type(protocol.flags).__name__ if protocol else "none (gloo fallback)"
-    rows: dict[tuple[str, str, int], float] = {}
+    rows: dict[tuple[str, str, int], tuple[float, float]] = {}
+    scratch = torch.ones(evict_bytes // 4)
     for nbytes in sizes:
         n = nbytes // 4
         full, part, src = torch.ones(n), torch.ones(n // world), torch.ones(n)
         cases = _cases(acc, comm, full, part, src)
-        times: dict[tuple[str, str], list[float]] = {k: [] for k in cases}
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in cases}
         for fn in cases.values():  # warm-up: first-touch page faults, caches
             dist.barrier()
             fn()
         for _ in range(_reps(nbytes)):
             for key, fn in cases.items():  # interleaved: machine noise hits every case alike
+                # Out of cache, alike for the copy and the collectives: writing the scratch
+                # buffer pushes the operands (and the segment's slots) out of L1/L2 and out
+                # of as much of the shared L3 as the scratch covers.
+                scratch.add_(1.0)
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 fn()
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                t = torch.tensor(
+                    [time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64
+                )
                 dist.all_reduce(t, dist.ReduceOp.MAX)  # a collective ends with its slowest rank
-                times[key].append(float(t))
+                times[key].append((float(t[0]), float(t[1])))
         for (name, transport_name), ts in times.items():
-            rows[(name, transport_name, nbytes)] = statistics.median(ts)
+            rows[(name, transport_name, nbytes)] = (
+                statistics.median(x[0] for x in ts),
+                statistics.median(x[1] for x in ts),
+            )
         full.fill_(1.0)
     if rank == 0:
         out.put((path, rows))
@@ -181,28 +199,30 @@ def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def _report(world: int, path: str, rows: dict[tuple[str, str, int], float]) -> None:
+def _report(world: int, path: str, rows: dict[tuple[str, str, int], tuple[float, float]]) -> None:
     sizes = sorted({k[2] for k in rows})
     print(f"\n{world} ranks, shared-memory sync: {path}; medians, slowest rank per rep")
-    print(f"  {'size':>8}  {'copy GB/s':>9}")
+    print(f"  {'size':>8}  {'copy GB/s':>9}  {'copy cpu GB/s':>13}")
     for s in sizes:
-        print(f"  {_size(s):>8}  {s / rows[('copy', 'copy', s)] / 1e9:9.2f}")
+        wall, cpu = rows[("copy", "copy", s)]
+        print(f"  {_size(s):>8}  {s / wall / 1e9:9.2f}  {s / max(cpu, 1e-9) / 1e9:13.2f}")
     for name in COLLECTIVES:
         extra = "  rs/ar(shm)" if name == "reduce_scatter" else ""
         print(f"  {name}")
         print(
             f"  {'size':>8}  {'gloo ms':>9}  {'shm ms':>9}  {'gloo/shm':>8}  {'bound ms':>9}"
-            f"  {'shm/bound':>9}{extra}"
+            f"  {'shm/bound':>9}  {'cpu/bound':>9}{extra}"
         )
         for s in sizes:
-            gloo, mem = rows[(name, "gloo", s)], rows[(name, "shm", s)]
-            bound = LOGICAL[name] * rows[("copy", "copy", s)]
+            gloo, mem = rows[(name, "gloo", s)][0], rows[(name, "shm", s)]
+            copy = rows[("copy", "copy", s)]
+            bound, cpu_bound = LOGICAL[name] * copy[0], LOGICAL[name] * max(copy[1], 1e-9)
             line = (
-                f"  {_size(s):>8}  {gloo * 1e3:9.3f}  {mem * 1e3:9.3f}  {gloo / mem:8.2f}"
-                f"  {bound * 1e3:9.3f}  {mem / bound:9.2f}"
+                f"  {_size(s):>8}  {gloo * 1e3:9.3f}  {mem[0] * 1e3:9.3f}  {gloo / mem[0]:8.2f}"
+                f"  {bound * 1e3:9.3f}  {mem[0] / bound:9.2f}  {mem[1] / cpu_bound:9.2f}"
             )
             if extra:
-                line += f"  {mem / rows[('all_reduce', 'shm', s)]:11.2f}"
+                line += f"  {mem[0] / rows[('all_reduce', 'shm', s)][0]:11.2f}"
             print(line)
 
 
@@ -211,6 +231,10 @@ def main() -> None:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--min-kib", type=int, default=64)
     parser.add_argument("--max-mib", type=int, default=256)
+    parser.add_argument(
+        "--evict-mib", type=int, default=64,
+        help="scratch each rank writes before every timed rep (0: operands stay cached)",
+    )  # fmt: skip
     parser.add_argument("--p2p", action="store_true", help="time point-to-point instead")
     args = parser.parse_args()
     if args.p2p:
@@ -235,7 +259,7 @@ def main() -> None:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         queue = ctx.SimpleQueue()
-        mp.spawn(_rank, args=(world, port, sizes, queue), nprocs=world)
+        mp.spawn(_rank, args=(world, port, sizes, args.evict_mib << 20, queue), nprocs=world)
         path, rows = queue.get()
         _report(world, path, rows)
 
