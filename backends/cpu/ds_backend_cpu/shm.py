@@ -64,7 +64,7 @@ MAX_DIMS = 8
 SMALL_BYTES = 64 << 10
 # A broadcast moves in at least this many pieces (each at least MIN_PIECE bytes), to pipeline.
 BROADCAST_SPLIT = 4
-MIN_PIECE = 256 << 10
+MIN_PIECE = 1 << 20
 
 # Record words (after the record's base). Unused fields stay 0 on every rank.
 _SEQ, _KIND, _DTYPE, _NUMEL, _NUMEL2, _OP, _ROOT, _ROW, _GROUP, _ERROR, _NDIM, _SHAPE = range(12)
