@@ -282,12 +282,20 @@ class FlatUnit:
         self.storage: ShardStorage = storage_for(
             self, _accelerator, mode is Mode.PARTITIONED, host_shard, swapper
         )
+        #: PARTITIONED: each parameter's view of ``flat`` and the empty placeholder a
+        #: released parameter holds, built once, not at each gather and release (two per
+        #: module and step); the views are of ``flat``'s storage object, valid across resizes.
+        self._views: list[torch.Tensor] = []
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)
         if mode is Mode.PARTITIONED:
             # One gather buffer for the unit's life whose storage is freed (resized to 0)
             # on release and refilled on gather: tensors autograd saved in forward view this
             # storage, so backward's re-gather makes them valid again instead of keeping
             # every gathered unit alive from forward to backward (FSDP2's technique).
             self.flat = torch.empty(self.padded, dtype=self.dtype, device=device)
+            self._views = [
+                self.flat[zp.offset : zp.offset + zp.numel].view(zp.shape) for zp in zparams
+            ]
             self.flat.untyped_storage().resize_(0)
         else:
             self.flat = torch.empty(self.padded, dtype=self.dtype, device=device)
@@ -439,8 +447,9 @@ class FlatUnit:
             sec.buf.copy_(out[sec.rank * n : (sec.rank + 1) * n])
             sec.valid = True
             self._refresh_secondary = False
-        for zp in self.zparams:
-            set_param_data(zp.param, out[zp.offset : zp.offset + zp.numel].view(zp.shape))
+        assert out is self.flat  # every gather path writes into ``flat``: the views are its
+        for zp, view in zip(self.zparams, self._views, strict=True):
+            set_param_data(zp.param, view)
 
     def release(self) -> None:
         """PARTITIONED: free the gathered storage (after any gather in flight finishes); the
@@ -451,7 +460,7 @@ class FlatUnit:
         if self.mode is not Mode.PARTITIONED or self.flat is None:
             return
         for zp in self.zparams:
-            set_param_data(zp.param, torch.empty(0, dtype=self.dtype, device=self.device))
+            set_param_data(zp.param, self._empty)
         self.flat.untyped_storage().resize_(0)
 
     def free(self) -> None:
@@ -461,6 +470,7 @@ class FlatUnit:
         self.settle_host_write()  # a write into the host shard may still be in flight
         self.storage.free()
         self.flat = self.shard = None
+        self._views = []
 
     @property
     def gathered(self) -> bool:

@@ -28,6 +28,7 @@ released as one: one all-gather per leaf and pass instead of one per submodule.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,8 @@ _PostBackward = _PreBackward  # same mechanics: run ``fn`` when the gradient pas
 
 def _map_tensors(obj: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
     """Replace the grad-requiring tensors in a (possibly nested) output, in one call of ``fn``."""
+    if isinstance(obj, torch.Tensor):  # most modules' output: no walk, no rebuild
+        return fn([obj])[0] if obj.requires_grad else obj
     found: list[torch.Tensor] = []
 
     def collect(o: Any) -> None:
@@ -178,6 +181,13 @@ class ParamCoordinator:
                     units.append(zp.unit)
             if units:
                 self.module_units[sub] = units
+        #: per module, built once (not two closures per hook call): what its inputs' and
+        #: outputs' gradients run on their way through (release after its backward, gather
+        #: before it).
+        self._after_backward: dict[nn.Module, Callable[[list[torch.Tensor]], list[torch.Tensor]]]
+        self._after_backward = {m: _through(self._releaser(m)) for m in self.module_units}
+        self._before_backward: dict[nn.Module, Callable[[list[torch.Tensor]], list[torch.Tensor]]]
+        self._before_backward = {m: _through(self._pre_backwarder(m)) for m in self.module_units}
         self.handles: list[RemovableHandle] = []
         for sub in self.module_units:
             self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
@@ -197,6 +207,17 @@ class ParamCoordinator:
         self.live_numel = 0
         self.peak_live_numel = 0
         self._live: set[int] = set()
+        #: the reuse plan of the recorded trace (:meth:`_plan_reuse`): per unit used by more
+        #: than one module of the trace, the positions using it; and the gathered elements
+        #: of the trace before each position.
+        self._uses: dict[int, list[int]] = {}
+        self._elements_before: list[int] = [0]
+
+    def _releaser(self, module: nn.Module) -> Callable[[], None]:
+        return lambda: self.release(module)
+
+    def _pre_backwarder(self, module: nn.Module) -> Callable[[], None]:
+        return lambda: self._pre_backward(module)
 
     # -- forward bracketing (called by the engine) -------------------------------------------
 
@@ -211,6 +232,7 @@ class ParamCoordinator:
             self.trace_done = True
             self.recording = False
             self.last_position = {m: i for i, m in enumerate(self.trace)}
+            self._plan_reuse()
         self.on_trace = False
         self._drop_unused()
 
@@ -232,13 +254,13 @@ class ParamCoordinator:
             self._prefetch(self.trace[self.cursor])
             self._read_ahead(self.cursor + 1)
         if torch.is_grad_enabled():
-            return _map_tensors(args, _through(lambda: self.release(module)))
+            return _map_tensors(args, self._after_backward[module])
         return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         self.release(module, self.cursor if self.on_trace else None)
         if torch.is_grad_enabled():
-            return _map_tensors(output, _through(lambda: self._pre_backward(module)))
+            return _map_tensors(output, self._before_backward[module])
         return None
 
     def _pre_backward(self, module: nn.Module) -> None:
@@ -278,18 +300,34 @@ class ParamCoordinator:
                 if unit.gather_count == 0 and not self._reused_soon(unit, cursor):
                     self._free(unit)
 
+    def _plan_reuse(self) -> None:
+        """Index the recorded trace once for :meth:`_reused_soon`, which runs at every
+        forward release (walking the rest of the trace there cost O(units²) per step)."""
+        uses: dict[int, list[int]] = {}
+        before = [0]
+        for i, m in enumerate(self.trace):
+            units = self.module_units[m]
+            for u in units:
+                uses.setdefault(id(u), []).append(i)
+            before.append(before[-1] + sum(u.padded for u in units))
+        self._uses = {k: v for k, v in uses.items() if len(v) > 1}
+        self._elements_before = before
+
     def _reused_soon(self, unit: FlatUnit, cursor: int | None) -> bool:
+        """Whether a module at or after trace position ``cursor`` uses ``unit`` with at most
+        ``max_reuse_distance`` elements gathered by the modules in between."""
         if cursor is None or self.max_reuse_distance <= 0:
             return False
-        distance = 0
-        for m in self.trace[cursor:]:
-            units = self.module_units[m]
-            if unit in units:
-                return self.live_numel <= self.max_live_numel
-            distance += sum(u.padded for u in units)
-            if distance > self.max_reuse_distance:
-                return False
-        return False
+        positions = self._uses.get(id(unit))
+        if positions is None:  # the trace uses it once (or not at all): nothing ahead
+            return False
+        k = bisect.bisect_left(positions, cursor)
+        if k == len(positions):
+            return False
+        before = self._elements_before
+        if before[positions[k]] - before[cursor] > self.max_reuse_distance:
+            return False
+        return self.live_numel <= self.max_live_numel
 
     def _free(self, unit: FlatUnit) -> None:
         unit.release()
@@ -340,3 +378,6 @@ class ParamCoordinator:
         self.module_units.clear()
         self.trace.clear()
         self.last_position.clear()
+        self._uses.clear()
+        self._after_backward.clear()
+        self._before_backward.clear()
