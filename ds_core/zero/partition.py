@@ -28,7 +28,7 @@ from torch import nn
 
 from ds_core.accelerator import Accelerator, get_accelerator
 from ds_core.comm.quantized import quantized_all_gather
-from ds_core.types import Work
+from ds_core.types import COMPLETED, Work
 from ds_core.zero.shard_storage import ShardStorage, storage_for
 
 if TYPE_CHECKING:
@@ -427,6 +427,13 @@ class FlatUnit:
         self._refresh_secondary = sec is not None
         src = self.storage.gather_source()
         handle: Work
+        if self.world == 1 and not self.quantized_gather:
+            # A group of one: the gathered unit is this rank's range; a copy on the current
+            # stream, not a collective (issue 32's no-communication floor runs this way).
+            self.flat.copy_(src)
+            self.inflight = InFlight(COMPLETED, src, self.flat)
+            self.wait_gather()
+            return
         if self.quantized_gather and not exact:
             handle = quantized_all_gather(self.flat, src, self.group, async_op)
         else:

@@ -152,7 +152,48 @@ def api_checks() -> dict[str, Any]:
     out["lr_after_step"] = engine.get_lr()[0]
     out["returned_optimizer_is_engines"] = opt is engine.optimizer and sched is engine.lr_scheduler
     engine.destroy()
+    out["one_rank"] = one_rank_stage3()
     return out
+
+
+def one_rank_stage3() -> dict[str, Any]:
+    """Stage 3 against stage 0 on a group of one (issue 32's no-communication floor): the
+    losses and final parameters of each, and the all-gathers stage 3 issued."""
+    import ds_core
+    from ds_core.comm.counting import CommCounter
+
+    runs: dict[str, Any] = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = MLP(8, 2)
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine, _, _, _ = ds_core.initialize(
+            model=model, optimizer=make_optimizer(model.parameters()), config=cfg
+        )
+        counter = CommCounter()
+        ds_core.register_plugin(counter)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        try:
+            for _ in range(3):
+                x, y = torch.randn(MICRO, 8, generator=gen), torch.randn(MICRO, 8, generator=gen)
+                loss = torch.nn.functional.mse_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        finally:
+            ds_core.unregister_plugin(counter)
+        runs[f"s{stage}"] = {
+            "losses": losses,
+            "state": engine.gathered_state_dict(),
+            "all_gathers": counter.calls_by_op().get("all_gather", 0),
+            "partitioned_units": sum(u.mode.value == "partitioned" for u in engine.units),
+        }
+        engine.destroy()
+    return runs
 
 
 def resident() -> dict[str, Any]:

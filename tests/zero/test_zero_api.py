@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from tests.zero.conftest import SuiteResults
 
@@ -55,3 +56,17 @@ def test_training_data_and_scheduler_callable(api: dict[str, Any]) -> None:
 def test_stage3_allows_in_place_ops_on_module_outputs(api: dict[str, Any]) -> None:
     for got, want in api["inplace_relu_losses"]:
         assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_stage3_on_one_rank_gathers_without_collectives_and_matches_stage0(
+    api: dict[str, Any],
+) -> None:
+    # A group of one: a stage-3 gather is a local copy (ds_core/zero/partition.py), not an
+    # all-gather; training is bitwise that of stage 0.
+    s0, s3 = api["one_rank"]["s0"], api["one_rank"]["s3"]
+    assert s3["partitioned_units"] > 0
+    assert s3["all_gathers"] == 0
+    assert s3["losses"] == s0["losses"]
+    assert s3["state"].keys() == s0["state"].keys()
+    for name, value in s0["state"].items():
+        assert torch.equal(s3["state"][name], value), name
