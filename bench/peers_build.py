@@ -154,10 +154,12 @@ def ds_config(
     offload_param: bool | str = False,
     nvme_path: str | None = None,
     leaf_blocks: bool = False,
+    default_persistence: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed-style config of a ds_core run in these benchmarks (optimizer offload to
     ``nvme_path`` when given, else to the host; ``leaf_blocks``: each GPT ``Block`` a stage-3
-    leaf module)."""
+    leaf module; ``default_persistence``: ``stage3_param_persistence_threshold`` left at its
+    default, 1e5, so parameters under it stay whole on every rank, else 0)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -174,6 +176,8 @@ def ds_config(
         "steps_per_print": 10**9,
         "log_level": "warning",
     }
+    if default_persistence:
+        del cfg["zero_optimization"]["stage3_param_persistence_threshold"]
     if leaf_blocks:
         cfg["zero_optimization"]["leaf_module"] = {"classes": ["Block"]}
     if offload and nvme_path is not None:
@@ -217,6 +221,7 @@ def build_ds(
     offload_param: bool | str = False,
     name: str = "",
     leaf_blocks: bool = False,
+    default_persistence: bool = False,
 ) -> Trainer:
     import ds_core
     from ds_core.comm.counting import CommCounter
@@ -235,6 +240,7 @@ def build_ds(
             if name in ("ds2_nvme", "ds3_nvme")
             else None,
             leaf_blocks=leaf_blocks,
+            default_persistence=default_persistence,
         ),
     )
 
@@ -278,7 +284,13 @@ def build(name: str, model: torch.nn.Module, micro_batch: int) -> Trainer:
     if name == "fsdp2":
         return build_fsdp2(model)
     if name in DS_STAGES:
-        return build_ds(model, int(name[2]), micro_batch, leaf_blocks=name.endswith("_block"))
+        return build_ds(
+            model,
+            int(name[2]),
+            micro_batch,
+            leaf_blocks=name.endswith("_block"),
+            default_persistence=name.endswith("_default"),
+        )
     if name in OFFLOAD:
         # ds2_nvme/ds3_nvme: optimizer state on NVMe; *_param_nvme: stage-3 shards on NVMe
         optimizer = "_off" in name or name in ("ds2_nvme", "ds3_nvme")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PEERS = ("ddp", "zero_opt", "fsdp2")
-DS_STAGES = ("ds0", "ds1", "ds2", "ds3", "ds3_block")
+DS_STAGES = ("ds0", "ds1", "ds2", "ds3", "ds3_block", "ds3_default")
 OFFLOAD = ("ds1_off", "ds2_off", "ds3_off", "ds3_param", "ds3_off_param", "ds2_nvme", "ds3_nvme")
 OFFLOAD += ("ds3_param_nvme", "ds3_off_param_nvme")
 

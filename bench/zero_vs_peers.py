@@ -15,6 +15,8 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
 - ``ds0``..``ds3`` ds_core stages 0-3 (``ds_core.initialize``), persistence threshold 0
 - ``ds3_block`` stage 3 with each transformer ``Block`` a leaf module
   (``zero_optimization.leaf_module``): one unit per block, as ``fsdp2`` shards per block
+- ``ds3_default`` stage 3 with ``stage3_param_persistence_threshold`` at its default (1e5, as
+  DeepSpeed's): parameters under it (norms, biases, small matrices) stay whole on every rank
 - ``ds1_off``..``ds3_off`` the same with ``offload_optimizer: {"device": "cpu"}``, ``ds3_param``
   with ``offload_param: {"device": "cpu"}`` and ``ds3_off_param`` with both; ``ds2_nvme`` /
   ``ds3_nvme`` with ``offload_optimizer: {"device": "nvme"}``; ``ds3_param_nvme`` and
