@@ -190,7 +190,15 @@ ROWS: list[Row] = [
     Row("zero_optimization.stage3_max_live_parameters", 1_000_000_000,
         f"{ZERO}.max_live_parameters"),
     Row("zero_optimization.stage3_max_reuse_distance", 1_000_000_000,
-        f"{ZERO}.max_reuse_distance"),
+        f"{ZERO}.max_reuse_distance",
+        reason="same value, other meaning: ds_core's trace is the forward's, so a unit is kept "
+        "for a reuse later in the forward but released and gathered again for backward; "
+        "DeepSpeed's trace also records the modules backward runs "
+        "(runtime/zero/parameter_offload.py, pre_sub_module_backward_function), so at 1e9 a "
+        "model under 1e9 elements stays gathered from its forward to its backward: one "
+        "all-gather per unit per step fewer, and every parameter whole during backward (4Ψ on "
+        "top of stage 3's 16Ψ/N; the default peak measures 1.28 of the formula on sim, "
+        "bench/memory_formula.py)"),
     Row("zero_optimization.leaf_module.classes", [
         "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
         "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
