@@ -118,7 +118,7 @@ def test_an_interrupted_run_leaves_no_copy_and_no_mutated_file(
 
     monkeypatch.setattr(tool, "run_suite", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        tool.run(tool.sample(mutants, 1, seed=17), budget=60)
+        tool.run(tool.sample(mutants, 1, seed=17), budget=60, select="full")
     assert roots and not roots[0].exists()
     assert _digest() == before
 
@@ -129,3 +129,125 @@ def test_report_table_and_survivors(mutants: list) -> None:
     text = tool.markdown(outcomes, [], {"memory": 338})
     assert "| memory | 2 (338) | 1 | 1 | 0 | 50% |" in text
     assert m2.id in text and "→" in text
+
+
+sel = tool.sel
+
+
+def test_mutant_keys_are_stable_and_follow_the_line_text(mutants: list) -> None:
+    keys = [tool.key_of(m) for m in mutants]
+    assert len(set(keys)) == len(keys)
+    m = mutants[0]
+    source = (tool.PACKAGE / m.file).read_text()
+    assert sel.mutant_key(m.file, m.line, m.operator, m.occurrence, source) == keys[0]
+    lines = source.splitlines()
+    lines[m.line - 1] += "  # edited"
+    edited = sel.mutant_key(m.file, m.line, m.operator, m.occurrence, "\n".join(lines))
+    assert edited != keys[0] and edited.rsplit(":", 1)[0] == keys[0].rsplit(":", 1)[0]
+
+
+def test_the_ledger_appends_keeps_the_last_record_and_skips_a_torn_last_line(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.jsonl"
+    assert sel.read_ledger(path) == {}
+    sel.append_ledger(path, {"key": "a", "status": "survived"})
+    sel.append_ledger(path, {"key": "b", "status": "killed"})
+    sel.append_ledger(path, {"key": "a", "status": "killed"})
+    with open(path, "a") as f:
+        f.write('{"key": "c", "sta')  # a run killed mid-write
+    assert sel.read_ledger(path) == {
+        "a": {"key": "a", "status": "killed"},
+        "b": {"key": "b", "status": "killed"},
+    }
+    path.write_text('{"key": "c", "sta\n{"key": "d"}\n')
+    with pytest.raises(SystemExit, match=r"ledger\.jsonl:1: not a JSON record"):
+        sel.read_ledger(path)
+
+
+def test_a_resumed_run_skips_every_mutant_its_ledger_holds(
+    mutants: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chosen = tool.sample(mutants, 1, seed=17)
+    ledger = tmp_path / "ledger.jsonl"
+    for m in chosen[1:]:
+        sel.append_ledger(ledger, {"key": tool.key_of(m), "status": "killed"})
+    calls: list[tuple[str, object]] = []
+
+    def fake(copy: object, category: str, timeout: float, extra: object = None, checks=None):
+        calls.append((category, checks))
+        return ("survived", 0.5, "") if checks is None and not calls[1:] else ("killed", 0.5, "t")
+
+    monkeypatch.setattr(tool, "run_suite", fake)
+    outcomes, pending, _ = tool.run(chosen, budget=600, select="full", ledger=ledger)
+    assert [o.mutant for o in outcomes] == chosen[:1] and not pending
+    assert len(calls) == 2  # the category's baseline, then the one mutant not in the ledger
+    records = sel.read_ledger(ledger)
+    assert records[tool.key_of(chosen[0])]["status"] == "killed"
+    assert records[tool.key_of(chosen[0])]["checks"] == "all"
+    calls.clear()
+    outcomes, _, _ = tool.run(chosen, budget=600, select="full", ledger=ledger)
+    assert outcomes == [] and calls == []
+
+
+def test_statement_spans_cover_a_multiline_statement_and_only_a_headers_lines() -> None:
+    source = "x = f(\n    1,\n    2)\nif (a and\n        b):\n    y = 1\n"
+    spans = sel.statement_spans(source)
+    assert spans[2] == (1, 3) and spans[3] == (1, 3)
+    assert spans[5] == (4, 5) and spans[6] == (6, 6)
+
+
+def test_coverage_map_selects_the_checks_that_run_a_statement(tmp_path: Path) -> None:
+    (tmp_path / "items.json").write_text(
+        '{"t::a": {"arg": "/s/t.py::a", "case": null},'
+        ' "t::b[k1]": {"arg": "/s/t.py::b[k1]", "case": "k1"},'
+        ' "t::b[k2]": {"arg": "/s/t.py::b[k2]", "case": "k2"}}'
+    )
+    (tmp_path / "trace-1.tsv").write_text("t::a\tm.py\t3\ncase:k2\tm.py\t5\n\tm.py\t9\nt::a\tm.")
+    (tmp_path / "trace-2.tsv").write_text("case:k1\tm.py\t4\nt::gone\tm.py\t7\n")
+    cov = sel.CoverageMap.from_traces(tmp_path, 1.5)
+    cov = sel.CoverageMap.from_json(cov.to_json())
+    assert cov.checks("m.py", (3, 3)) == ["/s/t.py::a"]
+    assert cov.checks("m.py", (3, 5)) == ["/s/t.py::a", "/s/t.py::b[k1]", "/s/t.py::b[k2]"]
+    assert cov.checks("m.py", (6, 6)) == [] and cov.checks("other.py", (3, 3)) == []
+    assert cov.checks("m.py", (9, 9)) is None  # run outside any one check: every check
+    assert cov.checks("m.py", (7, 7)) is None  # a context no collected check owns
+
+
+def test_the_tracer_records_each_line_under_the_context_of_the_check_and_its_children(
+    tmp_path: Path,
+) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "mod.py").write_text("def f(x):\n    if x:\n        return 1\n    return 2\n")
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    code = (
+        "import os, subprocess, sys, sitecustomize, mod\n"
+        "mod.f(0)\n"
+        "sitecustomize.set_context('check-1')\n"
+        "mod.f(1)\n"
+        "subprocess.run([sys.executable, '-c', 'import mod; mod.f(0)'], check=True)\n"
+    )
+    paths = [str(tool.TRACER), str(pkg), *sys.path]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), DS_MUT_TRACE_DIR=str(traces))
+    env.update(DS_MUT_TRACE_PKG=str(pkg), DS_MUT_CONTEXT="")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    (traces / "items.json").write_text('{"check-1": {"arg": "c1", "case": null}}')
+    lines = sel.CoverageMap.from_traces(traces, 0.0).lines["mod.py"]
+    assert "" in lines[1]  # the def runs at import, outside any check
+    assert lines[2] == {"", "check-1"} and lines[3] == {"check-1"}
+    assert lines[4] == {"", "check-1"}  # f(0) in the child inherits the check's context
+
+
+def test_summary_counts_per_category_from_the_ledger() -> None:
+    records = [
+        {"key": "a", "category": "op", "status": "killed"},
+        {"key": "b", "category": "op", "status": "crash"},
+        {"key": "c", "category": "op", "status": "survived", "detail": sel.NOT_COVERED},
+        {"key": "d", "category": "op", "status": "survived", "detail": ""},
+        {"key": "e", "category": "op", "status": "unchanged"},
+    ]
+    text = sel.summary(records, {"op": 7, "rng": 2}, {"d": "same values"})
+    assert "| op | 7 | 4 | 2 | 2 (1) | 1 | 2 | 2/3 = 66.7% |" in text
+    assert "| rng | 2 | 0 | 0 | 0 (0) | 0 | 2 | – |" in text

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import hashlib
 import json
 import os
 import random
@@ -36,8 +37,17 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mutation_select as sel  # next to this file; tools/ is not a package
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "backends" / "cpu" / "ds_backend_cpu"
+#: the tracer of the coverage runs (its sitecustomize.py and pytest plugin)
+TRACER = ROOT / "tools" / "mutation_trace"
+#: coverage maps, one per category and environment, under the sources' digest
+CACHE = ROOT / ".mutation-cache"
+#: survivors shown equivalent: ``key<TAB>reason`` (conformance/MUTATION.md renders them)
+EQUIVALENT = ROOT / "conformance" / "mutation-equivalent.tsv"
 
 #: file -> category; plugin.py is split by its section headers (see SECTIONS).
 FILES: dict[str, str | None] = {
@@ -245,18 +255,37 @@ class MutantCopy:
         self.close()
 
 
-def run_suite(
-    copy: MutantCopy, category: str, timeout: float, extra: dict[str, str] | None = None
-) -> tuple[str, float, str]:
-    """(killed|survived|timeout|crash, seconds, detail) of one suite run on the copy."""
-    report = copy.root / "report"
-    shutil.rmtree(report, ignore_errors=True)
-    paths = [str(copy.root), *sys.path]
+def _suite_env(root: Path, extra: dict[str, str] | None) -> dict[str, str]:
+    paths = [str(root), *sys.path]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), DS_ACCELERATOR="cpu")
     env.update(extra or {})
-    cmd = [sys.executable, "-m", "ds_core.cli", "conformance", "--backend", "cpu"]
-    cmd += ["--category", category, "--report", str(report), "--", "-x", "-q"]
-    cmd += ["-p", "no:cacheprovider"]
+    return env
+
+
+def _suite_command(category: str, report: Path, checks: list[str] | None) -> list[str]:
+    """pytest on ``category``: the whole suite package, or only ``checks`` (pytest arguments)."""
+    from ds_conformance.runner import pytest_args
+
+    args = pytest_args("cpu", report, categories=[category], extra=["-x"])
+    if checks is not None:
+        at = args.index("--pyargs")
+        args[at : at + 2] = checks
+    return [sys.executable, "-m", "pytest", *args]
+
+
+def run_suite(
+    copy: MutantCopy,
+    category: str,
+    timeout: float,
+    extra: dict[str, str] | None = None,
+    checks: list[str] | None = None,
+) -> tuple[str, float, str]:
+    """(killed|survived|timeout|crash, seconds, detail) of one suite run on the copy
+    (``checks``: only these pytest arguments; default: the category's whole suite)."""
+    report = copy.root / "report"
+    shutil.rmtree(report, ignore_errors=True)
+    env = _suite_env(copy.root, extra)
+    cmd = _suite_command(category, report, checks)
     start = time.monotonic()
     try:
         proc = subprocess.run(
@@ -280,21 +309,89 @@ def _variant_key(category: str, extra: dict[str, str]) -> str:
     return " ".join([category, *(f"{k}={v}" for k, v in sorted(extra.items()))])
 
 
+def _digest() -> str:
+    """Of everything a coverage map depends on: the backend's and the suite's sources."""
+    h = hashlib.sha256()
+    for base in (PACKAGE, ROOT / "conformance" / "ds_conformance"):
+        for path in sorted(base.glob("*.py")):
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def coverage_map(category: str, extra: dict[str, str], cache: Path) -> sel.CoverageMap:
+    """Which checks execute each backend line, from one traced run of the unmutated suite
+    (cached in ``cache`` under the sources' digest). :raises SystemExit: when it fails."""
+    name = _variant_key(category, extra).replace(" ", "_").replace("=", "-")
+    path = cache / f"{name}-{_digest()}.json"
+    if path.exists():
+        return sel.CoverageMap.from_json(json.loads(path.read_text()))
+    with MutantCopy() as copy:  # an unmutated copy: traces name files relative to it
+        traces = copy.root / "traces"
+        traces.mkdir()
+        env = _suite_env(copy.root, extra)
+        env["PYTHONPATH"] = os.pathsep.join([str(TRACER), env["PYTHONPATH"]])
+        env.update(DS_MUT_TRACE_DIR=str(traces), DS_MUT_TRACE_PKG=str(copy.copy))
+        cmd = [*_suite_command(category, copy.root / "report", None), "-p", "mutation_context"]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=copy.root)
+        seconds = time.monotonic() - start
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise SystemExit(f"traced run of {name} fails unmutated:\n{tail}")
+        result = sel.CoverageMap.from_traces(traces, seconds)
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json()))
+    print(f"coverage {name}: {len(result.items)} checks, {seconds:.1f} s (traced)", flush=True)
+    return result
+
+
+@functools.cache
+def _source(file: str) -> str:
+    return (PACKAGE / file).read_text()
+
+
+def key_of(m: Mutant) -> str:
+    """The mutant's ledger key (:func:`mutation_select.mutant_key`)."""
+    return sel.mutant_key(m.file, m.line, m.operator, m.occurrence, _source(m.file))
+
+
+def _record(m: Mutant, status: str, seconds: float, detail: str, checks: str) -> dict[str, object]:
+    return {
+        "key": key_of(m), "id": m.id, "category": m.category, "file": m.file, "line": m.line,
+        "operator": m.operator, "occurrence": m.occurrence, "status": status,
+        "seconds": round(seconds, 1), "detail": detail, "checks": checks,
+        "date": time.strftime("%Y-%m-%d"),
+    }  # fmt: skip
+
+
 def run(
-    mutants: list[Mutant], budget: float, max_variants: int = 0
+    mutants: list[Mutant],
+    budget: float,
+    max_variants: int = 0,
+    select: str = "coverage",
+    ledger: Path | None = None,
+    cache: Path = CACHE,
 ) -> tuple[list[Outcome], list[Mutant], dict[str, float]]:
-    """Run each mutant (baseline of each category first); (outcomes, not run, baselines)."""
+    """Run each mutant not yet in ``ledger`` (appending each outcome there); (outcomes, not
+    run, baselines). ``select="coverage"`` runs a mutant only against the checks executing
+    its statement (:mod:`mutation_select`); ``"full"`` against its category's whole suite."""
     outcomes: list[Outcome] = []
     baselines: dict[str, float] = {}
+    maps: dict[str, sel.CoverageMap] = {}
+    done = sel.read_ledger(ledger) if ledger else {}
     deadline = time.monotonic() + budget
+    pending = [m for m in mutants if key_of(m) not in done]
     with MutantCopy() as copy:
-        pending = list(mutants)
         while pending and time.monotonic() < deadline:
             m = pending.pop(0)
             variants = VARIANTS.get(m.category, [{}])[: max_variants or None]
             for extra in variants:
                 key = _variant_key(m.category, extra)
                 if key in baselines:
+                    continue
+                if select == "coverage":
+                    maps[key] = coverage_map(m.category, extra, cache)
+                    baselines[key] = maps[key].seconds
                     continue
                 copy.apply(None)
                 status, secs, detail = run_suite(copy, m.category, 600, extra)
@@ -303,27 +400,37 @@ def run(
                 baselines[key] = secs
                 print(f"baseline {key}: passes in {secs:.1f} s", flush=True)
             text = copy.apply(m)
+            status, total, detail, ran = "survived", 0.0, sel.NOT_COVERED, []
             if text is None:
-                outcomes.append(Outcome(m, "unchanged", 0.0))
-                continue
-            try:
-                compile(text, m.file, "exec")
-            except SyntaxError as exc:
-                outcomes.append(Outcome(m, "crash", 0.0, f"SyntaxError: {exc.msg}"))
-                continue
-            total = 0.0
-            for extra in variants:
+                status, detail = "unchanged", ""
+            else:
+                try:
+                    compile(text, m.file, "exec")
+                except SyntaxError as exc:
+                    status, detail = "crash", f"SyntaxError: {exc.msg}"
+                    variants = []
+            span = sel.statement_spans(_source(m.file)).get(m.line, (m.line, m.line))
+            for extra in variants if status == "survived" else []:
                 key = _variant_key(m.category, extra)
+                checks = maps[key].checks(m.file, span) if select == "coverage" else None
+                if checks == []:
+                    continue  # this environment's run never executes the statement
+                ran.append("all" if checks is None else str(len(checks)))
                 timeout = max(60.0, 3 * baselines[key] + 30)
-                status, secs, detail = run_suite(copy, m.category, timeout, extra)
+                status, secs, detail = run_suite(copy, m.category, timeout, extra, checks)
                 total += secs
                 if status != "survived":
                     if extra:
                         detail = f"{detail} [{key}]"
                     break
-            secs = total
-            outcomes.append(Outcome(m, status, secs, detail))
-            print(f"{status:9} {secs:6.1f} s  {m.category:12} {m.id}  {detail}", flush=True)
+            outcomes.append(Outcome(m, status, total, detail))
+            if ledger:
+                sel.append_ledger(ledger, _record(m, status, total, detail, "+".join(ran) or "0"))
+            print(
+                f"{status:9} {total:6.1f} s  {m.category:12} {m.id}  checks {'+'.join(ran) or 0}"
+                f"  {detail}",
+                flush=True,
+            )
         copy.apply(None)
         return outcomes, pending, baselines
 
@@ -371,11 +478,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=17, help="sampling seed")
     parser.add_argument("--budget", type=float, default=1800, help="seconds; then stop")
     parser.add_argument("--list", action="store_true", help="print the sample, run nothing")
-    parser.add_argument("--all", action="store_true", help="with --list: every mutant")
-    parser.add_argument("--mutant", action="append", default=[], help="run only this mutant id")
+    parser.add_argument("--all", action="store_true", help="every mutant, not a sample")
+    parser.add_argument("--mutant", action="append", default=[], help="only this id or key")
     parser.add_argument(
         "--variants", type=int, default=1, help="at most this many environments (0: all)"
     )
+    parser.add_argument(
+        "--select",
+        choices=("coverage", "full"),
+        default="coverage",
+        help="run a mutant against the checks executing it (default) or the whole category",
+    )
+    parser.add_argument(
+        "--resume", type=Path, help="ledger (JSON lines): skip the mutants it holds, append"
+    )
+    parser.add_argument(
+        "--summary", action="store_true", help="print the --resume ledger's table; run nothing"
+    )
+    parser.add_argument("--equivalent", type=Path, default=EQUIVALENT, help="key<TAB>reason file")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="coverage maps' folder")
     parser.add_argument("--out", help="also write the Markdown report here")
     args = parser.parse_args(argv)
 
@@ -385,20 +506,32 @@ def main(argv: list[str] | None = None) -> int:
     totals: dict[str, int] = {}
     for m in mutants:
         totals[m.category] = totals.get(m.category, 0) + 1
+    if args.summary:
+        if not args.resume:
+            parser.error("--summary reads the ledger named by --resume FILE")
+        keys = {key_of(m) for m in mutants}
+        records = [r for k, r in sel.read_ledger(args.resume).items() if k in keys]
+        print(sel.summary(records, totals, sel.read_equivalent(args.equivalent)), end="")
+        return 0
     chosen = mutants if args.all else sample(mutants, args.per_category, args.seed)
     if args.mutant:
-        chosen = [m for m in mutants if m.id in args.mutant]
+        chosen = [m for m in mutants if m.id in args.mutant or key_of(m) in args.mutant]
+    # small categories first: a budget then finishes whole categories before starting comm
+    chosen.sort(key=lambda m: (totals[m.category], m.category, m.file, m.line, m.id))
     if args.list:
         for m in chosen:
-            print(f"{m.category:12} {m.id:55} {describe(m)}")
+            print(f"{m.category:12} {key_of(m):70} {describe(m)}")
         print(
             f"{len(chosen)} listed of {len(mutants)}: "
             + ", ".join(f"{c} {n}" for c, n in sorted(totals.items()))
         )
         return 0
-    outcomes, not_run, _baselines = run(chosen, args.budget, args.variants)
+    start = time.monotonic()
+    outcomes, not_run, _baselines = run(
+        chosen, args.budget, args.variants, args.select, args.resume, args.cache
+    )
     text = markdown(outcomes, not_run, totals)
-    print(text)
+    print(text + f"\nwall time {time.monotonic() - start:.0f} s")
     if args.out:
         Path(args.out).write_text(text)
     return 0
