@@ -174,7 +174,7 @@ def test_a_resumed_run_skips_every_mutant_its_ledger_holds(
         sel.append_ledger(ledger, {"key": tool.key_of(m), "status": "killed"})
     calls: list[tuple[str, object]] = []
 
-    def fake(copy: object, category: str, timeout: float, extra: object = None, checks=None):
+    def fake(copy: object, category: str, timeout: float, extra=None, checks=None, server=None):
         calls.append((category, checks))
         return ("survived", 0.5, "") if checks is None and not calls[1:] else ("killed", 0.5, "t")
 
@@ -251,3 +251,31 @@ def test_summary_counts_per_category_from_the_ledger() -> None:
     text = sel.summary(records, {"op": 7, "rng": 2}, {"d": "same values"})
     assert "| op | 7 | 4 | 2 | 2 (1) | 1 | 2 | 2/3 = 66.7% |" in text
     assert "| rng | 2 | 0 | 0 | 0 (0) | 0 | 2 | – |" in text
+
+
+def test_the_fork_server_reports_pass_fail_and_kills_a_run_past_its_timeout(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "test_x.py").write_text(
+        "import os, time\n"
+        "def test_pass(): assert os.environ['MARK'] == '1'\n"
+        "def test_fail(): assert False\n"
+        "def test_hang(): time.sleep(600)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    server = tool.ForkServer(env)
+    try:
+        base = ["-q", "-p", "no:cacheprovider", "-o", "addopts="]
+
+        def run(name: str, timeout: float) -> int | None:
+            args = [*base, f"{tmp_path}/test_x.py::{name}"]
+            code: int | None = server.run(args, tmp_path, {"MARK": "1"}, tmp_path / "log", timeout)
+            return code
+
+        assert run("test_pass", 120) == 0
+        assert "1 passed" in (tmp_path / "log").read_text()
+        assert run("test_fail", 120) == 1
+        assert run("test_hang", 3) is None
+        assert run("test_pass", 120) == 0  # the server goes on after a timeout
+    finally:
+        server.close()

@@ -22,6 +22,7 @@ are cosmic-ray's operators that need arguments or a planted exception class.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -39,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mutation_select as sel  # next to this file; tools/ is not a package
+from mutation_fork import ForkServer
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "backends" / "cpu" / "ds_backend_cpu"
@@ -279,30 +281,40 @@ def run_suite(
     timeout: float,
     extra: dict[str, str] | None = None,
     checks: list[str] | None = None,
+    server: ForkServer | None = None,
 ) -> tuple[str, float, str]:
     """(killed|survived|timeout|crash, seconds, detail) of one suite run on the copy
-    (``checks``: only these pytest arguments; default: the category's whole suite)."""
+    (``checks``: only these pytest arguments; default: the category's whole suite; ``server``:
+    forked from it rather than a new interpreter)."""
     report = copy.root / "report"
     shutil.rmtree(report, ignore_errors=True)
-    env = _suite_env(copy.root, extra)
     cmd = _suite_command(category, report, checks)
     start = time.monotonic()
-    try:
-        proc = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=copy.root
-        )
-    except subprocess.TimeoutExpired:
-        return "timeout", time.monotonic() - start, f"over {timeout:.0f} s"
+    if server is not None:
+        log = copy.root / "pytest.log"
+        code = server.run(cmd[3:], copy.root, dict(extra or {}), log, timeout)
+        output = log.read_text(errors="replace") if log.exists() else ""
+        if code is None:
+            return "timeout", time.monotonic() - start, f"over {timeout:.0f} s"
+    else:
+        env = _suite_env(copy.root, extra)
+        try:
+            proc = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=copy.root
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout", time.monotonic() - start, f"over {timeout:.0f} s"
+        code, output = proc.returncode, proc.stderr or proc.stdout
     seconds = time.monotonic() - start
-    if proc.returncode == 0:
+    if code == 0:
         return "survived", seconds, ""
     path = report / "conformance.json"
     if not path.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        tail = output.strip().splitlines()[-1:] or ["?"]
         return "crash", seconds, tail[0][:160]
     data = json.loads(path.read_text())
     failures = [f["id"] for row in data["categories"].values() for f in row["failures"]]
-    return "killed", seconds, failures[0] if failures else f"exit {proc.returncode}"
+    return "killed", seconds, failures[0] if failures else f"exit {code}"
 
 
 def _variant_key(category: str, extra: dict[str, str]) -> str:
@@ -371,17 +383,23 @@ def run(
     select: str = "coverage",
     ledger: Path | None = None,
     cache: Path = CACHE,
+    fork: bool = False,
 ) -> tuple[list[Outcome], list[Mutant], dict[str, float]]:
     """Run each mutant not yet in ``ledger`` (appending each outcome there); (outcomes, not
     run, baselines). ``select="coverage"`` runs a mutant only against the checks executing
-    its statement (:mod:`mutation_select`); ``"full"`` against its category's whole suite."""
+    its statement (:mod:`mutation_select`); ``"full"`` against its category's whole suite.
+    ``fork``: each mutant's runs fork from a server (:mod:`mutation_fork`)."""
     outcomes: list[Outcome] = []
     baselines: dict[str, float] = {}
     maps: dict[str, sel.CoverageMap] = {}
     done = sel.read_ledger(ledger) if ledger else {}
     deadline = time.monotonic() + budget
     pending = [m for m in mutants if key_of(m) not in done]
-    with MutantCopy() as copy:
+    with contextlib.ExitStack() as stack:
+        copy = stack.enter_context(MutantCopy())
+        server = ForkServer(_suite_env(copy.root, None)) if fork and pending else None
+        if server is not None:
+            stack.callback(server.close)
         while pending and time.monotonic() < deadline:
             m = pending.pop(0)
             variants = VARIANTS.get(m.category, [{}])[: max_variants or None]
@@ -417,7 +435,7 @@ def run(
                     continue  # this environment's run never executes the statement
                 ran.append("all" if checks is None else str(len(checks)))
                 timeout = max(60.0, 3 * baselines[key] + 30)
-                status, secs, detail = run_suite(copy, m.category, timeout, extra, checks)
+                status, secs, detail = run_suite(copy, m.category, timeout, extra, checks, server)
                 total += secs
                 if status != "survived":
                     if extra:
@@ -497,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--equivalent", type=Path, default=EQUIVALENT, help="key<TAB>reason file")
     parser.add_argument("--cache", type=Path, default=CACHE, help="coverage maps' folder")
+    parser.add_argument(
+        "--no-fork", action="store_true", help="a new interpreter for every suite run"
+    )
     parser.add_argument("--out", help="also write the Markdown report here")
     args = parser.parse_args(argv)
 
@@ -528,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.monotonic()
     outcomes, not_run, _baselines = run(
-        chosen, args.budget, args.variants, args.select, args.resume, args.cache
+        chosen, args.budget, args.variants, args.select, args.resume, args.cache, not args.no_fork
     )
     text = markdown(outcomes, not_run, totals)
     print(text + f"\nwall time {time.monotonic() - start:.0f} s")
