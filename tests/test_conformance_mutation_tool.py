@@ -203,11 +203,13 @@ def test_coverage_map_selects_the_checks_that_run_a_statement(tmp_path: Path) ->
         ' "t::b[k1]": {"arg": "/s/t.py::b[k1]", "case": "k1"},'
         ' "t::b[k2]": {"arg": "/s/t.py::b[k2]", "case": "k2"}}'
     )
-    (tmp_path / "trace-1.tsv").write_text("t::a\tm.py\t3\ncase:k2\tm.py\t5\n\tm.py\t9\nt::a\tm.")
+    (tmp_path / "trace-1.tsv").write_text(
+        "\tm.py\t3\nt::a\tm.py\t3\ncase:k2\tm.py\t5\n\tm.py\t9\nt::a\tm."
+    )
     (tmp_path / "trace-2.tsv").write_text("case:k1\tm.py\t4\nt::gone\tm.py\t7\n")
     cov = sel.CoverageMap.from_traces(tmp_path, 1.5)
     cov = sel.CoverageMap.from_json(cov.to_json())
-    assert cov.checks("m.py", (3, 3)) == ["/s/t.py::a"]
+    assert cov.checks("m.py", (3, 3)) == ["/s/t.py::a"]  # also run outside: the check decides
     assert cov.checks("m.py", (3, 5)) == ["/s/t.py::a", "/s/t.py::b[k1]", "/s/t.py::b[k2]"]
     assert cov.checks("m.py", (6, 6)) == [] and cov.checks("other.py", (3, 3)) == []
     assert cov.checks("m.py", (9, 9)) is None  # run outside any one check: every check
@@ -279,3 +281,24 @@ def test_the_fork_server_reports_pass_fail_and_kills_a_run_past_its_timeout(
         assert run("test_pass", 120) == 0  # the server goes on after a timeout
     finally:
         server.close()
+
+
+def test_a_survivor_of_a_selection_is_confirmed_on_the_whole_suite(
+    mutants: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = next(x for x in mutants if x.category == "memory")
+    span = sel.statement_spans((tool.PACKAGE / m.file).read_text()).get(m.line, (m.line,) * 2)
+    cov = sel.CoverageMap({m.file: {span[0]: {"t::a"}}}, {"t::a": {"arg": "A", "case": None}}, 2)
+    monkeypatch.setattr(tool, "coverage_map", lambda *a: cov)
+    calls: list[object] = []
+
+    def fake(copy: object, category: str, timeout: float, extra=None, checks=None, server=None):
+        calls.append(checks)
+        return ("survived", 1.0, "") if checks else ("killed", 2.0, "memory/test_b")
+
+    monkeypatch.setattr(tool, "run_suite", fake)
+    ledger = tmp_path / "ledger.jsonl"
+    outcomes, _, _ = tool.run([m], budget=600, ledger=ledger)
+    assert calls == [["A"], None]
+    assert (outcomes[0].status, outcomes[0].detail) == ("killed", "memory/test_b")
+    assert sel.read_ledger(ledger)[tool.key_of(m)]["checks"] == "1+all"

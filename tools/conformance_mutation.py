@@ -437,6 +437,10 @@ def run(
                 timeout = max(60.0, 3 * baselines[key] + 30)
                 status, secs, detail = run_suite(copy, m.category, timeout, extra, checks, server)
                 total += secs
+                if status == "survived" and checks is not None:  # confirm on the whole suite
+                    ran[-1] += "+all"
+                    status, secs, detail = run_suite(copy, m.category, timeout, extra, None, server)
+                    total += secs
                 if status != "survived":
                     if extra:
                         detail = f"{detail} [{key}]"
@@ -532,7 +536,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--summary reads the ledger named by --resume FILE")
         keys = {key_of(m) for m in mutants}
         records = [r for k, r in sel.read_ledger(args.resume).items() if k in keys]
-        print(sel.summary(records, totals, sel.read_equivalent(args.equivalent)), end="")
+        equivalent = sel.read_equivalent(args.equivalent)
+        print(sel.summary(records, totals, equivalent))
+        by_key = {key_of(m): m for m in mutants}
+        for r in sorted(records, key=lambda r: (r["category"], r["file"], r["line"], r["key"])):
+            if r["status"] == "survived":
+                why = equivalent.get(r["key"], "not covered" if r["detail"] else "**open**")
+                print(f"- {r['category']} `{r['key']}` {describe(by_key[r['key']])}: {why}")
         return 0
     chosen = mutants if args.all else sample(mutants, args.per_category, args.seed)
     if args.mutant:

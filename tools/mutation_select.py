@@ -120,11 +120,17 @@ class CoverageMap:
 
     def checks(self, file: str, span: tuple[int, int]) -> list[str] | None:
         """The pytest arguments of the checks executing any line of ``span``: ``[]`` when
-        none does, ``None`` when every check must run (a line run at import, in a shared
-        fixture, or in a context no collected check owns)."""
+        nothing runs it, ``None`` when every check must run (it runs only outside the checks:
+        at import, in a shared fixture; or in a context no collected check owns).
+
+        Where checks run it, a run outside them (the session's accelerator probing every hook)
+        is left out: the checks then decide. A survivor of such a selection is only a
+        candidate; :func:`conformance_mutation.run` confirms it on the whole suite."""
         contexts: set[str] = set()
         for line in range(span[0], span[1] + 1):
             contexts |= self.lines.get(file, {}).get(line, set())
+        if contexts - {""}:
+            contexts.discard("")
         by_case: dict[str, list[str]] = {}
         for item in self.items.values():
             if item["case"] is not None:
