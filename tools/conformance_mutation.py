@@ -434,12 +434,15 @@ def run(
                 if checks == []:
                     continue  # this environment's run never executes the statement
                 ran.append("all" if checks is None else str(len(checks)))
-                timeout = max(60.0, 3 * baselines[key] + 30)
+                full = timeout = max(60.0, 3 * baselines[key] + 30)
+                if checks is not None:  # a hung collective should not cost the whole suite's
+                    share = len(checks) / max(1, len(maps[key].items))
+                    timeout = min(full, 90 + 3 * baselines[key] * share)
                 status, secs, detail = run_suite(copy, m.category, timeout, extra, checks, server)
                 total += secs
                 if status == "survived" and checks is not None:  # confirm on the whole suite
                     ran[-1] += "+all"
-                    status, secs, detail = run_suite(copy, m.category, timeout, extra, None, server)
+                    status, secs, detail = run_suite(copy, m.category, full, extra, None, server)
                     total += secs
                 if status != "survived":
                     if extra:
@@ -520,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--equivalent", type=Path, default=EQUIVALENT, help="key<TAB>reason file")
     parser.add_argument("--cache", type=Path, default=CACHE, help="coverage maps' folder")
     parser.add_argument(
+        "--shuffle", type=int, metavar="SEED", help="within a category, a seeded random order"
+    )
+    parser.add_argument(
         "--no-fork", action="store_true", help="a new interpreter for every suite run"
     )
     parser.add_argument("--out", help="also write the Markdown report here")
@@ -549,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [m for m in mutants if m.id in args.mutant or key_of(m) in args.mutant]
     # small categories first: a budget then finishes whole categories before starting comm
     chosen.sort(key=lambda m: (totals[m.category], m.category, m.file, m.line, m.id))
+    if args.shuffle is not None:  # a partial run of a large category is then a fair sample
+        order = {key_of(m): random.Random(f"{args.shuffle}-{key_of(m)}").random() for m in chosen}
+        chosen.sort(key=lambda m: (totals[m.category], m.category, order[key_of(m)]))
     if args.list:
         for m in chosen:
             print(f"{m.category:12} {key_of(m):70} {describe(m)}")

@@ -12,6 +12,7 @@ its exit code (``null`` when it ran past the request's timeout: the group is kil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,6 +55,7 @@ def _serve() -> None:
         pid = os.fork()
         if pid == 0:
             _child(request)
+        print(json.dumps({"pid": pid}), flush=True)
         deadline = start + float(request["timeout"])
         code: int | None = None
         while True:
@@ -85,6 +87,7 @@ class ForkServer:
             stdout=subprocess.PIPE,
             text=True,
         )
+        self.child: int | None = None  # the run in flight: its process group
         assert self.proc.stdout is not None and self.proc.stdin is not None
         if not self.proc.stdout.readline():
             raise SystemExit("the fork server did not start (run with --no-fork to see why)")
@@ -97,16 +100,27 @@ class ForkServer:
         request = {"args": args, "cwd": str(cwd), "env": env, "log": str(log), "timeout": timeout}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
+        started = self.proc.stdout.readline()
+        self.child = json.loads(started)["pid"] if started else None
         answer = self.proc.stdout.readline()
         if not answer:
             raise SystemExit("the fork server died")
+        self.child = None
         code: int | None = json.loads(answer)["code"]
         return code
 
     def close(self) -> None:
+        """Stop the server; a run still going (an interrupted tool) is killed with its group."""
         assert self.proc.stdin is not None
+        if self.child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.child, signal.SIGKILL)
         self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 if __name__ == "__main__":
