@@ -193,6 +193,12 @@ RANGE_ERRORS = "An ``int`` out of range raises ``ValueError`` naming the range"
 NOT_INTS: tuple[object, ...] = ("0", 0.0, 1.0, True, False)
 
 
+def out_of_range(count: int) -> tuple[int, ...]:
+    """Indices outside ``range(count)``: just out at each end, then further out (a check of
+    ``index != count`` for ``index < count`` passes the first two and accepts ``count + 1``)."""
+    return (-1, count, -2, count + 1, 2**31)
+
+
 def index_hooks() -> list[str]:
     """Every hook with an ``index: int | None`` argument (``ds_device_set``'s is never None)."""
     return [

@@ -52,7 +52,7 @@ def test_an_index_argument_in_range_out_of_range_and_of_the_wrong_type(
             now = acc.current_device()
             check(now == index and type(now) is int, f"current_device() after {hook}({index})",
                   now, f"the int {index}", "ds_device_current")  # fmt: skip
-        for bad in (-1, count):  # just out of range at each end
+        for bad in axes.out_of_range(count):
             with pytest.raises(ValueError, match=rf"(?<![\d-]){count}(?!\d)"):  # the count
                 impl(bad)
         for wrong in WRONG_TYPES:
@@ -89,7 +89,7 @@ def test_an_optional_index_in_range_none_out_of_range_and_of_the_wrong_type(
             got = result.index if isinstance(result, DeviceProperties) else None
             want = start if index is None else index
             check(got in (None, want), f"{hook}(index={index}).index", got, str(want), hook)
-        for bad in (-1, count):  # just out of range at each end
+        for bad in axes.out_of_range(count):
             with pytest.raises(ValueError, match=rf"(?<![\d-]){count}(?!\d)"):  # the count
                 axes.call_with_index(acc, hook, bad)
         for wrong in axes.NOT_INTS:
