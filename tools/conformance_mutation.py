@@ -434,10 +434,12 @@ def run(
                 if checks == []:
                     continue  # this environment's run never executes the statement
                 ran.append("all" if checks is None else str(len(checks)))
-                full = timeout = max(60.0, 3 * baselines[key] + 30)
+                # three times the suite's time; a traced run (coverage) takes about twice it
+                factor = 1.5 if select == "coverage" else 3.0
+                full = timeout = max(60.0, factor * baselines[key] + 30)
                 if checks is not None:  # a hung collective should not cost the whole suite's
                     share = len(checks) / max(1, len(maps[key].items))
-                    timeout = min(full, 90 + 3 * baselines[key] * share)
+                    timeout = min(full, 90 + factor * baselines[key] * share)
                 status, secs, detail = run_suite(copy, m.category, timeout, extra, checks, server)
                 total += secs
                 if status == "survived" and checks is not None:  # confirm on the whole suite
