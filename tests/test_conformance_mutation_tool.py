@@ -188,6 +188,9 @@ def test_a_resumed_run_skips_every_mutant_its_ledger_holds(
     calls.clear()
     outcomes, _, _ = tool.run(chosen, budget=600, select="full", ledger=ledger)
     assert outcomes == [] and calls == []
+    sel.append_ledger(ledger, {"key": tool.key_of(chosen[1]), "status": "timeout"})
+    outcomes, _, _ = tool.run(chosen, 600, select="full", ledger=ledger, retry=("timeout",))
+    assert [o.mutant for o in outcomes] == chosen[1:2]  # a loaded host's timeout, run again
 
 
 def test_statement_spans_cover_a_multiline_statement_and_only_a_headers_lines() -> None:
@@ -251,8 +254,8 @@ def test_summary_counts_per_category_from_the_ledger() -> None:
         {"key": "e", "category": "op", "status": "unchanged"},
     ]
     text = sel.summary(records, {"op": 7, "rng": 2}, {"d": "same values"})
-    assert "| op | 7 | 4 | 2 | 2 (1) | 1 | 2 | 2/3 = 66.7% |" in text
-    assert "| rng | 2 | 0 | 0 | 0 (0) | 0 | 2 | – |" in text
+    assert "| op | 7 | 4 | 2 (0) | 2 (1) | 1 | 2 | 2/3 = 66.7% |" in text
+    assert "| rng | 2 | 0 | 0 (0) | 0 (0) | 0 | 2 | – |" in text
 
 
 def test_the_fork_server_reports_pass_fail_and_kills_a_run_past_its_timeout(

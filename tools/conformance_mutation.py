@@ -384,16 +384,19 @@ def run(
     ledger: Path | None = None,
     cache: Path = CACHE,
     fork: bool = False,
+    retry: tuple[str, ...] = (),
 ) -> tuple[list[Outcome], list[Mutant], dict[str, float]]:
     """Run each mutant not yet in ``ledger`` (appending each outcome there); (outcomes, not
     run, baselines). ``select="coverage"`` runs a mutant only against the checks executing
     its statement (:mod:`mutation_select`); ``"full"`` against its category's whole suite.
-    ``fork``: each mutant's runs fork from a server (:mod:`mutation_fork`)."""
+    ``fork``: each mutant's runs fork from a server (:mod:`mutation_fork`). ``retry``: ledger
+    outcomes run again (``timeout``: those of a loaded host)."""
     outcomes: list[Outcome] = []
     baselines: dict[str, float] = {}
     maps: dict[str, sel.CoverageMap] = {}
     done = sel.read_ledger(ledger) if ledger else {}
     deadline = time.monotonic() + budget
+    done = {k: r for k, r in done.items() if r["status"] not in retry}
     pending = [m for m in mutants if key_of(m) not in done]
     with contextlib.ExitStack() as stack:
         copy = stack.enter_context(MutantCopy())
@@ -520,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         "--resume", type=Path, help="ledger (JSON lines): skip the mutants it holds, append"
     )
     parser.add_argument(
+        "--retry",
+        action="append",
+        default=[],
+        choices=("timeout", "crash", "survived", "killed"),
+        help="run again the --resume ledger's mutants with this outcome",
+    )
+    parser.add_argument(
         "--summary", action="store_true", help="print the --resume ledger's table; run nothing"
     )
     parser.add_argument("--equivalent", type=Path, default=EQUIVALENT, help="key<TAB>reason file")
@@ -570,7 +580,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.monotonic()
     outcomes, not_run, _baselines = run(
-        chosen, args.budget, args.variants, args.select, args.resume, args.cache, not args.no_fork
+        chosen,
+        args.budget,
+        args.variants,
+        args.select,
+        args.resume,
+        args.cache,
+        not args.no_fork,
+        tuple(args.retry),
     )
     text = markdown(outcomes, not_run, totals)
     print(text + f"\nwall time {time.monotonic() - start:.0f} s")

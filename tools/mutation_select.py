@@ -151,7 +151,7 @@ def summary(
 ) -> str:
     """Markdown: per category, enumerated / run / killed / survived / equivalent / not run."""
     rows = [
-        "| category | mutants | run | killed | survived (not covered) | equivalent "
+        "| category | mutants | run | killed (timeouts) | survived (not covered) | equivalent "
         "| not yet run | killed / non-equivalent |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -162,6 +162,7 @@ def summary(
     for cat in sorted(by_cat, key=lambda c: (-totals.get(c, 0), c)):
         recs = [r for r in by_cat[cat] if r["status"] != "unchanged"]
         killed = sum(r["status"] in KILLED for r in recs)
+        timeouts = sum(r["status"] == "timeout" for r in recs)
         surv = [r for r in recs if r["status"] == "survived"]
         eq = sum(r["key"] in equivalent for r in surv)
         uncovered = sum(r.get("detail") == NOT_COVERED for r in surv)
@@ -171,7 +172,7 @@ def summary(
         vals = [totals.get(cat, 0), len(recs), killed, len(surv), eq, left, denominator]
         sums = [a + b for a, b in zip(sums, vals, strict=True)]
         rows.append(
-            f"| {cat} | {vals[0]} | {vals[1]} | {killed} | {len(surv)} ({uncovered}) | {eq} "
+            f"| {cat} | {vals[0]} | {vals[1]} | {killed} ({timeouts}) | {len(surv)} ({uncovered}) | {eq} "
             f"| {left} | {rate} |"
         )
     rate = f"{sums[2]}/{sums[6]} = {100 * sums[2] / sums[6]:.1f}%" if sums[6] else "–"
