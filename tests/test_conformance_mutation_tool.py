@@ -176,7 +176,11 @@ def test_a_resumed_run_skips_every_mutant_its_ledger_holds(
 
     def fake(copy: object, category: str, timeout: float, extra=None, checks=None, server=None):
         calls.append((category, checks))
-        return ("survived", 0.5, "") if checks is None and not calls[1:] else ("killed", 0.5, "t")
+        mutated = any(
+            (copy.copy / f).read_text() != (tool.PACKAGE / f).read_text()  # type: ignore[attr-defined]
+            for f in tool.FILES
+        )
+        return ("killed", 0.5, "t") if mutated else ("survived", 0.5, "")  # baselines pass
 
     monkeypatch.setattr(tool, "run_suite", fake)
     outcomes, pending, _ = tool.run(chosen, budget=600, select="full", ledger=ledger)
