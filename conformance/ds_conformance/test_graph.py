@@ -136,6 +136,37 @@ def test_ops_with_keyword_only_arguments_capture_and_replay_as_eager(graph_acc: 
     )
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@hooks("ds_graph_create")
+def test_attention_without_dropout_captures_and_replays_as_eager(
+    graph_acc: Any, is_causal: bool
+) -> None:
+    """``scaled_dot_product_attention`` at dropout 0: a kernel that can draw random numbers
+    (dropout) but draws none here, so a replay is exact; a backend refusing it, or reading the
+    dropout from the wrong argument (``is_causal``, a tensor), fails."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 8, 16, generator=gen).to(graph_acc.device()) for _ in range(3))
+
+    def attend() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.0, is_causal=is_causal
+        )
+
+    eager = attend().cpu()
+    graph, out = _capture(graph_acc, attend)
+    q.mul_(0.5)
+    graph_acc.replay_graph(graph)
+    graph_acc.synchronize()
+    check(
+        torch.allclose(out.cpu(), attend().cpu(), rtol=1e-6, atol=1e-6)
+        and not torch.allclose(out.cpu(), eager),
+        f"replayed output of scaled_dot_product_attention(is_causal={is_causal})",
+        "different",
+        "equal to eager execution on the new input",
+        "capture(); replay()",
+    )
+
+
 @hooks("ds_graph_create")
 @promise("ds_graph_create", "Inside ``graph.capture()`` the work is recorded")
 def test_replay_reads_the_new_static_input(graph_acc: Any) -> None:
