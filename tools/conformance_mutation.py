@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         by_key = {key_of(m): m for m in mutants}
         for r in sorted(records, key=lambda r: (r["category"], r["file"], r["line"], r["key"])):
             if r["status"] == "survived":
-                why = equivalent.get(r["key"], "not covered" if r["detail"] else "**open**")
+                why = equivalent.get(r["key"], "**open**" + (", not covered" * bool(r["detail"])))
                 print(f"- {r['category']} `{r['key']}` {describe(by_key[r['key']])}: {why}")
         return 0
     chosen = mutants if args.all else sample(mutants, args.per_category, args.seed)
