@@ -193,6 +193,8 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
         out["sub_groups"] = len(engine.offload.sub_groups)
         out["swap_buffers"] = [t.numel() for t in engine.offload._buffers]
         out["sg_max"] = engine.offload._sg_max
+        out["sg_sizes"] = [sg.n for sg in engine.offload.sub_groups]
+        out["sg_units"] = [len({id(p.hr) for p in sg.pieces}) for sg in engine.offload.sub_groups]
     engine.destroy()
     if folder is not None:
         out["swap_left"] = os.path.exists(folder)

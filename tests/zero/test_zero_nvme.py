@@ -90,6 +90,9 @@ def test_host_holds_buffer_count_sub_groups_and_files_go_at_destroy(
         assert b["host_master"] == 4 * sum(r["swap_buffers"]) and b["host_optimizer"] == 0
         assert r["state_devices"] == [] and r["master_devices"] == ["cpu"]
         assert r["sub_groups"] > sc.buffer_count  # more state than the buffers hold
+        # Units packed in order: every sub-group full but the last, some holding two units.
+        assert r["sg_sizes"][:-1] == [r["sg_max"]] * (r["sub_groups"] - 1)
+        assert 0 < r["sg_sizes"][-1] <= r["sg_max"] and max(r["sg_units"]) > 1
         assert r["swap_files"] == sorted(f"sg{i}.swp" for i in range(r["sub_groups"]))
         assert r["swap_left"] is False
 
@@ -177,12 +180,13 @@ def test_a_read_only_folder_is_refused_at_engine_start(tmp_path: Path) -> None:
 
 
 def test_a_full_folder_is_refused_at_engine_start(tmp_path: Path) -> None:
-    # a 256x256 layer: swap files of over 1 MiB, on a file system of 256 KiB
+    # a 256x256 layer (65,792 elements) in sub-groups of 65,536 and 256: swap files of
+    # 3 x (256 + 4) KiB = 0.76 MiB, on a file system of 256 KiB
     small = tmp_path / "small"
     with _mounted(small, "-t", "tmpfs", "-o", "size=256k", "tmpfs"):
         out = _start(small, "plain")
         assert not (small / "ds_core_swap").exists()  # nothing left behind
-    assert re.match(r"ERR offload_optimizer.nvme_path: the swap files need 1\.\d MiB but \S+ "
+    assert re.match(r"ERR offload_optimizer.nvme_path: the swap files need 0\.8 MiB but \S+ "
                     r"has 0\.\d MiB free", out), out  # fmt: skip
     assert str(small / "ds_core_swap") in out
 

@@ -3,10 +3,17 @@
 [Note: NVMe optimizer swap]
 A sibling of :class:`~ds_core.zero.offload.host.OptimizerOffload` (see [Note: offload data path]):
 the gradient side is unchanged (each unit's host ``grad`` range, accumulated as there), only
-the fp32 master and the two Adam moments leave host memory. Each unit's range is cut into
-sub-groups of at most ``zero_optimization.sub_group_size`` elements; a sub-group's file,
+the fp32 master and the two Adam moments leave host memory. The units' ranges, in order, are
+packed into sub-groups of ``min(zero_optimization.sub_group_size, the largest unit's range)``
+elements (the last one shorter): a unit larger than that is cut, smaller ones share a
+sub-group, so host memory is what one sub-group per unit took and a step reads few large
+sub-groups rather than many small ones (52 -> 25 for the ``large`` GPT at stage 3, whose
+layer norms are units of 768 elements). DeepSpeed packs parameters the same way, to at least
+``sub_group_size`` (``_create_fp16_sub_groups`` in deepspeed/runtime/zero/stage3.py), which at
+its default of 1e9 makes one sub-group, and buffers, of the whole state. A sub-group's file,
 ``<nvme_path>/ds_core_swap/rank<R>.<pid>/sg<N>.swp``, holds three regions (master, exp_avg,
-exp_avg_sq), each starting at a 4 KiB-aligned offset so ``O_DIRECT`` moves them whole.
+exp_avg_sq) at multiples of its length rounded up to 4 KiB, where its buffer holds them, so
+one ``O_DIRECT`` request moves all three.
 
 The step, per sub-group, through ``buffer_count`` host buffers (each one sub-group's three
 regions, pinned where the backend has it):
@@ -73,11 +80,28 @@ _REGIONS = len(STATE)
 StateViews = dict[str, torch.Tensor]
 
 
-class _SubGroup:
-    __slots__ = ("hr", "n", "path", "start")
+class _Piece:
+    """Unit-range elements ``[start, start + n)`` of ``hr``, at element ``at`` of a sub-group."""
 
-    def __init__(self, hr: _HostRange, start: int, n: int, path: str) -> None:
-        self.hr, self.start, self.n, self.path = hr, start, n, path
+    __slots__ = ("at", "hr", "n", "start")
+
+    def __init__(self, hr: _HostRange, start: int, n: int, at: int) -> None:
+        self.hr, self.start, self.n, self.at = hr, start, n, at
+
+
+class _SubGroup:
+    """``n`` elements in ``pieces`` (of one or more units); ``stride``: bytes between its
+    regions, in its file and in the buffer holding it (``4 n`` rounded up to 4 KiB)."""
+
+    __slots__ = ("n", "path", "pieces", "stride")
+
+    def __init__(self, path: str) -> None:
+        self.path, self.pieces, self.n, self.stride = path, [], 0, 0
+
+    def add(self, hr: _HostRange, start: int, n: int) -> None:
+        self.pieces.append(_Piece(hr, start, n, self.n))
+        self.n += n
+        self.stride = -(-self.n * 4 // ALIGN) * ALIGN
 
 
 class NvmeOptimizerOffload(OptimizerOffload):
@@ -124,8 +148,7 @@ class NvmeOptimizerOffload(OptimizerOffload):
         )
         self.sub_groups: list[_SubGroup] = []
         self._buffers: list[torch.Tensor] = []
-        self._stride = 0  # bytes between regions in a file, 4 KiB-aligned
-        self._sg_max = 0
+        self._sg_max = 0  # elements a buffer holds (a sub-group's most)
         self.step_count = 0
         self._held: _SubGroup | None = None  # the sub-group in buffer 0 outside a step
         self._dirty = False
@@ -134,9 +157,13 @@ class NvmeOptimizerOffload(OptimizerOffload):
         self._buf_writes: list[list[Future[None]]] = []  # per buffer: its last write-back
         self._sg_writes: dict[int, list[Future[None]]] = {}  # per sub-group: its last write
         self._forward = False  # the last step's order (it alternates)
-        #: seconds the steps waited, summed: for a swap-in (``swap_in_s``) and for a resident
-        #: buffer's write-back (``swap_out_s``); benchmarks read and reset them.
-        self.io_waits = {"swap_in_s": 0.0, "swap_out_s": 0.0}
+        #: seconds the steps spent, summed (benchmarks read and reset them): waiting for a
+        #: swap-in (``swap_in_s``) or a resident buffer's write-back (``swap_out_s``), in the
+        #: Adam kernel (``update_s``), copying masters to the units (``publish_s``) and
+        #: submitting write-backs (``write_s``).
+        self.step_seconds = dict.fromkeys(
+            ("swap_in_s", "swap_out_s", "update_s", "publish_s", "write_s"), 0.0
+        )
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -145,12 +172,9 @@ class NvmeOptimizerOffload(OptimizerOffload):
         current values in fp32) and zero moments to the files, and give every trainable
         parameter a storage-less master carrying its shape for the optimizer."""
         units = list(units)
-        sizes = [u.part for u in units if u.part > 0]
-        self._sg_max = min(self.sub_group_size, max(sizes, default=1))
-        self._stride = -(-self._sg_max * 4 // ALIGN) * ALIGN
-        for _ in range(min(self.buffer_count, 1 + sum(-(-s // self._sg_max) for s in sizes))):
-            self._buffers.append(self._host(_REGIONS * self._stride // 4, torch.float32))
-        self._buf_writes = [[] for _ in self._buffers]
+        cap = max(1, min(self.sub_group_size, max((u.part for u in units), default=1)))
+        self._sg_max = cap
+        sg: _SubGroup | None = None
         with torch.no_grad():
             for unit in units:
                 grad = self._host(unit.part, torch.float32)
@@ -160,14 +184,25 @@ class NvmeOptimizerOffload(OptimizerOffload):
                 for zp in unit.trainable:
                     piece = slice(zp.shard_offset, zp.shard_offset + zp.shard_numel)
                     zp.master = nn.Parameter(hr.master[piece])
-                for start in range(0, unit.part, self._sg_max):
-                    n = min(self._sg_max, unit.part - start)
-                    path = os.path.join(self.folder, f"sg{len(self.sub_groups)}.swp")
-                    self.sub_groups.append(_SubGroup(hr, start, n, path))
+                # Units are packed, in order, into sub-groups filled to the buffer's size: a
+                # unit smaller than a buffer (stage 3's per-layer units) shares one sub-group
+                # with its neighbours, so a step reads few large sub-groups, not many small.
+                start = 0
+                while start < unit.part:
+                    if sg is None or sg.n == cap:
+                        sg = _SubGroup(os.path.join(self.folder, f"sg{len(self.sub_groups)}.swp"))
+                        self.sub_groups.append(sg)
+                    n = min(cap - sg.n, unit.part - start)
+                    sg.add(hr, start, n)
+                    start += n
                 if unit.dtype != torch.float32 and not unit.host_shard:
                     staging = self._staging.get(unit.dtype)
                     if staging is None:
-                        self._staging[unit.dtype] = self._host(self._sg_max, unit.dtype)
+                        self._staging[unit.dtype] = self._host(cap, unit.dtype)
+            region = -(-cap * 4 // ALIGN) * ALIGN // 4
+            for _ in range(min(self.buffer_count, 1 + len(self.sub_groups))):
+                self._buffers.append(self._host(_REGIONS * region, torch.float32))
+            self._buf_writes = [[] for _ in self._buffers]
             # Initial contents, through the buffers: the master from the unit, zero moments.
             try:
                 self._check_space()
@@ -175,7 +210,8 @@ class NvmeOptimizerOffload(OptimizerOffload):
                     buf = self._buffers[i % len(self._buffers)]
                     self.io.wait()  # the buffer's previous write has landed
                     buf.zero_()
-                    buf[: sg.n].copy_(sg.hr.unit.owned()[sg.start : sg.start + sg.n])
+                    for p in sg.pieces:
+                        buf[p.at : p.at + p.n].copy_(p.hr.unit.owned()[p.start : p.start + p.n])
                     self._write(sg, buf)
                 self.io.wait()
             except AsyncIOError as exc:
@@ -190,7 +226,7 @@ class NvmeOptimizerOffload(OptimizerOffload):
 
     def _check_space(self) -> None:
         """Refuse to start when the swap folder's file system cannot hold every file."""
-        need = sum(_REGIONS * self._stride for _ in self.sub_groups)
+        need = sum(_REGIONS * sg.stride for sg in self.sub_groups)
         fs = os.statvfs(self.folder)
         free = fs.f_bavail * fs.f_frsize
         if need > free:
@@ -201,18 +237,18 @@ class NvmeOptimizerOffload(OptimizerOffload):
             )
 
     def _regions(self, sg: _SubGroup, buf: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-        words = self._stride // 4
-        return [(buf[k * words : k * words + sg.n], k * self._stride) for k in range(_REGIONS)]
+        words = sg.stride // 4
+        return [(buf[k * words : k * words + sg.n], k * sg.stride) for k in range(_REGIONS)]
 
+    # The buffer holds the regions where the file does, so one request moves all three (the
+    # padding between them included): one file open and one O_DIRECT stream per sub-group.
     def _write(self, sg: _SubGroup, buf: torch.Tensor) -> list[Future[None]]:
-        return [self.io.submit_write(t, sg.path, off) for t, off in self._regions(sg, buf)]
+        return [self.io.submit_write(buf[: _REGIONS * sg.stride // 4], sg.path, 0)]
 
     def _read(
         self, sg: _SubGroup, buf: torch.Tensor, after: list[Future[None]] | None = None
     ) -> list[Future[None]]:
-        return [
-            self.io.submit_read(t, sg.path, off, after or ()) for t, off in self._regions(sg, buf)
-        ]
+        return [self.io.submit_read(buf[: _REGIONS * sg.stride // 4], sg.path, 0, after or ())]
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -276,15 +312,24 @@ class NvmeOptimizerOffload(OptimizerOffload):
             if pos in reads:
                 for f in reads.pop(pos):
                     f.result()
-                self.io_waits["swap_in_s"] += time.perf_counter() - t0
+                wait = "swap_in_s"
             else:  # resident: its last write-back must have read the buffer before it changes
                 for f in self._buf_writes[b]:
                     f.result()
-                self.io_waits["swap_out_s"] += time.perf_counter() - t0
+                wait = "swap_out_s"
             buf = self._buffers[b]
+            t1 = time.perf_counter()
             self._update(sg, buf, optimizer, group_of, scale)
+            t2 = time.perf_counter()
             self._publish(sg, buf)
+            t3 = time.perf_counter()
             self._buf_writes[b] = self._sg_writes[i] = self._write(sg, buf)
+            t4 = time.perf_counter()
+            secs = self.step_seconds
+            secs[wait] += t1 - t0
+            secs["update_s"] += t2 - t1
+            secs["publish_s"] += t3 - t2
+            secs["write_s"] += t4 - t3
         # Written back without waiting: the last ``nbuf`` stay resident for the next step;
         # a checkpoint, a load or teardown waits for the writes (:meth:`_drain`).
         self._resident = {order[pos]: slot[pos] for pos in range(max(0, count - nbuf), count)}
@@ -323,18 +368,14 @@ class NvmeOptimizerOffload(OptimizerOffload):
         scale: float,
     ) -> None:
         (master, _), (m, _), (v, _) = self._regions(sg, buf)
-        lo, hi = sg.start, sg.start + sg.n
-        for zp in sg.hr.unit.trainable:
-            a = max(lo, zp.shard_offset)
-            b = min(hi, zp.shard_offset + zp.shard_numel)
-            if a >= b or zp.master is None:
-                continue
+        for p, zp, a, b in self._params(sg):
             group = group_of[id(zp.master)]
+            at = slice(p.at + a - p.start, p.at + b - p.start)
             optimizer.kernel.step(
-                master[a - lo : b - lo],
-                sg.hr.grad[a:b],
-                m[a - lo : b - lo],
-                v[a - lo : b - lo],
+                master[at],
+                p.hr.grad[a:b],
+                m[at],
+                v[at],
                 lr=group["lr"],
                 betas=group["betas"],
                 eps=group["eps"],
@@ -345,17 +386,29 @@ class NvmeOptimizerOffload(OptimizerOffload):
                 grad_scale=scale,
             )
 
+    @staticmethod
+    def _params(sg: _SubGroup) -> Iterator[tuple[_Piece, ZeroParam, int, int]]:
+        """Each trainable parameter's part of each piece of ``sg``: ``(piece, zparam, a, b)``
+        with ``[a, b)`` in unit-range elements."""
+        for p in sg.pieces:
+            for zp in p.hr.unit.trainable:
+                a = max(p.start, zp.shard_offset)
+                b = min(p.start + p.n, zp.shard_offset + zp.shard_numel)
+                if a < b and zp.master is not None:
+                    yield p, zp, a, b
+
     def _publish(self, sg: _SubGroup, buf: torch.Tensor) -> None:
-        master = buf[: sg.n]
-        unit = sg.hr.unit
-        dst = unit.owned()[sg.start : sg.start + sg.n]
         with torch.no_grad():
-            if unit.dtype == torch.float32 or unit.host_shard:
-                dst.copy_(master)  # synchronous: the buffer is reused for the next sub-group
-                return
-            staging = self._staging[unit.dtype][: sg.n]
-            staging.copy_(master)
-            dst.copy_(staging)
+            for p in sg.pieces:
+                master = buf[p.at : p.at + p.n]
+                unit = p.hr.unit
+                dst = unit.owned()[p.start : p.start + p.n]
+                if unit.dtype == torch.float32 or unit.host_shard:
+                    dst.copy_(master)  # synchronous: the buffer is reused for the next sub-group
+                    continue
+                staging = self._staging[unit.dtype][: p.n]
+                staging.copy_(master)
+                dst.copy_(staging)
 
     def publish(self) -> None:
         """Nothing left: each sub-group was published right after its update."""
@@ -381,16 +434,18 @@ class NvmeOptimizerOffload(OptimizerOffload):
             self.io.wait()
         self._held, self._dirty = None, False
 
-    def _overlaps(self, zp: ZeroParam) -> Iterator[tuple[_SubGroup, int, int]]:
-        """The sub-groups holding ``zp``'s piece, with the overlap ``[a, b)`` in unit-range
-        elements."""
+    def _overlaps(self, zp: ZeroParam) -> Iterator[tuple[_SubGroup, int, int, int]]:
+        """The sub-groups holding ``zp``'s piece: ``(sub-group, at, a, b)``, the overlap
+        ``[a, b)`` in unit-range elements starting at element ``at`` of the sub-group."""
         hr = self._of.get(id(zp.unit))
         if hr is None:
             raise AssertionError(f"{zp.name}: its unit is not NVMe-resident")
         lo, hi = zp.shard_offset, zp.shard_offset + zp.shard_numel
         for sg in self.sub_groups:
-            if sg.hr is hr and sg.start < hi and lo < sg.start + sg.n:
-                yield sg, max(lo, sg.start), min(hi, sg.start + sg.n)
+            for p in sg.pieces:
+                if p.hr is hr and p.start < hi and lo < p.start + p.n:
+                    a, b = max(lo, p.start), min(hi, p.start + p.n)
+                    yield sg, p.at + a - p.start, a, b
 
     def sub_group_pieces(self) -> Iterator[tuple[int, list[tuple[ZeroParam, int, StateViews]]]]:
         """Each sub-group in turn, swapped in: ``(index, [(zparam, start within its piece,
@@ -400,38 +455,31 @@ class NvmeOptimizerOffload(OptimizerOffload):
             buf = self._hold(sg)
             regions = [t for t, _ in self._regions(sg, buf)]
             pieces: list[tuple[ZeroParam, int, StateViews]] = []
-            for zp in sg.hr.unit.trainable:
-                a = max(sg.start, zp.shard_offset)
-                b = min(sg.start + sg.n, zp.shard_offset + zp.shard_numel)
-                if a < b and zp.master is not None:
-                    views = {
-                        k: r[a - sg.start : b - sg.start]
-                        for k, r in zip(STATE, regions, strict=True)
-                    }
-                    pieces.append((zp, a - zp.shard_offset, views))
+            for p, zp, a, b in self._params(sg):
+                at = slice(p.at + a - p.start, p.at + b - p.start)
+                views = {k: r[at] for k, r in zip(STATE, regions, strict=True)}
+                pieces.append((zp, a - zp.shard_offset, views))
             yield i, pieces
         self.settle()
 
     def read_piece(self, zp: ZeroParam) -> StateViews:
         """``zp``'s piece of the master and moments, swapped in, as new flat host tensors."""
         out = {k: torch.empty(zp.shard_numel) for k in STATE}
-        for sg, a, b in self._overlaps(zp):
+        for sg, at, a, b in self._overlaps(zp):
             buf = self._hold(sg)
             for k, (region, _) in zip(STATE, self._regions(sg, buf), strict=True):
-                out[k][a - zp.shard_offset : b - zp.shard_offset].copy_(
-                    region[a - sg.start : b - sg.start]
-                )
+                out[k][a - zp.shard_offset : b - zp.shard_offset].copy_(region[at : at + b - a])
         return out
 
     def write_piece(self, zp: ZeroParam, values: Mapping[str, torch.Tensor]) -> None:
         """Overwrite ``zp``'s piece of the entries of :data:`STATE` given in ``values``
         (flat, the piece's length) in the swap files; :meth:`finish_load` completes it."""
-        for sg, a, b in self._overlaps(zp):
+        for sg, at, a, b in self._overlaps(zp):
             buf = self._hold(sg)
             for k, (region, _) in zip(STATE, self._regions(sg, buf), strict=True):
                 if k in values:
                     src = values[k].reshape(-1)[a - zp.shard_offset : b - zp.shard_offset]
-                    region[a - sg.start : b - sg.start].copy_(src)
+                    region[at : at + b - a].copy_(src)
                     self._dirty = True
 
     def finish_load(self, step: int | None) -> None:
@@ -446,15 +494,15 @@ class NvmeOptimizerOffload(OptimizerOffload):
 
     def read_state(self, unit: FlatUnit) -> dict[str, torch.Tensor]:
         """``unit``'s master and moments, read from the files into new host tensors."""
-        self._drain()
         hr = self._of[id(unit)]
         out = {k: torch.empty(unit.part) for k in ("master", "exp_avg", "exp_avg_sq")}
         for sg in self.sub_groups:
-            if sg.hr is not hr:
-                continue
-            for k, t in enumerate(out.values()):
-                self.io.submit_read(t[sg.start : sg.start + sg.n], sg.path, k * self._stride)
-        self.io.wait()
+            for p in sg.pieces:
+                if p.hr is hr:
+                    regions = self._regions(sg, self._hold(sg))
+                    for t, (region, _) in zip(out.values(), regions, strict=True):
+                        t[p.start : p.start + p.n].copy_(region[p.at : p.at + p.n])
+        self.settle()
         return out
 
     # -- accounting and teardown -----------------------------------------------------------------
