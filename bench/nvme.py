@@ -30,8 +30,11 @@ part, ``--preset small`` for a quick look at it.
    before reads.
 4. Where the NVMe step waits (``--only-waits``: this section alone): 2 ranks, the GPT
    (``--preset``), stages 2 and 3, host then NVMe optimizer offload interleaved, ``--steps``
-   + 2 warm-up steps each: median step and ``engine.step()`` time, and the NVMe step's waits
-   per step (``NvmeOptimizerOffload.io_waits``: swap-in and write-back), printed per step.
+   + 2 warm-up steps each: median wall and CPU time (the process's, every thread) of the
+   step and of ``engine.step()``, and where the NVMe ``step()`` went, printed per step
+   (``NvmeOptimizerOffload.step_seconds``: the swap-in and write-back waits, the Adam kernel,
+   the copy to the units, the write submits); ``--buffer-count`` and ``--sub-group-size`` set
+   the NVMe configuration.
 5. Step time: ``bench/zero_vs_peers.py``'s table for ``ds2_off,ds2_nvme,ds3_off,ds3_nvme``.
 
 It prints and never asserts.
@@ -282,7 +285,7 @@ def kernel_aio(folder: str, repeat: int) -> None:
 
 
 def _waits_rank(rank: int, stage: int, device: str, port: int, preset: str, steps: int,
-                folder: str) -> None:  # fmt: skip
+                folder: str, buffers: int, sub_group: int) -> None:  # fmt: skip
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
@@ -296,41 +299,54 @@ def _waits_rank(rank: int, stage: int, device: str, port: int, preset: str, step
     off: dict[str, Any] = {"device": device, "pin_memory": True}
     if device == "nvme":
         off["nvme_path"] = folder
+        if buffers:
+            off["buffer_count"] = buffers
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0,
+                            "reduce_bucket_size": 6_000_000, "offload_optimizer": off}  # fmt: skip
+    if sub_group:
+        zero["sub_group_size"] = sub_group
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.0}},
-           "steps_per_print": 10**9, "log_level": "warning",
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                 "reduce_bucket_size": 6_000_000, "offload_optimizer": off}}  # fmt: skip
+           "steps_per_print": 10**9, "log_level": "warning", "zero_optimization": zero}  # fmt: skip
     engine, *_ = ds_core.initialize(model=model, config=cfg)
-    waits: dict[str, float] | None = getattr(engine.offload, "io_waits", None)
+    secs: dict[str, float] | None = getattr(engine.offload, "step_seconds", None)
     g = torch.Generator().manual_seed(rank)
-    whole, opt = [], []
+    rows: list[tuple[float, ...]] = []
     for i in range(steps + 2):
         x = torch.randint(0, model.cfg.vocab_size, (1, 64), generator=g)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.backward(engine(x, x))
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         engine.step()
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
+        s = secs or {}
+        row = (t2 - t0, c2 - c0, t2 - t1, c2 - c1, s.get("swap_in_s", 0.0),
+               s.get("swap_out_s", 0.0), s.get("update_s", 0.0), s.get("publish_s", 0.0),
+               s.get("write_s", 0.0))  # fmt: skip
         if i >= 2:
-            whole.append(t2 - t0)
-            opt.append(t2 - t1)
-        if rank == 0 and waits is not None:
-            print(f"  stage {stage} nvme step {i}: {1e3 * (t2 - t0):.0f} ms, step() "
-                  f"{1e3 * (t2 - t1):.0f} ms, waited swap-in {waits['swap_in_s']:.3f} s, "
-                  f"write-back {waits['swap_out_s']:.5f} s", flush=True)  # fmt: skip
-        if waits is not None:
-            waits.update(swap_in_s=0.0, swap_out_s=0.0)
+            rows.append(row)
+        if rank == 0 and secs is not None:
+            print(f"  stage {stage} nvme step {i}: " + _fmt(row), flush=True)
+        if secs is not None:
+            secs.update(dict.fromkeys(secs, 0.0))
     if rank == 0:
         subs = len(getattr(engine.offload, "sub_groups", []))
-        print(f"stage {stage} {device:>4}: step {1e3 * statistics.median(whole):.0f} ms, "
-              f"step() {1e3 * statistics.median(opt):.0f} ms (median of {steps})"
+        med = tuple(statistics.median(r[k] for r in rows) for k in range(len(rows[0])))
+        print(f"stage {stage} {device:>4}: " + _fmt(med) + f" (medians of {steps})"
               + (f"; {subs} sub-groups" if subs else ""), flush=True)  # fmt: skip
     engine.destroy()
     dist.destroy_process_group()
 
 
-def step_waits(folder: str, preset: str, steps: int) -> None:
+def _fmt(row: tuple[float, ...]) -> str:
+    """One step's seconds: wall and CPU (this process, every thread) of the whole step and of
+    ``engine.step()``, then where ``step()`` went (NVMe only)."""
+    names = ("step", "cpu", "step()", "cpu", "swap-in wait", "write-back wait", "adam",
+             "publish", "write submit")  # fmt: skip
+    return ", ".join(f"{n} {1e3 * v:.0f}" for n, v in zip(names, row, strict=True)) + " ms"
+
+
+def step_waits(folder: str, preset: str, steps: int, buffers: int, sub_group: int) -> None:
     import socket
 
     import torch.multiprocessing as mp
@@ -343,7 +359,8 @@ def step_waits(folder: str, preset: str, steps: int) -> None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            mp.spawn(_waits_rank, args=(stage, device, port, preset, steps, folder), nprocs=2)
+            mp.spawn(_waits_rank, nprocs=2,
+                     args=(stage, device, port, preset, steps, folder, buffers, sub_group))  # fmt: skip
     print(f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
 
 
@@ -361,11 +378,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="large", help="GPT preset for the step times")
     ap.add_argument("--rounds", default="1")
     ap.add_argument("--steps", default="3")
+    ap.add_argument(
+        "--buffer-count",
+        type=int,
+        default=0,
+        help="--only-waits: offload_optimizer.buffer_count (0: the default)",
+    )
+    ap.add_argument(
+        "--sub-group-size",
+        type=int,
+        default=0,
+        help="--only-waits: zero_optimization.sub_group_size (0: the default)",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.only_waits:
         print("## where the NVMe step waits")
-        step_waits(args.dir, args.preset, int(args.steps))
+        step_waits(args.dir, args.preset, int(args.steps), args.buffer_count, args.sub_group_size)
         return
     if args.only_kaio:
         print("## kernel asynchronous I/O vs the thread pool")
