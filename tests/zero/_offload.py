@@ -192,6 +192,7 @@ def train(sc: OffloadScenario) -> dict[str, Any]:
         out["swap_files"] = sorted(os.listdir(folder))
         out["sub_groups"] = len(engine.offload.sub_groups)
         out["swap_buffers"] = [t.numel() for t in engine.offload._buffers]
+        out["swap_aligned"] = [t.data_ptr() % 4096 == 0 for t in engine.offload._buffers]
         out["sg_max"] = engine.offload._sg_max
         out["sg_sizes"] = [sg.n for sg in engine.offload.sub_groups]
         out["sg_units"] = [len({id(p.hr) for p in sg.pieces}) for sg in engine.offload.sub_groups]
