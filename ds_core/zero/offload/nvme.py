@@ -96,7 +96,8 @@ class _SubGroup:
     __slots__ = ("n", "path", "pieces", "stride")
 
     def __init__(self, path: str) -> None:
-        self.path, self.pieces, self.n, self.stride = path, [], 0, 0
+        self.path, self.n, self.stride = path, 0, 0
+        self.pieces: list[_Piece] = []
 
     def add(self, hr: _HostRange, start: int, n: int) -> None:
         self.pieces.append(_Piece(hr, start, n, self.n))
