@@ -228,8 +228,8 @@ class NvmeOptimizerOffload(OptimizerOffload):
     def _aligned(self, numel: int) -> torch.Tensor:
         """A zeroed fp32 host buffer of ``numel`` elements starting on a 4 KiB boundary (and
         ``ALIGN`` bytes more held): ``O_DIRECT`` moves it without a bounce copy. torch's
-        allocator aligns to 64 bytes only, and a bounced 1 MiB block costs 3-4x the CPU per GiB
-        and up to half the bandwidth (bench/README.md, "NVMe step overlap")."""
+        allocator aligns to 64 bytes only, and bounced 1 MiB blocks cost 3-4x the CPU per GiB
+        and 2-5x the time under load (bench/README.md, "NVMe step: where the time goes")."""
         raw = self._host(numel + ALIGN // 4, torch.float32)
         skip = (-raw.data_ptr() % ALIGN) // 4
         return raw[skip : skip + numel]
