@@ -18,7 +18,8 @@ seed and the same batches per rank:
 - ``onebit_adam``   OneBitAdam, ``freeze_step`` = 15% of the run (see below)
 - ``zero_one_adam`` ZeroOneAdam, ``var_freeze_step`` = the same 15%
 - ``onebit_adam_exact`` / ``onebit_adam_frozen``: diagnostics that split ``onebit_adam``'s Δ loss
-  into compression error, local clipping and the frozen variance (bench/compression_variants.py)
+  into compression error, local clipping and the frozen variance; ``zero_one_adam_exact`` /
+  ``_avg`` / ``_dense`` split ``zero_one_adam``'s (bench/compression_variants.py)
 - ``lamb``          stage 0, Lamb (lr 1e-3, DeepSpeed's FusedLamb), for context
 - ``onebit_lamb_nc`` OneBitLamb that never compresses: the reference of ``onebit_lamb``
 - ``onebit_lamb``   OneBitLamb, ``freeze_step`` = 15%
@@ -106,8 +107,7 @@ ONEBIT = (
     "onebit_adam_nc",
     "onebit_adam",
     "zero_one_adam",
-    "onebit_adam_exact",
-    "onebit_adam_frozen",
+    *variants.VARIANTS,
     "lamb",
     "onebit_lamb_nc",
     "onebit_lamb",
@@ -117,8 +117,7 @@ CONFIGS = ONEBIT + ZEROPP
 #: each configuration's uncompressed reference (a reference maps to itself)
 REFERENCE = {
     "adam": "adam", "onebit_adam_nc": "onebit_adam_nc", "onebit_adam": "onebit_adam_nc",
-    "zero_one_adam": "onebit_adam_nc", "onebit_adam_exact": "onebit_adam_nc",
-    "onebit_adam_frozen": "onebit_adam_nc",
+    "zero_one_adam": "onebit_adam_nc", **{v: "onebit_adam_nc" for v in variants.VARIANTS},
     "lamb": "lamb", "onebit_lamb_nc": "onebit_lamb_nc", "onebit_lamb": "onebit_lamb_nc",
     "zero3": "zero3", "qwz": "zero3", "qgz": "zero3", "hpz": "zero3", "zeropp": "zero3",
 }  # fmt: skip
@@ -162,32 +161,31 @@ def freeze_step(total: int, frac: float) -> int:
 def ds_config(name: str, micro_batch: int, freeze: int, local_size: int) -> dict[str, Any]:
     """The DeepSpeed-style config of one configuration."""
     adamw = {"type": "AdamW", "params": {"lr": ADAM_LR, "weight_decay": 0.0}}
-    optimizer: dict[str, Any] = {
-        "adam": adamw,
-        "onebit_adam": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze}},
-        "onebit_adam_exact": {
-            "type": "OneBitAdam",
-            "params": {"lr": ADAM_LR, "freeze_step": freeze},
-        },
-        "onebit_adam_frozen": {
-            "type": "OneBitAdam",
-            "params": {"lr": ADAM_LR, "freeze_step": freeze},
-        },
-        "onebit_adam_nc": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": NEVER}},
-        "zero_one_adam": {
-            "type": "ZeroOneAdam",
-            "params": {"lr": ADAM_LR, "var_freeze_step": freeze},
-        },
-        "lamb": {"type": "Lamb", "params": {"lr": LAMB_LR, "weight_decay": 0.0}},
-        "onebit_lamb": {
-            "type": "OneBitLamb",
-            "params": {"lr": LAMB_LR, "freeze_step": freeze, "weight_decay": 0.0},
-        },
-        "onebit_lamb_nc": {
-            "type": "OneBitLamb",
-            "params": {"lr": LAMB_LR, "freeze_step": NEVER, "weight_decay": 0.0},
-        },
-    }.get(name, adamw)
+    optimizer: dict[str, Any] = (
+        {
+            "adam": adamw,
+            "onebit_adam": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze}},
+            "onebit_adam_nc": {
+                "type": "OneBitAdam",
+                "params": {"lr": ADAM_LR, "freeze_step": NEVER},
+            },
+            "zero_one_adam": {
+                "type": "ZeroOneAdam",
+                "params": {"lr": ADAM_LR, "var_freeze_step": freeze},
+            },
+            "lamb": {"type": "Lamb", "params": {"lr": LAMB_LR, "weight_decay": 0.0}},
+            "onebit_lamb": {
+                "type": "OneBitLamb",
+                "params": {"lr": LAMB_LR, "freeze_step": freeze, "weight_decay": 0.0},
+            },
+            "onebit_lamb_nc": {
+                "type": "OneBitLamb",
+                "params": {"lr": LAMB_LR, "freeze_step": NEVER, "weight_decay": 0.0},
+            },
+        }.get(name)
+        or variants.optimizer(name, ADAM_LR, freeze)
+        or adamw
+    )
     zero: dict[str, Any] = {"stage": 0}
     if name in ZEROPP:
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0}

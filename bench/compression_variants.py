@@ -1,5 +1,6 @@
-"""The diagnostic variants of 1-bit Adam that ``bench/compression.py`` runs beside it, to tell
-apart the causes of its loss gap to uncompressed training (not DeepSpeed modes):
+"""The diagnostic variants of 1-bit Adam and 0/1 Adam that ``bench/compression.py`` runs beside
+them, to tell apart the causes of their loss gaps to uncompressed training. 1-bit Adam's (not
+DeepSpeed modes):
 
 - ``onebit_adam_exact``: after the freeze, the exact mean of the ranks' momenta (an fp32
   all-reduce) in place of the compressed all-reduce; each rank still hands over and clips its
@@ -9,8 +10,24 @@ apart the causes of its loss gap to uncompressed training (not DeepSpeed modes):
   "mean" is a copy; only the variance is frozen. Against ``onebit_adam_exact``: clipping each
   rank's own gradient; against the uncompressed reference: the frozen variance.
 
-Both patch ``ds_core.optim.onebit_adam``'s reference to the compressed all-reduce in the rank's
-process for the one configuration (:func:`apply`), and undo it after (the returned function).
+0/1 Adam's, each with 0/1 Adam's ``var_freeze_step`` (the freeze step):
+
+- ``zero_one_adam_exact``: the exact mean in place of both compressed all-reduces (of the
+  gradients between variance updates, of the accumulated update after the freeze); each rank
+  still clips its own gradient on those steps. Against ``zero_one_adam``: the compression error.
+- ``zero_one_adam_avg``: the engine averages (and clips the average of) every step's gradients
+  and the "mean" is a copy: Adam whose variance updates only on 0/1 Adam's schedule (at
+  intervals doubling every ``var_update_scaler`` updates) and freezes after ``var_freeze_step``.
+  Against ``zero_one_adam_exact``: clipping each rank's own gradient; against the reference:
+  the variance schedule.
+- ``zero_one_adam_dense``: a DeepSpeed setting, not a patch: ``var_update_scaler`` beyond the
+  run, so the variance updates on every step until ``var_freeze_step`` (no compressed gradient
+  steps; the frozen phase is 0/1 Adam's). Against ``zero_one_adam``: the thinned variance
+  updates and the compressed gradients between them.
+
+The patched variants replace the optimizer module's reference to the compressed all-reduce in
+the rank's process for the one configuration (:func:`apply`), and undo it after (the returned
+function).
 """
 
 from __future__ import annotations
@@ -20,7 +37,29 @@ from typing import Any
 
 import torch
 
-VARIANTS = ("onebit_adam_exact", "onebit_adam_frozen")
+VARIANTS = (
+    "onebit_adam_exact",
+    "onebit_adam_frozen",
+    "zero_one_adam_exact",
+    "zero_one_adam_avg",
+    "zero_one_adam_dense",
+)
+#: the variants whose engine keeps averaging gradients after every step (:func:`adjust`)
+_AVERAGED = ("onebit_adam_frozen", "zero_one_adam_avg")
+#: a count no run reaches (a step, a number of updates)
+_NEVER = 10**9
+
+
+def optimizer(name: str, lr: float, freeze: int) -> dict[str, Any] | None:
+    """The DeepSpeed ``optimizer`` config block of variant ``name`` (``None``: not a variant)."""
+    if name.startswith("onebit_adam_") and name in VARIANTS:
+        return {"type": "OneBitAdam", "params": {"lr": lr, "freeze_step": freeze}}
+    if name.startswith("zero_one_adam_") and name in VARIANTS:
+        params: dict[str, Any] = {"lr": lr, "var_freeze_step": freeze}
+        if name == "zero_one_adam_dense":
+            params["var_update_scaler"] = _NEVER
+        return {"type": "ZeroOneAdam", "params": params}
+    return None
 
 
 def exact_mean(
@@ -43,24 +82,26 @@ def copy(
 
 
 def apply(name: str) -> Callable[[], None]:
-    """Patch the all-reduce of 1-bit Adam for configuration ``name`` (nothing for a name not in
-    :data:`VARIANTS`); returns the function that undoes it."""
+    """Patch the compressed all-reduce of the optimizer of configuration ``name`` (nothing for a
+    name that is not a patched variant); returns the function that undoes it."""
     import ds_core.optim.onebit_adam as onebit
+    import ds_core.optim.zero_one_adam as zero_one
 
-    saved = onebit.compressed_all_reduce
-    if name in VARIANTS:
-        onebit.compressed_all_reduce = exact_mean if name == "onebit_adam_exact" else copy
+    module: Any = zero_one if name.startswith("zero_one_adam_") else onebit
+    saved = module.compressed_all_reduce
+    if name in VARIANTS and name != "zero_one_adam_dense":
+        module.compressed_all_reduce = exact_mean if name.endswith("_exact") else copy
 
     def undo() -> None:
-        onebit.compressed_all_reduce = saved
+        module.compressed_all_reduce = saved
 
     return undo
 
 
 def adjust(name: str, optimizer: Any) -> None:
-    """For ``onebit_adam_frozen``, keep the engine averaging gradients after the freeze
+    """For ``onebit_adam_frozen`` and ``zero_one_adam_avg``, keep the engine averaging gradients
     (``optimizer.backward_allreduce`` reset to true after every step); else nothing."""
-    if name != "onebit_adam_frozen":
+    if name not in _AVERAGED:
         return
     step = optimizer.step
 
