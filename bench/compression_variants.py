@@ -25,6 +25,9 @@ DeepSpeed modes):
   steps; the frozen phase is 0/1 Adam's). Against ``zero_one_adam``: the thinned variance
   updates and the compressed gradients between them.
 
+``python bench/compression_variants.py`` prints :func:`overstatement` (how far a 1-bit gradient
+overstates the elements whose own gradients are small).
+
 The patched variants replace the optimizer module's reference to the compressed all-reduce in
 the rank's process for the one configuration (:func:`apply`), and undo it after (the returned
 function).
@@ -111,3 +114,57 @@ def adjust(name: str, optimizer: Any) -> None:
         return out
 
     optimizer.step = stepped
+
+
+def overstatement(checkpoints: tuple[int, ...] = (0, 18, 45, 100, 150)) -> None:
+    """Print, at each step in ``checkpoints`` of a one-process Adam run of the small GPT (lr 3e-4,
+    clipping 1.0, the benchmark's batches), how far a 1-bit gradient overstates its elements:
+    ``a = RMS(g over the tensor) / sqrt(mean of g² over 8 probe batches)`` per element (the
+    1-bit gradient gives every element its tensor's RMS; Adam then divides by the element's
+    own √v). Reports the share of elements with ``a > 10`` and the fused qkv weights' median
+    ``a``; the position rows past the sequence (never given a gradient) are left out."""
+    from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus
+
+    torch.manual_seed(1234)
+    model, tokens = GPT(PRESETS["small"]), encode(make_corpus())
+    seq = 64
+    train = Batches(tokens, 8, seq, seed=1234, rank=0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    for step in range(max(checkpoints) + 1):
+        if step in checkpoints:
+            probe = Batches(tokens, 8, seq, seed=99, rank=0)
+            named = dict(model.named_parameters())
+            sq = {n: torch.zeros_like(p) for n, p in named.items()}
+            rms = dict.fromkeys(named, 0.0)
+            for _ in range(8):
+                model.zero_grad()
+                model(*probe.next()).backward()
+                for n, p in named.items():
+                    assert p.grad is not None
+                    sq[n] += p.grad**2 / 8
+                    rms[n] += float(p.grad.pow(2).mean().sqrt()) / 8
+            total = over = 0
+            qkv = []
+            for n, s in sq.items():
+                a = rms[n] / (s[:seq] if n == "wpe.weight" else s).sqrt().flatten()
+                total, over = total + a.numel(), over + int((a > 10).sum())
+                if "qkv.weight" in n:
+                    qkv.append(float(a.median()))
+            print(
+                f"step {step:>3}: a > 10 for {over / total:6.1%} of elements; "
+                f"qkv weights' median a {min(qkv):.1f}-{max(qkv):.1f}",
+                flush=True,
+            )
+        model.zero_grad()
+        model(*train.next()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    torch.set_num_threads(1)
+    overstatement()
