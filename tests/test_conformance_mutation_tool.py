@@ -134,16 +134,83 @@ def test_report_table_and_survivors(mutants: list) -> None:
 sel = tool.sel
 
 
-def test_mutant_keys_are_stable_and_follow_the_line_text(mutants: list) -> None:
-    keys = [tool.key_of(m) for m in mutants]
+def _memory_keys(tmp_path: Path, edit: tuple[str, str] | None = None) -> dict[str, int]:
+    """key -> line of memory.py's mutants, after replacing ``edit[0]`` by ``edit[1]`` once."""
+    source = (tool.PACKAGE / "memory.py").read_text()
+    if edit is not None:
+        assert source.count(edit[0]) == 1, edit[0]
+        source = source.replace(edit[0], edit[1])
+    (tmp_path / "memory.py").write_text(source)
+    mutants = tool.enumerate_mutants(tmp_path, files=["memory.py"])
+    keys = {m.key: m.line for m in mutants}
+    assert len(keys) == len(mutants)
+    return keys
+
+
+def test_mutant_keys_are_unique_and_name_the_enclosing_definition(mutants: list) -> None:
+    keys = [m.key for m in mutants]
     assert len(set(keys)) == len(keys)
-    m = mutants[0]
-    source = (tool.PACKAGE / m.file).read_text()
-    assert sel.mutant_key(m.file, m.line, m.operator, m.occurrence, source) == keys[0]
-    lines = source.splitlines()
-    lines[m.line - 1] += "  # edited"
-    edited = sel.mutant_key(m.file, m.line, m.operator, m.occurrence, "\n".join(lines))
-    assert edited != keys[0] and edited.rsplit(":", 1)[0] == keys[0].rsplit(":", 1)[0]
+    source = (tool.PACKAGE / "plugin.py").read_text()
+    decorators = [m for m in mutants if m.operator == "RemoveDecorator" and m.file == "plugin.py"]
+    assert decorators
+    for m in decorators:  # a def's header (its decorators) is named by the def itself
+        scope = m.key.split(":")[1]
+        assert f"def {scope}(" in source and scope in "\n".join(source.splitlines()[m.line - 1 :])
+    assert any(m.key.startswith("shm_sync.py:PythonFlags.") for m in mutants)
+
+
+def test_a_key_survives_code_inserted_above_its_definition_and_statement(tmp_path: Path) -> None:
+    before = _memory_keys(tmp_path)
+    head = "def cgroup_limits(\n"
+    extra = "def _extra(n: int) -> int:\n    return n + 1 if n > 0 else -n\n\n\n"
+    body = '    """The cgroup v2 and v1 memory limits on this process, if any."""\n'
+    after = _memory_keys(tmp_path, (head, extra + head))
+    assert set(before) < set(after)
+    new = set(after) - set(before)
+    assert new and all(k.startswith("memory.py:_extra:") for k in new)
+    moved = [k for k in before if k.startswith("memory.py:cgroup_limits:")]
+    assert moved and all(after[k] == before[k] + 4 for k in moved)  # same key, new line
+    # a statement added to the same function, above the others, leaves theirs as they were
+    after = _memory_keys(tmp_path, (body, body + "    _spare = 1 + 2\n"))
+    assert set(before) < set(after)
+    assert all(k.startswith("memory.py:cgroup_limits:") for k in set(after) - set(before))
+
+
+def test_a_key_changes_with_its_statement_and_only_its_statement(tmp_path: Path) -> None:
+    before = _memory_keys(tmp_path)
+    old = "            if limit is not None and limit < _V1_UNLIMITED:\n"
+    line = (tool.PACKAGE / "memory.py").read_text().splitlines().index(old.rstrip("\n")) + 1
+    on_line = {k for k, n in before.items() if n == line}
+    assert on_line
+    after = _memory_keys(tmp_path, (old, old.replace("limit <", "limit <=")))
+    assert set(before) - set(after) == on_line
+    assert len(set(after) - set(before)) == len(on_line)
+    # a comment or a reflow is no change of the statement (keys come from its syntax tree)
+    reflowed = "            if (limit is not None  # set\n                    and limit < _V1_UNLIMITED):\n"
+    assert set(_memory_keys(tmp_path, (old, reflowed))) == set(before)
+
+
+def test_repeated_statements_in_one_definition_get_distinct_keys() -> None:
+    source = "def f(x):\n    if x:\n        return 1\n    return 1\n"
+    names = sel.StatementKeys(source)
+    first, second = names.name(3, 15), names.name(4, 11)
+    assert first.startswith("f:") and second == first + "~1"
+    assert names.name(1, 4).startswith("f:")  # the def's own header
+    keys = sel.mutant_keys("m.py", names, "NumberReplacer", [(3, 15), (4, 11)])
+    assert keys[0] == f"m.py:f:NumberReplacer#0:{first[2:]}"
+    assert keys[1] == f"m.py:f:NumberReplacer#0:{second[2:]}"
+    with pytest.raises(ValueError, match="no statement holds line 9"):
+        names.name(9, 0)
+
+
+def test_list_prints_the_keys_and_mutant_runs_one_by_its_key(
+    mutants: list, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(tool, "enumerate_mutants", lambda: mutants)
+    m = mutants[len(mutants) // 2]
+    assert tool.main(["--list", "--mutant", m.key]) == 0
+    out = capsys.readouterr().out
+    assert m.key in out and out.count("\n") == 2  # the mutant's line and the count
 
 
 def test_the_ledger_appends_keeps_the_last_record_and_skips_a_torn_last_line(
@@ -171,7 +238,7 @@ def test_a_resumed_run_skips_every_mutant_its_ledger_holds(
     chosen = tool.sample(mutants, 1, seed=17)
     ledger = tmp_path / "ledger.jsonl"
     for m in chosen[1:]:
-        sel.append_ledger(ledger, {"key": tool.key_of(m), "status": "killed"})
+        sel.append_ledger(ledger, {"key": m.key, "status": "killed"})
     calls: list[tuple[str, object]] = []
 
     def fake(copy: object, category: str, timeout: float, extra=None, checks=None, server=None):
@@ -187,12 +254,12 @@ def test_a_resumed_run_skips_every_mutant_its_ledger_holds(
     assert [o.mutant for o in outcomes] == chosen[:1] and not pending
     assert len(calls) == 2  # the category's baseline, then the one mutant not in the ledger
     records = sel.read_ledger(ledger)
-    assert records[tool.key_of(chosen[0])]["status"] == "killed"
-    assert records[tool.key_of(chosen[0])]["checks"] == "all"
+    assert records[chosen[0].key]["status"] == "killed"
+    assert records[chosen[0].key]["checks"] == "all"
     calls.clear()
     outcomes, _, _ = tool.run(chosen, budget=600, select="full", ledger=ledger)
     assert outcomes == [] and calls == []
-    sel.append_ledger(ledger, {"key": tool.key_of(chosen[1]), "status": "timeout"})
+    sel.append_ledger(ledger, {"key": chosen[1].key, "status": "timeout"})
     outcomes, _, _ = tool.run(chosen, 600, select="full", ledger=ledger, retry=("timeout",))
     assert [o.mutant for o in outcomes] == chosen[1:2]  # a loaded host's timeout, run again
 
@@ -308,4 +375,4 @@ def test_a_survivor_of_a_selection_is_confirmed_on_the_whole_suite(
     outcomes, _, _ = tool.run([m], budget=600, ledger=ledger)
     assert calls == [["A"], None]
     assert (outcomes[0].status, outcomes[0].detail) == ("killed", "memory/test_b")
-    assert sel.read_ledger(ledger)[tool.key_of(m)]["checks"] == "1+all"
+    assert sel.read_ledger(ledger)[m.key]["checks"] == "1+all"

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -85,6 +86,7 @@ VARIANTS: dict[str, list[dict[str, str]]] = {
 _SECTION_RE = re.compile(r"^# -{10,} (\w+)\s*$")
 #: need arguments (VariableReplacer/Inserter) or a planted exception class (ExceptionReplacer)
 _SKIPPED_OPERATORS = {"VariableReplacer", "VariableInserter", "ExceptionReplacer"}
+_Point = tuple[int, int, bool]  # a mutation position: line, column, skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Mutant:
     occurrence: int  # cosmic-ray's occurrence index of that operator in that file
     line: int
     category: str
+    key: str  # the ledger's (mutation_select.mutant_keys): edits outside its statement keep it
 
     @property
     def id(self) -> str:
@@ -147,7 +150,7 @@ def _collector() -> type:
     class Collect(Visitor):  # type: ignore[misc]
         """Record each operator's positions in cosmic-ray's walk order (= its occurrences)."""
 
-        def __init__(self, ops: dict[str, object], found: dict[str, list[tuple[int, bool]]]):
+        def __init__(self, ops: dict[str, object], found: dict[str, list[_Point]]) -> None:
             self.ops, self.found = ops, found
 
         def visit(self, node):  # type: ignore[no-untyped-def]
@@ -156,29 +159,29 @@ def _collector() -> type:
                 for start, _stop in op.mutation_positions(node):  # type: ignore[attr-defined]
                     if skip is None:
                         skip = _skipped(node)
-                    self.found[name].append((start[0], skip))
+                    self.found[name].append((start[0], start[1], skip))
             return node
 
     return Collect
 
 
-def enumerate_mutants(package: Path = PACKAGE) -> list[Mutant]:
-    """Every mutant of every file, in a deterministic order."""
+def enumerate_mutants(package: Path = PACKAGE, files: Iterable[str] = FILES) -> list[Mutant]:
+    """Every mutant of every file (or of ``files``), in a deterministic order."""
     from cosmic_ray.ast import get_ast
 
-    collect = _collector()
-
+    collect, ops = _collector(), _operators()
     mutants: list[Mutant] = []
-    ops = _operators()
-    for file in FILES:
+    for file in files:
         source = (package / file).read_text()
         cats = _categories_by_line(file, source)
-        found: dict[str, list[tuple[int, bool]]] = {name: [] for name in ops}  # (line, skip)
+        found: dict[str, list[_Point]] = {name: [] for name in ops}
         collect(ops, found).walk(get_ast(source))
+        statements = sel.StatementKeys(source)
         for name, positions in found.items():
-            for occurrence, (line, skip) in enumerate(positions):
+            keys = sel.mutant_keys(file, statements, name, [(ln, col) for ln, col, _ in positions])
+            for occ, ((line, _col, skip), key) in enumerate(zip(positions, keys, strict=True)):
                 if not skip:
-                    mutants.append(Mutant(file, name, occurrence, line, cats[line - 1]))
+                    mutants.append(Mutant(file, name, occ, line, cats[line - 1], key))
     return mutants
 
 
@@ -362,14 +365,9 @@ def _source(file: str) -> str:
     return (PACKAGE / file).read_text()
 
 
-def key_of(m: Mutant) -> str:
-    """The mutant's ledger key (:func:`mutation_select.mutant_key`)."""
-    return sel.mutant_key(m.file, m.line, m.operator, m.occurrence, _source(m.file))
-
-
 def _record(m: Mutant, status: str, seconds: float, detail: str, checks: str) -> dict[str, object]:
     return {
-        "key": key_of(m), "id": m.id, "category": m.category, "file": m.file, "line": m.line,
+        "key": m.key, "id": m.id, "category": m.category, "file": m.file, "line": m.line,
         "operator": m.operator, "occurrence": m.occurrence, "status": status,
         "seconds": round(seconds, 1), "detail": detail, "checks": checks,
         "date": time.strftime("%Y-%m-%d"),
@@ -397,7 +395,7 @@ def run(
     done = sel.read_ledger(ledger) if ledger else {}
     deadline = time.monotonic() + budget
     done = {k: r for k, r in done.items() if r["status"] not in retry}
-    pending = [m for m in mutants if key_of(m) not in done]
+    pending = [m for m in mutants if m.key not in done]
     with contextlib.ExitStack() as stack:
         copy = stack.enter_context(MutantCopy())
         server = ForkServer(_suite_env(copy.root, None)) if fork and pending else None
@@ -552,27 +550,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         if not args.resume:
             parser.error("--summary reads the ledger named by --resume FILE")
-        keys = {key_of(m) for m in mutants}
+        keys = {m.key for m in mutants}
         records = [r for k, r in sel.read_ledger(args.resume).items() if k in keys]
         equivalent = sel.read_equivalent(args.equivalent)
         print(sel.summary(records, totals, equivalent))
-        by_key = {key_of(m): m for m in mutants}
-        for r in sorted(records, key=lambda r: (r["category"], r["file"], r["line"], r["key"])):
+        by_key = {m.key: m for m in mutants}  # a record's line may be older: sort by now
+        records.sort(key=lambda r: (r["category"], r["file"], by_key[r["key"]].line, r["key"]))
+        for r in records:
             if r["status"] == "survived":
                 why = equivalent.get(r["key"], "**open**" + (", not covered" * bool(r["detail"])))
                 print(f"- {r['category']} `{r['key']}` {describe(by_key[r['key']])}: {why}")
         return 0
     chosen = mutants if args.all else sample(mutants, args.per_category, args.seed)
     if args.mutant:
-        chosen = [m for m in mutants if m.id in args.mutant or key_of(m) in args.mutant]
+        chosen = [m for m in mutants if m.id in args.mutant or m.key in args.mutant]
     # small categories first: a budget then finishes whole categories before starting comm
     chosen.sort(key=lambda m: (totals[m.category], m.category, m.file, m.line, m.id))
     if args.shuffle is not None:  # a partial run of a large category is then a fair sample
-        order = {key_of(m): random.Random(f"{args.shuffle}-{key_of(m)}").random() for m in chosen}
-        chosen.sort(key=lambda m: (totals[m.category], m.category, order[key_of(m)]))
+        order = {m.key: random.Random(f"{args.shuffle}-{m.key}").random() for m in chosen}
+        chosen.sort(key=lambda m: (totals[m.category], m.category, order[m.key]))
     if args.list:
         for m in chosen:
-            print(f"{m.category:12} {key_of(m):70} {describe(m)}")
+            print(f"{m.category:12} {m.key:70} {describe(m)}")
         print(
             f"{len(chosen)} listed of {len(mutants)}: "
             + ", ".join(f"{c} {n}" for c, n in sorted(totals.items()))

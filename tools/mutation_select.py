@@ -1,8 +1,9 @@
 """Ledger and test selection of the mutation tool (``tools/conformance_mutation.py``).
 
-The ledger is a JSON-lines file, one record per mutant run, keyed by :func:`mutant_key` (file,
-line, operator, occurrence and a hash of the source line mutated), so a later run skips what a
-ledger already holds and a mutant whose line changed is run again. Selection: a category's suite
+The ledger is a JSON-lines file, one record per mutant run, keyed by :func:`mutant_keys` (file,
+enclosing function or class, operator, occurrence within the statement and a hash of the
+statement's text), so a later run skips what a ledger already holds, an edit elsewhere in the
+file keeps a mutant's key, and a mutant whose statement changed is run again. Selection: a category's suite
 runs once with every line of the backend traced per check (``tools/mutation_trace``); a mutant
 then runs only against the checks that execute its statement, and a mutant no check executes is
 "survived, not covered" without a run.
@@ -11,6 +12,7 @@ then runs only against the checks that execute its statement, and a mutant no ch
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import hashlib
 import json
@@ -24,11 +26,89 @@ KILLED = ("killed", "timeout", "crash")
 NOT_COVERED = "not covered"
 
 
-def mutant_key(file: str, line: int, operator: str, occurrence: int, source: str) -> str:
-    """Stable id: ``file:line:operator#occurrence:hash`` (hash of the mutated line's text)."""
-    text = source.splitlines()[line - 1].strip() if 0 < line <= source.count("\n") + 1 else ""
-    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
-    return f"{file}:{line}:{operator}#{occurrence}:{digest}"
+#: nodes a mutation point belongs to: statements and the clauses holding their own code
+_STATEMENTS = (ast.stmt, ast.excepthandler, ast.match_case)
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _own_text(node: ast.AST) -> str:
+    """The statement's code without the statements it holds (a compound one's header: `if …:`,
+    decorators and `def …(…):`), normalised by :func:`ast.unparse`: formatting and comments
+    do not count."""
+    shallow = copy.copy(node)
+    for name, value in ast.iter_fields(node):
+        if isinstance(value, list) and value and isinstance(value[0], _STATEMENTS):
+            setattr(shallow, name, [])
+    return ast.unparse(shallow)
+
+
+class StatementKeys:
+    """Names each statement of one module by what survives edits elsewhere in the file:
+    ``scope:digest`` where scope is the enclosing function or class (dotted, ``<module>`` at
+    the top; a ``def``/``class`` statement itself is named by its own) and digest a hash of the
+    statement's own text, with ``~n`` added for the n-th repeat of the same text in that scope.
+    Lines inserted, removed or changed outside the statement (above it, in another function,
+    in another statement of the same function) leave its name as it was; an edit of the
+    statement itself changes it."""
+
+    def __init__(self, source: str) -> None:
+        self._lines = source.splitlines()
+        #: (start, end, depth, name): positions as (line, character column)
+        self._spans: list[tuple[tuple[int, int], tuple[int, int], int, str]] = []
+        seen: dict[str, int] = {}
+
+        def visit(node: ast.AST, scope: list[str], depth: int) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = scope
+                if isinstance(child, _STATEMENTS):
+                    if isinstance(child, _DEFINITIONS):
+                        inner = [*scope, child.name]
+                    digest = hashlib.sha256(_own_text(child).encode()).hexdigest()[:10]
+                    name = f"{'.'.join(inner) or '<module>'}:{digest}"
+                    n = seen.get(name, 0)
+                    seen[name] = n + 1
+                    starts = [(child.lineno, self._column(child.lineno, child.col_offset))]
+                    for d in getattr(child, "decorator_list", []):  # ast starts after its `@`
+                        starts.append((d.lineno, self._column(d.lineno, d.col_offset) - 1))
+                    start = min(starts)
+                    end_line = child.end_lineno or child.lineno
+                    end = (end_line, self._column(end_line, child.end_col_offset or 0))
+                    self._spans.append((start, end, depth, f"{name}~{n}" if n else name))
+                visit(child, inner, depth + 1)
+
+        visit(ast.parse(source), [], 0)
+
+    def _column(self, line: int, byte_offset: int) -> int:
+        """ast's UTF-8 byte offset -> the character column (cosmic-ray/parso count characters)."""
+        text = self._lines[line - 1] if 0 < line <= len(self._lines) else ""
+        return len(text.encode()[:byte_offset].decode(errors="ignore"))
+
+    def name(self, line: int, column: int) -> str:
+        """The innermost statement holding the position (1-based line, 0-based character
+        column). :raises ValueError: when no statement holds it."""
+        best: tuple[int, str] | None = None
+        for start, end, depth, name in self._spans:
+            if start <= (line, column) < end and (best is None or depth > best[0]):
+                best = (depth, name)
+        if best is None:
+            raise ValueError(f"no statement holds line {line}, column {column}")
+        return best[1]
+
+
+def mutant_keys(
+    file: str, statements: StatementKeys, operator: str, points: Iterable[tuple[int, int]]
+) -> list[str]:
+    """The ledger key of each of ``operator``'s mutation points ``(line, column)`` in
+    ``file``, given in cosmic-ray's walk order: ``file:scope:operator#k:digest``
+    (:class:`StatementKeys`; ``k``: the point's index among the operator's points in the same
+    statement, so a point added to another statement leaves it as it was)."""
+    counts: dict[str, int] = {}
+    keys = []
+    for line, column in points:
+        scope, _, digest = statements.name(line, column).rpartition(":")
+        k = counts[scope + digest] = counts.get(scope + digest, -1) + 1
+        keys.append(f"{file}:{scope}:{operator}#{k}:{digest}")
+    return keys
 
 
 def read_ledger(path: Path) -> dict[str, dict[str, Any]]:
