@@ -8,7 +8,8 @@ ZeRO stage-2 engine normally for :data:`STEPS` updates and leave.
 - ``some_only``: it issues an all_reduce (a metric) that the others do not;
 - ``leave_early``: it leaves (``destroy_distributed``) after one update;
 - ``finally_leave``: it raises after one update inside ``try/finally: destroy_distributed()``;
-- ``compute`` (no fault): it computes (sleeps) for ``SLEEP_S`` before each update's backward
+- ``compute`` (no fault): rank 0 computes (sleeps) for ``SLEEP_S`` before the second update's
+  backward (:data:`SLEEP_STEP`: past a whole update, so every channel has calls on record)
   while the others wait in a collective: nothing may be reported;
 - ``slow``: as ``compute``, for far longer than ``DS_HANG_TIMEOUT_S``: the timeout reports it.
 
@@ -28,6 +29,8 @@ import torch
 
 CULPRIT = 1
 STEPS = 3
+#: the update before whose backward rank 0 computes in ``compute`` and ``slow``
+SLEEP_STEP = 1
 
 
 def _shm_maps() -> list[str]:
@@ -69,7 +72,7 @@ def main() -> None:
             extra = case == "micro_batches" and culprit
             for _ in range(gas + (1 if extra else 0)):
                 x, y = torch.randn(4, 8).to(dev), torch.randn(4, 4).to(dev)
-                if case in ("compute", "slow") and rank == 0:
+                if case in ("compute", "slow") and rank == 0 and step == SLEEP_STEP:
                     time.sleep(sleep_s)
                 out = engine(x)
                 if case == "no_model" and culprit:
