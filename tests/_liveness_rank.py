@@ -1,7 +1,7 @@
 """One rank of a liveness trial: ``python -m tests._liveness_rank PHASE WORKDIR`` (RANK etc. set
 by the test or by torchrun).
 
-Every phase but ``load`` first trains one step of a stage-2 engine (NVMe-resident optimizer
+Every phase but ``clean``, ``ring`` and ``idle`` first trains one step of a stage-2 engine (NVMe-resident optimizer
 state for ``swap``) and saves checkpoint ``A`` into ``WORKDIR/ckpt``, storing what it saved as
 ``saved.rank<r>.pt``. Then each victim (below) SIGKILLs itself:
 
@@ -17,7 +17,8 @@ agent and itself down together (the whole node dies). Before dying a victim writ
 ``victim.rank<r>.json`` (rank, pid, the /dev/shm files it maps, ``time.monotonic()``: one clock
 for every process of the machine); each survivor, ended by the liveness watchdog, writes
 ``survivor.rank<r>.json`` from an abort callback (the same, at its exit).
-``load``: fresh ranks load ``latest`` and store what landed as ``loaded.rank<r>.pt``.
+:func:`load_job` (a rank-pool job, tests/rankpool.py): ranks that took no part in the trial
+load ``latest`` into a new engine and store what landed as ``loaded.rank<r>.pt``.
 ``clean``: one all_reduce, then rank 0 leaves while rank 1 waits twice the watchdog's bound.
 ``ring``: no engine; one all_reduce, then the victims die and the others loop on all_reduce
 (any number of ranks). ``idle``: no kill; every rank loops on all_reduce until killed from
@@ -81,6 +82,20 @@ class _DieInBackward(torch.autograd.Function):
         return grad, None, None
 
 
+def load_job(work: str) -> None:
+    """On a rank pool's ranks: a new engine loads ``work/ckpt``'s ``latest``; what landed goes
+    to ``loaded.rank<r>.pt`` (compared with the trial's ``saved.rank<r>.pt``)."""
+    from tests.checkpoint._nvme import engine_for, opt_state
+    from tests.checkpoint._worker import seed_all
+
+    rank = int(os.environ["RANK"])
+    engine = engine_for(2, "none", Path(work), seed=0)
+    seed_all(100 + rank)
+    engine.load_checkpoint(str(Path(work) / "ckpt"))
+    torch.save(opt_state(engine), Path(work) / f"loaded.rank{rank}.pt")
+    engine.destroy()
+
+
 def main() -> None:
     phase, work = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -120,12 +135,6 @@ def main() -> None:
     engine = engine_for(2, "nvme" if phase == "swap" else "none", work, seed=0)
     seed_all(100 + rank)
     ckpt = str(work / "ckpt")
-    if phase == "load":
-        engine.load_checkpoint(ckpt)
-        torch.save(opt_state(engine), work / f"loaded.rank{rank}.pt")
-        engine.destroy()
-        ds_core.destroy_distributed()
-        return
     sc = scenario(2)
     train(engine, sc, 1)
     engine.save_checkpoint(ckpt, tag="A")
