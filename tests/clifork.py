@@ -71,7 +71,7 @@ class CliForks:
         its ``sys.path``; its stdout and stderr go to ``output``. Returns its exit status.
 
         :raises subprocess.TimeoutExpired: the run took more than ``timeout`` seconds (it is
-            killed).
+            killed with its process group).
         :raises RuntimeError: the server died.
         """
         request = {"argv": argv, "env": env, "site": str(site), "output": str(output)}
@@ -81,7 +81,7 @@ class CliForks:
         try:
             done = self._line(timeout)
         except subprocess.TimeoutExpired:
-            os.kill(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)  # the run and the rank processes it started
             self._line(timeout=60.0)
             raise
         child, status = done.split()
@@ -115,6 +115,7 @@ class CliForks:
 
 def _child(request: dict[str, Any]) -> None:
     """In the forked child: become ``python -m ds_core.cli *argv``; never returns."""
+    os.setpgid(0, 0)  # a group of its own, which a timeout kills whole
     os.environ.clear()
     os.environ.update(request["env"])
     sys.path.insert(0, request["site"])
