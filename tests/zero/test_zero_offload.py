@@ -294,10 +294,16 @@ def test_a_pinned_host_shard_is_gathered_through_a_device_copy_and_freed(
     assert unit.pinned and acc.allocated == [unit.shard]
     assert unit.shard is not None and (unit.shard.shape, unit.shard.dtype) == ((6,), torch.bfloat16)
     unit.place(zp, torch.arange(6, dtype=torch.float32).view(2, 3))
+    sources: list[torch.Tensor] = []
+    read = unit.storage.gather_source
+    monkeypatch.setattr(
+        unit.storage, "gather_source", lambda: sources.append(read()) or sources[-1]
+    )
     unit.gather()
-    # the collective reads a device copy of the host shard, never the host buffer itself
-    (src,) = acc.gather_inputs
-    assert src.data_ptr() != unit.shard.data_ptr()
+    # the gather reads a device copy of the host shard, never the host buffer itself (a group
+    # of one copies it into the unit: no collective)
+    (src,) = sources
+    assert src.data_ptr() != unit.shard.data_ptr() and acc.gather_inputs == []
     assert torch.equal(weight.data, torch.arange(6, dtype=torch.bfloat16).view(2, 3))
     unit.release()
     assert weight.numel() == 0
