@@ -97,7 +97,7 @@ def test_every_collective_op_and_dtype_matches_gloo(
     for r in results:
         assert r["gloo_reasons"] == [], r  # every call took the shared-memory path
         assert r["shm_calls"] > 500
-        assert r["cma_off"] == "DS_CPU_SHM_CMA=0", r
+        assert r["cma_off"] == "rank 0: DS_CPU_SHM_CMA=0", r
 
 
 @pytest.mark.slow  # real rank processes
