@@ -103,8 +103,8 @@ def test_every_collective_op_and_dtype_matches_gloo(
 @pytest.mark.slow  # real rank processes
 @pytest.mark.parametrize("world", [2, 4])
 def test_single_copy_reads_match_gloo(world: int) -> None:
-    """All-gather, broadcast and reduce-scatter read peers' memory (process_vm_readv) at every
-    size; skipped where this host does not allow it, which the result says."""
+    """All-gathers read peers' memory (process_vm_readv) at every size; skipped where this
+    host does not allow it, which the result says."""
     results = _run("match", world, DS_CPU_SHM_SLOT_BYTES="8192", DS_CPU_SHM_CMA_MIN_BYTES="0")
     if results[0]["cma_off"].startswith("rank"):  # the probe failed: a property of the host
         pytest.skip(f"single-copy reads unavailable here: {results[0]['cma_off']}")

@@ -27,8 +27,8 @@ its buffer. An all-reduce rank so copies (2 world - 1) / world of the piece (its
 regions in and out, its own result out to them) besides reducing 1/world of it: 1.5x the
 piece on 2 ranks, against 2x when every rank copied its whole piece in.
 
-All-gather, broadcast and reduce-scatter of at least ``cma_min`` bytes skip the slots where the
-group's ranks may read each other's memory: see [Note: single-copy collectives] in
+An all-gather of at least ``cma_min`` bytes skips the slots where the group's ranks may read
+each other's memory: see [Note: single-copy collectives] in
 :mod:`ds_backend_cpu.shm_cma`. Which path a call takes depends only on values every rank
 agrees on (the group's probe, the byte count in the checked record), so ranks never mix them.
 """
@@ -160,7 +160,6 @@ class ShmProtocol:
         self._fail = [segment.word_index(r, seg_mod.FAIL_WORD) for r in range(self.world)]
         #: whether collectives read single-copy (set by the group's setup), and why not
         self.cma, self.cma_reason, self.cma_min = False, "not probed", 0
-        self._scratch: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- setup and steps
 
@@ -396,13 +395,6 @@ class ShmProtocol:
         cap = self._cap(inp.dtype) // w
         fields = {_DTYPE: DTYPES.index(inp.dtype) + 1, _NUMEL: inp.numel(), _NUMEL2: n,
                   _OP: OPS.index(op)}  # fmt: skip
-        if self._single(inp.numel() * inp.element_size(), error):
-            # Peers read my rows while I write my output: never let the two share memory.
-            src = inp.clone() if _overlaps(out, inp) else inp
-            if self._exposed("reduce_scatter", fields, shape, src,
-                             lambda at: self._rs_read(out, src.view(w, n), op, at)):  # fmt: skip
-                return
-            inp = src
         rows = inp.view(w, n) if not error else inp
         # My own chunk is read from the input itself unless the output overlaps the input
         # (an in-place reduce-scatter), where reading it after writing out could be wrong.
@@ -423,30 +415,6 @@ class ShmProtocol:
                 rows[me, start : start + m] if r == me and direct else slots[r, mine]
                 for r in range(w)
             ]
-            dst = out[start : start + m]
-            _reduce_into(dst, parts, op)
-            if op == "avg":
-                dst.div_(w)
-
-    def _rs_read(self, out: torch.Tensor, rows: torch.Tensor, op: str, at: list[int]) -> None:
-        """Reduce-scatter's reads: each peer's chunk ``rank``, a piece at a time, into a
-        scratch that stays in cache, reduced in rank order (the slot path's order and bits)."""
-        w, me, n = self.world, self.rank, out.numel()
-        size = rows.element_size()  # the peers' dtype, which the checked record names
-        per = shm_cma.PIECE_BYTES // size
-        if self._scratch is None:
-            self._scratch = torch.empty(max(w - 1, 1) * shm_cma.PIECE_BYTES, dtype=torch.uint8)
-        scratch = self._scratch.view(rows.dtype)
-        for start in range(0, n, per):
-            m = min(per, n - start)
-            parts = []
-            for r in range(w):
-                if r == me:
-                    parts.append(rows[me, start : start + m])
-                    continue
-                buf = scratch[(r - (r > me)) * per :][:m]
-                self._read(r, buf, at[r] + (me * n + start) * size)
-                parts.append(buf)
             dst = out[start : start + m]
             _reduce_into(dst, parts, op)
             if op == "avg":
@@ -500,14 +468,6 @@ class ShmProtocol:
             self._cap(flat.dtype), max(-(-n // BROADCAST_SPLIT), self._cap(flat.dtype, MIN_PIECE))
         )
         fields = {_DTYPE: DTYPES.index(flat.dtype) + 1, _NUMEL: n, _ROOT: root + 1}
-        if self._single(n * flat.element_size(), ""):
-
-            def read(at: list[int]) -> None:
-                if me != root:
-                    self._read(root, flat, at[root])
-
-            if self._exposed("broadcast", fields, shape, flat, read):
-                return
         for i, start in enumerate(range(0, max(n, 1), cap)):
             m = min(cap, n - start)
             slots = self._next_slots(flat.dtype)

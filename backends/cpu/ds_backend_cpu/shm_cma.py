@@ -6,11 +6,20 @@ each reader copies it out. With ``process_vm_readv(2)`` a reader copies straight
 owner's tensor into its own, once. The owner publishes its buffer's address in its control
 block (:data:`ds_backend_cpu.shm_segment.ADDR_WORD`) before the call's first step; after that
 step each reader reads what it needs; a second step ("every reader is done") comes before any
-rank returns, so no owner changes its buffer while a peer still reads it. All-gather (each
-rank reads its peers' inputs into its output), broadcast (the peers read the root's buffer)
-and reduce-scatter (each rank reads its chunk of each peer's input, a piece at a time, into a
-small scratch that stays in cache, and reduces it into its output in rank order) use it above
-:func:`min_bytes`; all-reduce and all-to-all keep the slots.
+rank returns, so no owner changes its buffer while a peer still reads it. All-gather uses it
+above :func:`min_bytes`: each rank reads its peers' inputs into its output, one copy of
+(world - 1) / world of the output instead of the slots' (world + 1) / world.
+
+Why only all-gather: the kernel's copy is slower per byte than ``memcpy`` (it pins each of the
+peer's 4 KiB pages before copying it: 3.6-4.9 GB/s against 4.9-6.0 for ``copy_`` at 4-32 MiB
+on this project's 2-core VM, 4.6-5.9 against 5.6-6.4 with torch's transparent huge pages,
+``THP_MEM_ALLOC_ENABLE=1``), so it pays only where it removes a whole copy from the slowest
+rank. A broadcast's slowest rank copies the buffer once either way (single-copy: the reader;
+slots: root in, peers out, in parallel), and a reduce-scatter read a piece at a time into a
+cached scratch saves only the slot write. Measured on 2 ranks (bench/cpu_collectives.py, CPU
+time over the copy bound at 4/16/32/64 MiB, slots then single-copy): broadcast 2.16/1.57/1.60/
+1.29 then 2.13/1.89/1.67/1.80; reduce-scatter 2.01/1.85/2.12/1.93 then 2.34/1.96/1.71/1.88;
+all-gather 2.42/2.02/2.00/1.72 then 2.07/1.70/1.39/1.56. So the first two keep the slots.
 
 Whether it works is decided once per group at setup, on every rank alike: each rank offers a
 token in its own memory (:func:`offer`) and reads every peer's (:func:`probe`). Linux allows
@@ -40,9 +49,6 @@ ENV_CMA = "DS_CPU_SHM_CMA"
 ENV_MIN = "DS_CPU_SHM_CMA_MIN_BYTES"
 #: Below this many bytes per call the slots win: a single-copy call always takes two steps.
 DEFAULT_MIN_BYTES = 256 << 10
-#: Bytes of each peer's chunk a reduce-scatter reads per round: small enough that the scratch
-#: stays in the L2 cache, large enough that the syscall per round does not show.
-PIECE_BYTES = 256 << 10
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 _PR_SET_PTRACER = 0x59616D61
 _TOKEN = 16
