@@ -156,9 +156,10 @@ def fd_count() -> dict[str, Any]:
         engine = build(cfg)
         for _ in range(10):
             steps(engine, 1)
-            # the step's write-back is still in flight (descriptors open until each write
-            # ends, by design): count once it has landed
+            # the step's write-backs (parameters and optimizer state) are still in flight
+            # (descriptors open until each write ends, by design): count once they landed
             engine.param_swap.io.wait()
+            engine.offload.io.wait()
             counts.append(len(os.listdir("/proc/self/fd")))
         engine.destroy()
         for f in _folders(cfg):
