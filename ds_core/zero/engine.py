@@ -187,7 +187,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
             )
 
         # - module, partitioned as it is placed: one full parameter on the device at a time
-        self.module = model
+        self._module = model  # read through ``module``, which drains pending gathers
         placed = Placement(model, config, self.acc, self.mesh, self.model_dtype, self.plan)
         #: dtype of the masters, the gradient accumulators and the optimizer state the masters
         #: carry: bf16 with ``bf16.bf16_master_weights_and_grads`` (docs/from-deepspeed.md,
@@ -245,7 +245,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         self.coordinator: ParamCoordinator | None = None
         if self.plan.partitions_parameters:
             self.coordinator = ParamCoordinator(
-                self.module,
+                self._module,
                 {k: v for k, v in self._by_param.items() if v.mode is Mode.PARTITIONED},
                 zcfg.stage3_prefetch_bucket_size,
                 zcfg.stage3_max_live_parameters,
@@ -279,6 +279,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
             norm_dtype=self.norm_dtype,
             overlap_comm=self.overlap_comm,
             after_reduction=self.after_reduction,
+            module=self._module,
         )
 
         self._boundary_override: bool | None = None
@@ -332,10 +333,10 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         if optimizer is None and self.config.optimizer is None:
             return None  # forward only: step() and backward() say so
         masters = {k: zp.master for k, zp in self._by_param.items()}
-        for old, shard in replaced_parameters(self.module).items():
+        for old, shard in replaced_parameters(self._module).items():
             # An optimizer built before AutoTP split the model names the full parameters.
             masters.setdefault(old, masters.get(id(shard)))
-        for old_id in dropped_parameters(self.module):
+        for old_id in dropped_parameters(self._module):
             masters.setdefault(old_id, None)  # another rank's expert (AutoEP): not stepped here
         return bind_optimizer(
             optimizer,
@@ -373,11 +374,11 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         self.tput_timer.start()
         with self._autocast():
             if self.coordinator is None:
-                out = self.module(*args, **kwargs)
+                out = self._module(*args, **kwargs)
             else:
                 self.coordinator.begin_forward()
                 try:
-                    out = self.module(*args, **kwargs)
+                    out = self._module(*args, **kwargs)
                 finally:
                     self.coordinator.end_forward()
         if self.optimizer is not None and torch.is_grad_enabled():
@@ -562,7 +563,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         if self._destroyed:
             return
         self._destroyed = True
-        _guards.release(self.module, self.label)
+        _guards.release(self._module, self.label)
         if self.determinism is not None and self.determinism.active:
             self.determinism.disable()
         for h in self._hooks:
@@ -571,6 +572,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
         if self.coordinator is not None:
             self.coordinator.remove()
             self.coordinator = None
+        self.updater.close()
         self.reducer.release()
         if self.offload is not None:
             self.offload.release()

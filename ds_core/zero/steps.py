@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from ds_core.accelerator import Accelerator
 from ds_core.zero.partition import FlatUnit, Mode, ZeroParam
@@ -37,6 +38,7 @@ from ds_core.zero.precision import (
     step_skips_on_device,
     step_with_found_inf,
 )
+from ds_core.zero.published import PublishedGathers
 
 if TYPE_CHECKING:
     from ds_core.comm import Mesh
@@ -252,6 +254,8 @@ class Updater:
     :param overlap_comm: keep two all-gathers in flight when publishing.
     :param after_reduction: run once the gradients are reduced, before the norm (the
         engine's list; a pipeline appends to it after construction).
+    :param module: the engine's module: with ``overlap_comm`` the all-gathers of ``gathered``
+        are left in flight for its next forward (see [Note: deferred after-step gathers]).
     """
 
     def __init__(
@@ -273,6 +277,7 @@ class Updater:
         norm_dtype: torch.dtype,
         overlap_comm: bool,
         after_reduction: list[Callable[[], None]],
+        module: nn.Module | None = None,
     ) -> None:
         self.acc = acc
         self.reducer = reducer
@@ -290,6 +295,12 @@ class Updater:
         self.norm_dtype = norm_dtype
         self.overlap_comm = overlap_comm
         self.after_reduction = after_reduction
+        #: with ``overlap_comm``, the after-step all-gathers the next forward waits for.
+        self.published = (
+            PublishedGathers(module, gathered)
+            if module is not None and overlap_comm and gathered
+            else None
+        )
         #: the last step's global norm (unscaled, before clipping), on the device, or ``None``.
         self.last_norm: torch.Tensor | None = None
         opt = optimizer()
@@ -391,10 +402,17 @@ class Updater:
         self.offload.step(self._optimizer(), host_mult)
         self.publish()
 
+    def close(self) -> None:
+        """Wait for the gathers still in flight and remove the forward hooks (teardown)."""
+        if self.published is not None:
+            self.published.remove()
+
     def publish(self) -> None:
         """Move updated masters into the parameters the module computes with: each rank
         writes its own range, then one all-gather per stage-1/2 unit rebuilds the rest."""
         with torch.no_grad():
+            if self.published is not None:
+                self.published.drain()  # the ranges below are what those gathers read
             if self.offload is not None:
                 self.offload.publish()
             for zp in self.trainable:
@@ -407,7 +425,13 @@ class Updater:
                     continue
                 assert zp.unit is not None
                 zp.unit.write_owned(zp, master.detach())
-            pending = FlatUnit.all_gather_each(self.gathered, self.overlap_comm)
+            if self.published is not None:
+                # left in flight: the next forward waits per module (see [Note: deferred
+                # after-step gathers])
+                self.published.issue()
+                pending = []
+            else:
+                pending = FlatUnit.all_gather_each(self.gathered, self.overlap_comm)
             if self.param_swap is not None:
                 self.param_swap.flush()  # updated shards to their files, asynchronously
             for h in pending:

@@ -498,6 +498,10 @@ def jobs(suite: str, world: int) -> dict[str, Callable[[], dict[str, Any]]]:
         from tests.zero import _syncs
 
         return _syncs.jobs()
+    if suite == "published":
+        from tests.zero import _published
+
+        return _published.jobs()
     if suite == "peaks":
         from tests.zero import _peaks
 

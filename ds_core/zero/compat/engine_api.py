@@ -50,7 +50,7 @@ def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
 class DeepSpeedEngineAPI:
     """The members of ``DeepSpeedEngine`` that scripts call, over the engine's state."""
 
-    module: nn.Module
+    _module: nn.Module
     config: DSConfig
     rank: int
     world: int
@@ -80,13 +80,29 @@ class DeepSpeedEngineAPI:
 
             :raises AttributeError: when neither the engine nor its module has ``name``.
             """
-            module = self.__dict__.get("module")
+            module = self.__dict__.get("_module")
             if module is not None and not name.startswith("_"):
+                self._drain_gathers()
                 try:
                     return getattr(module, name)
                 except AttributeError:
                     pass
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model. Its parameters are whole for anything read through it: the
+        after-step all-gathers still in flight are waited for first (a stream wait; see
+        [Note: deferred after-step gathers] in :mod:`ds_core.zero.published`)."""
+        self._drain_gathers()
+        module: nn.Module = self.__dict__["_module"]
+        return module
+
+    def _drain_gathers(self) -> None:
+        """Order the current stream after the after-step all-gathers still in flight."""
+        updater = self.__dict__.get("updater")
+        if updater is not None and updater.published is not None:
+            updater.published.drain()
 
     def _settle(self) -> None:
         """Take the host side of the last step's verdict (see :class:`StepBook`)."""
@@ -281,6 +297,7 @@ class DeepSpeedEngineAPI:
         copied. Expert parameters are this rank's local experts.
         """
         _guards.require_alive(self, "gathered_state_dict")
+        self._drain_gathers()
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for unit in self.units:
@@ -415,6 +432,7 @@ class DeepSpeedEngineAPI:
     ) -> bool:
         """DeepSpeed's ``save_checkpoint``; see :func:`ds_core.checkpoint.save_checkpoint`."""
         _guards.require_alive(self, "save_checkpoint")
+        self._drain_gathers()
         self._settle()  # counters and the schedule as of the last step
         save_checkpoint(
             cast("ZeroEngine", self),
@@ -438,6 +456,7 @@ class DeepSpeedEngineAPI:
     ) -> tuple[str | None, dict[str, Any] | None]:
         """DeepSpeed's ``load_checkpoint``; see :func:`ds_core.checkpoint.load_checkpoint`."""
         _guards.require_alive(self, "load_checkpoint")
+        self._drain_gathers()
         return load_checkpoint(
             cast("ZeroEngine", self),
             load_dir,
@@ -465,6 +484,7 @@ class DeepSpeedEngineAPI:
     ) -> bool:
         """DeepSpeed's ``save_16bit_model``; see :func:`ds_core.checkpoint.save_16bit_model`."""
         _guards.require_alive(self, "save_16bit_model")
+        self._drain_gathers()
         return save_16bit_model(
             cast("ZeroEngine", self), save_dir, save_filename, exclude_frozen_parameters
         )
