@@ -8,8 +8,12 @@ model makes each collective occupy its stream for latency + ring wire bytes / ba
 (``ds_backend_sim.collectives``). Per configuration (ZeRO stage × ``overlap_comm``) one engine
 is built and its measured steps alternate between the link model on (``--link-gbps``,
 ``--latency-us``) and off (communication free, everything else the same), in the order
-on off off on on off ..., so the machine's drift hits both alike. Every step ends with a device
-synchronize, so a step is charged all the device work it issued. Per configuration it prints:
+a block of ``--steps`` steps with the link on, then one with it off, each block led by one
+unmeasured step. Every step ends with a synchronize of the compute stream, so a step is charged
+its compute and whatever communication the compute waited for; collectives a step leaves in
+flight on a side stream (stages 1-2's after-step all-gathers with ``overlap_comm``, which the
+next forward waits for per module) are charged to the next step's forward, as in a training
+loop. Per configuration it prints:
 
 - **comm ms**: modelled communication per step, the sum over the step's collectives on device
   tensors of latency + wire bytes / bandwidth (what the link model adds; counted by wrapping
@@ -133,15 +137,20 @@ def run_config(
         config=ds_config(stage, args.micro_batch, overlap, args.extra),
     )
     data = Batches(tokens, args.micro_batch, args.seq, seed=SEED, rank=rank)
-    n = args.warmup + 2 * args.steps
+    # link order: warm-up on, then a block of --steps steps on and one off, each led by an
+    # unmeasured step, so a measured step follows a step of its own link setting
+    order: list[tuple[bool, bool]] = [(True, False)] * args.warmup
+    for on in (True, False):
+        order += [(on, False)] + [(on, True)] * args.steps
     dev = acc.device()
-    batches = [tuple(t.to(dev) for t in data.next()) for _ in range(n)]
+    batches = [tuple(t.to(dev) for t in data.next()) for _ in range(len(order))]
     acc.synchronize()
-    # link order: warm-up on, then on off off on on off ...
-    order = [True] * args.warmup + [(k % 4) in (0, 3) for k in range(2 * args.steps)]
     per_step: list[dict[str, Any]] = []
-    for k, on in enumerate(order):
-        set_link(on, args.link_gbps, args.latency_us)
+    compute = acc.current_stream()
+    for k, (on, measured) in enumerate(order):
+        if k == 0 or order[k - 1][0] != on:
+            acc.synchronize()  # nothing of the other setting left in flight
+            set_link(on, args.link_gbps, args.latency_us)
         dist.barrier()
         rec.take()
         x, y = batches[k]
@@ -157,11 +166,13 @@ def run_config(
         engine.step()
         t3 = time.perf_counter()
         rec.phase = "sync"
-        acc.synchronize()
+        # the compute stream only: what the step left in flight on a side stream (stages
+        # 1-2's after-step all-gathers with overlap_comm) is charged to the next forward
+        compute.synchronize()
         t4 = time.perf_counter()
         times = {"fwd": t1 - t0, "bwd": t2 - t1, "step": t3 - t2, "sync": t4 - t3}
         comm = rec.take()
-        if k >= args.warmup:
+        if measured:
             per_step.append({"on": on, "times": times, "comm": comm, "total": t4 - t0})
     set_link(False, args.link_gbps, args.latency_us)
     engine.destroy()
@@ -261,7 +272,7 @@ def summarize(results: dict[str, list[Any]], args: argparse.Namespace) -> str:
     lines.append("")
     lines.append(
         "comm: modelled link time of the step's collectives; step/free: median step time "
-        "(slowest rank, ends with a device synchronize) with the link model on/off; "
+        "(slowest rank, ends with a compute-stream synchronize) with the link model on/off; "
         "exposed = (step - free) / comm"
     )
     lines.append("")

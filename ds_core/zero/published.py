@@ -110,8 +110,12 @@ class PublishedGathers:
             rec.wait()
 
     def remove(self) -> None:
-        """Drain, then remove every hook (engine teardown)."""
+        """Drain, then remove every hook (engine teardown). The host waits for the comm
+        stream here (teardown is no step): the units' buffers are freed next, and a
+        collective still running on that stream would write into them."""
         self.drain()
+        if self._stream is not None:
+            self._stream.synchronize()
         for h in self._handles:
             h.remove()
         self._handles.clear()
