@@ -23,7 +23,8 @@ import torch
 from tests.zero._common import LR, MICRO, MLP, on_device
 
 WIDTH = 32
-STEPS = 3
+#: reads after steps 0, 2, 4; after steps 1, 3, 5 the next forward is the first reader.
+STEPS = 6
 #: the sim link's latency while a job runs: every collective lasts at least this long.
 LATENCY_US = 50_000.0
 
@@ -86,10 +87,12 @@ def train(stage: int) -> Callable[[], dict[str, Any]]:
                     pub = engine.updater.published
                     pending.append(pub.pending if pub is not None else 0)
                     losses.append(loss.detach().cpu())
-                    # each step, a different entry point reads first
+                    if k % 2:
+                        continue  # the next forward's module hooks must wait per unit
+                    # every other step, a different entry point reads first
                     if k == 0:
                         now = _host(engine.module.parameters())
-                    elif k == 1:
+                    elif k == 2:
                         now = _host(engine.module_state_dict().values())
                     else:
                         now = _host(engine.gathered_state_dict().values())
