@@ -324,10 +324,18 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _worker_line(log: str, rank: int, dead: int, phase: str) -> tuple[str, ...]:
+def _worker_line(
+    log: str, rank: int, dead: int, phase: str, store_lost: bool = False
+) -> tuple[str, ...]:
     """The surviving worker's line in its agent's log (the agent adds its own traceback of
-    the worker's failure: not checked), and the agent's report of the worker's exit status."""
-    assert f"exitcode  : {liveness.EXIT_CODE} " in log, log[-4000:]
+    the worker's failure: not checked), and the agent's report of the worker's exit status.
+
+    ``store_lost``: the dead node served the rendezvous store, and the survivor's agent may
+    fail while it shuts the rendezvous down (torch's elastic agent: the store is gone) before
+    it prints that report; seen once in a loaded full run. The worker's line is still required.
+    """
+    if not (store_lost and "failed to shutdown the rendezvous" in log):
+        assert f"exitcode  : {liveness.EXIT_CODE} " in log, log[-4000:]
     found = LINE.findall(log)
     assert len(found) == 1, log[-4000:]
     named, host, _, me, doing = found[0]
@@ -393,7 +401,7 @@ def test_the_node_serving_the_rendezvous_store_dying_is_named(tmp_path: Path) ->
     assert other.wait(timeout=GUARD_S) != 0
     (dead,) = _records(tmp_path, "victim")
     log = (tmp_path / "other.log").read_text()
-    line = _worker_line(log, 1 - dead, dead, "all_reduce")
+    line = _worker_line(log, 1 - dead, dead, "all_reduce", store_lost=True)
     assert ("rendezvous store" in line[1]) == (dead == 0), line
     _table_row("torchrun 2 nodes, kill the store's", "ring", tmp_path, line)
     _no_shm_left(tmp_path)
