@@ -488,3 +488,25 @@ def test_diagnose_tells_a_beating_peer_from_a_silent_one() -> None:
     assert found["ago"] >= 4 * 0.05
     peer.mark_failed()  # a peer that raised too is not a dead one
     assert me.diagnose() is None
+
+
+def test_diagnose_after_a_peer_left_reports_the_hang_check_not_a_dead_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer that left cleanly and exited: the transport may show this rank the exit before
+    the watchdog reads ``left`` (seen in CI: the shared-memory wait named the leaver's pid).
+    The exception hook's diagnosis must then give the hang check's line about the call the
+    leaver never issued, not wait out the bound and call the leaver dead."""
+    monkeypatch.setenv("DS_HANG_CHECK", "1")
+    store = _store()
+    me, peer = _watchdog(store, 0), _watchdog(store, 1)
+    peer.thread.start()
+    peer.stop(clean=True)
+    assert me.hang is not None
+    monkeypatch.setattr(me.hang, "ahead_of_leavers", lambda: "rank 1 left the run (...)")
+    start = time.monotonic()
+    assert me.diagnose() == {"hang": "rank 1 left the run (...)"}
+    assert time.monotonic() - start < 4 * 0.05  # no bound waited out
+    assert me.stood_down and 1 in me.hang.left
+    monkeypatch.setattr(me.hang, "ahead_of_leavers", lambda: None)
+    assert me.diagnose() is None  # nothing outstanding: the run is ending

@@ -382,21 +382,21 @@ class Watchdog:
         keys = [self.ns + f"hb/{r}" for r in others]
         start = time.monotonic()
         try:
-            found = self._verdict()
+            found = self._verdict() or self._left_verdict()
             first = self.store.multi_get(keys) if found is None else []
         except Exception:
             return self._store_gone(time.monotonic())
         if found is not None:
-            return found
+            return found or None
         stale = dict(zip(others, first, strict=True))
         while True:
             time.sleep(period)
             now = time.monotonic()
             try:
                 self._beat()
-                found = self._verdict()
+                found = self._verdict() or self._left_verdict()
                 if found is not None:
-                    return found
+                    return found or None
                 values = dict(zip(others, self.store.multi_get(keys), strict=True))
                 self.answered_at = now
             except Exception:
@@ -409,6 +409,19 @@ class Watchdog:
             if now - start >= misses * period:
                 dead = min(stale)
                 return {"rank": dead, "host": self._host(dead), "ago": now - start}
+
+    def _left_verdict(self) -> dict[str, Any] | None:
+        """After a peer left cleanly (its transport may show this rank its exit before this
+        thread reads ``left``): the hang check's report of a call the leaver never issued,
+        ``{}`` when there is none (the run is ending), ``None`` when no rank left."""
+        if not self.store.check([self.ns + "left"]):
+            return None
+        self.stood_down = True
+        if self.hang is None:
+            return {}
+        self.hang.read_leavers()
+        text = self.hang.ahead_of_leavers()
+        return {} if text is None else {"hang": text}
 
     def _abort(self, found: dict[str, Any]) -> None:
         with _exit_lock:  # held until os._exit: one line, one exit, from one thread
