@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_core.io import ALIGN
 from tests.zero._common import on_device
 from tests.zero._offload import NVME_TEST_ROOT
 
@@ -120,6 +121,7 @@ def pair(
             pool = [s.buf for s in sw.slots]
             swapped = [u for u in engine.units if u.swapper is sw]
             out["pool"] = [t.numel() for t in pool]
+            out["aligned"] = [t.data_ptr() % ALIGN == 0 for t in pool]
             out["parts"] = [u.part * u.itemsize for u in swapped]
             out["host_shards"] = [
                 u.host_shard for u in engine.units if u.mode.value == "partitioned"

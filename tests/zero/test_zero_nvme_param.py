@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ds_core.errors import ConfigError
+from ds_core.io import ALIGN
 from ds_core.zero.config import load_config
 from ds_core.zero.config.offload import AioConfig, OffloadParamConfig
 from ds_core.zero.offload.nvme_param import ParamSwapper
@@ -65,7 +66,9 @@ def test_max_in_cpu_keeps_the_first_units_on_the_host_and_swaps_the_rest(
         assert nvme["swapped"] == [False, False, True, True, True]
         assert nvme["files"] == ["unit0.swp", "unit1.swp", "unit2.swp"]
         b = nvme["bytes"]
-        assert b["host_param_swap"] == sum(nvme["pool"]) == 2 * 4 * 50
+        # each buffer holds ALIGN bytes more, so that O_DIRECT needs no bounce copy
+        assert sum(nvme["pool"]) == 2 * 4 * 50 and all(nvme["aligned"])
+        assert b["host_param_swap"] == sum(nvme["pool"]) + 2 * ALIGN
         assert b["host_params"] == b["host_param_swap"] + 4 * (52 + 77)
 
 
@@ -77,13 +80,14 @@ def test_the_buffer_pool_is_the_only_host_copy_of_swapped_shards(
 ) -> None:
     for r in suite("nvme_param", 2, backend).ranks(f"nvme_{precision}_{optimizer}"):
         # buffer_count=2 buffers, each the largest shard's bytes (buffer_size is larger)
-        assert r["pool"] == [max(r["parts"])] * 2
+        assert r["pool"] == [max(r["parts"])] * 2 and all(r["aligned"])
         assert all(r["host_shards"])
         # at most buffer_count shards resident, each a view of a pool buffer; the rest none
         assert sum(s is True for s in r["shard_storages"]) <= 2
         assert set(r["shard_storages"]) <= {None, True}
         b = r["bytes"]
-        assert b["host_params"] == b["host_param_swap"] == sum(r["pool"]) and b["params"] == 0
+        assert b["host_params"] == b["host_param_swap"] == sum(r["pool"]) + 2 * ALIGN
+        assert b["params"] == 0
 
 
 @pytest.mark.slow

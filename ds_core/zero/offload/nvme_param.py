@@ -38,7 +38,7 @@ import torch
 
 from ds_core.accelerator import Accelerator
 from ds_core.errors import ConfigError
-from ds_core.io import AsyncIO
+from ds_core.io import ALIGN, AsyncIO
 from ds_core.io.folders import make_swap_folder, remove_swap_folder
 from ds_core.zero.config.offload import AioConfig, OffloadParamConfig
 
@@ -53,10 +53,15 @@ __all__ = ["ParamSwapper"]
 class _Slot:
     """One host buffer of the pool and the unit it holds."""
 
-    __slots__ = ("buf", "dirty", "h2d", "read", "tick", "unit", "writes")
+    __slots__ = ("buf", "dirty", "h2d", "raw", "read", "tick", "unit", "writes")
 
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf  # uint8, ``buffer_size`` elements of the widest dtype
+    def __init__(self, raw: torch.Tensor, nbytes: int) -> None:
+        self.raw = raw  # what was allocated (and is freed): ``nbytes`` + ALIGN bytes
+        # O_DIRECT moves a buffer that starts on a 4 KiB boundary without a bounce copy;
+        # torch's allocators align to 64 bytes (the optimizer's swapper does the same:
+        # ds_core/zero/offload/nvme.py, ``_aligned``)
+        skip = -raw.data_ptr() % ALIGN
+        self.buf = raw[skip : skip + nbytes]  # uint8, the largest swapped shard's bytes
         self.unit: FlatUnit | None = None
         self.read: Future[None] | None = None  # a swap-in in flight
         self.writes: list[Future[None]] = []  # swap-outs in flight
@@ -154,10 +159,10 @@ class ParamSwapper:
         nbytes = max(u.part * u.itemsize for u in self._units)
         for _ in range(min(self.buffer_count, len(self._units))):
             if self.pinned:
-                buf = self.acc.alloc_pinned((nbytes,), torch.uint8)
+                raw = self.acc.alloc_pinned((nbytes + ALIGN,), torch.uint8)
             else:
-                buf = torch.empty(nbytes, dtype=torch.uint8)
-            self.slots.append(_Slot(buf))
+                raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+            self.slots.append(_Slot(raw, nbytes))
         log.info(
             "offload_param: %d shards swapped in %s (%s I/O), %d elements kept in host "
             "memory (max_in_cpu), %d %s buffers of %d bytes",
@@ -287,8 +292,9 @@ class ParamSwapper:
     # -- accounting and teardown -----------------------------------------------------------------
 
     def pool_bytes(self) -> int:
-        """Host bytes of the buffer pool (the only host memory swapped shards use)."""
-        return sum(s.buf.numel() for s in self.slots)
+        """Host bytes of the buffer pool (the only host memory swapped shards use), the
+        alignment slack included."""
+        return sum(s.raw.numel() for s in self.slots)
 
     def close(self) -> None:
         """Finish I/O, close the handle, hand the buffers back and remove the swap folder."""
@@ -307,7 +313,7 @@ class ParamSwapper:
                     unit.shard = None
             if self.pinned:
                 for slot in self.slots:
-                    self.acc.free_pinned(slot.buf)
+                    self.acc.free_pinned(slot.raw)
             self.slots.clear()
             self._slot_of.clear()
             self._units.clear()
