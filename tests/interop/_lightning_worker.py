@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from typing import Any
 
@@ -54,9 +55,35 @@ def _pg_backend() -> str | None:
 
 
 def _done() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    """End a run's process group so that the next run starts clean.
+
+    Two races are closed (a CI run hung here once, rank 1 never reaching the next run): rank 0
+    destroys its group only once rank 1 has left the barrier (gloo's sends may still be in
+    flight when a barrier returns), and each run gets its own port, chosen by rank 0, so that
+    a rank starting the next run cannot reach the previous run's store (rank 0's, until it
+    destroys its group) and read that run's keys.
+    """
+    if not torch.distributed.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        store.set("next_port", str(_free_port()))
+        store.wait([f"left_barrier/{r}" for r in range(1, WORLD)])
+        port = store.get("next_port").decode()
+    else:
+        port = store.get("next_port").decode()
+        store.set(f"left_barrier/{torch.distributed.get_rank()}", "1")
+    torch.distributed.destroy_process_group()
+    os.environ["MASTER_PORT"] = port
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def fabric_run(accelerator: str, strategy: Any = "ddp", devices: int = WORLD) -> dict[str, Any]:
