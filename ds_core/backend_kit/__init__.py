@@ -3,7 +3,8 @@
 - :mod:`~ds_core.backend_kit.torch_style`: :class:`TorchStyleHooks`, the device, RNG,
   stream/event, memory, pinned-memory and determinism hooks over a vendor's torch-style device
   module (``torch.<type>``-shaped), which a backend subclasses; :func:`torch_attr`,
-  :class:`VendorModule` and :func:`fixed_module` look the module up on each call.
+  :class:`VendorModule` and :func:`fixed_module` look the module up on each call;
+  :func:`yield_gil_at_exit` keeps autograd's device threads from aborting the exit.
 - :mod:`~ds_core.backend_kit.host_streams`: streams and events of a device whose work is
   synchronous with the host (:class:`HostStreams`, :class:`HostStream`, :class:`HostEvent`),
   and :class:`HostTimedEvent` for vendors whose device timing is a stub.
@@ -59,6 +60,7 @@ from ds_core.backend_kit.torch_style import (
     VendorModule,
     fixed_module,
     torch_attr,
+    yield_gil_at_exit,
 )
 
 __all__ = [
@@ -90,6 +92,7 @@ __all__ = [
     "require_dist_backend",
     "require_int",
     "torch_attr",
+    "yield_gil_at_exit",
     "torch_deterministic_algorithms",
     "visible_device_count",
 ]

@@ -129,3 +129,24 @@ def test_convolutions_run_their_host_kernels_forward_and_backward(mode: str) -> 
     )
     for name, (dev, *equal) in r.items():
         assert dev == "sim:0" and all(equal), (name, equal)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exiting_right_after_a_backward_on_sim_does_not_abort(mode: str) -> None:
+    """Autograd's device thread drops its graph task (Python objects inside) after backward
+    returns; a main thread that keeps the GIL until exit left it to finalization, which ends
+    it with ``pthread_exit`` through C++ frames: "terminate called without an active
+    exception", rc -6, in 6 of 8 runs without ds_core's exit handler
+    (:func:`ds_core.backend_kit.yield_gil_at_exit`). Two runs, each must exit cleanly."""
+    for _ in range(2):
+        r = run(
+            """
+            device.init()
+            m = torch.nn.Linear(4, 4).to("sim")
+            out(ok=True)
+            sys.setswitchinterval(10.0)  # the main thread keeps the GIL until it exits
+            m(torch.randn(2, 4, device="sim")).sum().backward()
+            """,
+            mode,
+        )
+        assert r == {"ok": True}

@@ -37,7 +37,7 @@ from torch.utils.backend_registration import (
     rename_privateuse1_backend,
 )
 
-from ds_core.backend_kit import module_present
+from ds_core.backend_kit import module_present, yield_gil_at_exit
 from ds_core.errors import ConfigError
 from ds_core.ops import build_extension
 
@@ -174,6 +174,7 @@ def init() -> ModuleType:
                 for_tensor=True, for_module=True, for_storage=True
             )
         _settings = s
+        yield_gil_at_exit()  # autograd runs sim's backward on its own device thread
         if _pending_seed is not None:
             for i in range(s.devices):
                 ext.generator(i).manual_seed(_pending_seed)
