@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ds_core import hangs
 from ds_core.accelerator import get_accelerator
+from ds_core.backend_kit import yield_gil_at_exit
 from ds_core.comm import liveness
 from ds_core.errors import ConfigError
 
@@ -97,6 +98,9 @@ def init_distributed(
         device this process cannot see (message: the rank, the device count and the
         visible-devices variables to check).
     """
+    # gloo's worker threads drop finished work (tensors with Python objects) on their own
+    # threads, as autograd's device threads do: the same exit race, whoever made the group
+    yield_gil_at_exit()
     if dist.is_available() and dist.is_initialized():
         return
     acc = get_accelerator()
