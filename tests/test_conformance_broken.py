@@ -152,3 +152,20 @@ def test_stream_ordering_cases_run_where_async_streams_is_declared(tmp_path: Pat
     streams = [c for c in cases([torch.float32]) if c.variant.startswith("stream-")]
     assert len(streams) == 2 * 5  # two orderings of every collective
     assert row["passed"] == len(streams) and row["skipped"] == 0, row
+
+
+def test_the_dead_peer_bound_defaults_to_30_s_and_refuses_a_bad_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bound the broken receive is waited out for (``ENV``: 5 s) is a setting; unset, the
+    suite waits the documented 30 s; anything but positive seconds is refused by name."""
+    from ds_conformance import comm_dead_peer
+
+    monkeypatch.delenv(comm_dead_peer.BOUND_ENV, raising=False)
+    assert comm_dead_peer.bound_s() == 30.0
+    monkeypatch.setenv(comm_dead_peer.BOUND_ENV, "2.5")
+    assert comm_dead_peer.bound_s() == 2.5
+    for bad in ("0", "-1", "soon", "inf"):
+        monkeypatch.setenv(comm_dead_peer.BOUND_ENV, bad)
+        with pytest.raises(ValueError, match=rf"DS_CONFORMANCE_HANG_S='{bad}': expected a posit"):
+            comm_dead_peer.bound_s()

@@ -128,6 +128,10 @@ class RankGroups:
         from ds_conformance import comm_dead_peer as dead
 
         _skip_without_devices(acc, dead.WORLD)
+        try:
+            dead.bound_s()  # a bad setting is this test's error, not every rank's
+        except ValueError as exc:
+            pytest.fail(str(exc), pytrace=False)
         if self._dead_results is None:
             keys = [dead.key(s) for s in sorted(self._dead or {scenario})]
             # Without ds_core's liveness watchdog, which would end the survivor in the
