@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,19 +41,54 @@ def check_log(tmp_path: Path, steps: int) -> None:
         assert (tmp_path / "train_gpt.png").stat().st_size > 10_000
 
 
+#: Steps of the flag-built runs that :func:`plain_runs` shares.
+PLAIN_STEPS = 8
+
+
+def plain_flags(stage: int) -> list[str]:
+    """The flags of the example's flag-built run at ``stage`` (:func:`plain_runs`)."""
+    return [
+        "--stage",
+        str(stage),
+        "--steps",
+        str(PLAIN_STEPS),
+        "--micro-batch",
+        "4",
+        "--lr",
+        "1e-2",
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[int], tuple[Path, subprocess.CompletedProcess[str]]]:
+    """The example on 2 cpu ranks with :func:`plain_flags` at a stage, run once per module
+    (``--out`` folder, process): the flag-built run's test and the offload comparison read
+    the same run (a launch's CPU time is almost all start-up, not its steps)."""
+    runs: dict[int, tuple[Path, subprocess.CompletedProcess[str]]] = {}
+
+    def run(stage: int) -> tuple[Path, subprocess.CompletedProcess[str]]:
+        if stage not in runs:
+            out = tmp_path_factory.mktemp(f"plain_s{stage}")
+            runs[stage] = out, run_example(out, *plain_flags(stage))
+        return runs[stage]
+
+    return run
+
+
 @pytest.mark.slow
-def test_train_gpt_with_flags_stage_2(tmp_path: Path) -> None:
-    steps = 8
-    proc = run_example(
-        tmp_path, "--stage", "2", "--steps", str(steps), "--micro-batch", "4", "--lr", "1e-2"
-    )
+def test_train_gpt_with_flags_stage_2(
+    plain_runs: Callable[[int], tuple[Path, subprocess.CompletedProcess[str]]],
+) -> None:
+    out, proc = plain_runs(2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ZeRO stage 2 | fp32 | 2 ranks on cpu (gloo)" in proc.stderr
-    assert f"step {steps}/{steps} |" in proc.stderr
+    assert f"step {PLAIN_STEPS}/{PLAIN_STEPS} |" in proc.stderr
     assert "summary: final loss" in proc.stdout
     # stage 2 communicates 2Ψ per step (Ψ = fp32 gradient bytes)
     assert "(2.00 Ψ" in proc.stdout, proc.stdout
-    check_log(tmp_path, steps)
+    check_log(out, PLAIN_STEPS)
 
 
 SIM_STEPS, SIM_SAVED_AT = 8, 3
@@ -221,19 +257,21 @@ def logged_losses(folder: Path) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("stage", "offload"), [(2, "optimizer"), (3, "all")])
 def test_an_offload_run_matches_the_run_without_it(
-    tmp_path: Path, stage: int, offload: str
+    tmp_path: Path,
+    stage: int,
+    offload: str,
+    plain_runs: Callable[[int], tuple[Path, subprocess.CompletedProcess[str]]],
 ) -> None:
     """ZeRO-Offload (host masters and Adam state, cpu_adam; at stage 3 host parameter shards
     too) trains the example to the same losses as the device run, within 5e-5."""
-    flags = ["--stage", str(stage), "--steps", "6", "--micro-batch", "4", "--lr", "1e-2"]
-    plain = run_example(tmp_path / "plain", *flags)
+    plain_out, plain = plain_runs(stage)
     assert plain.returncode == 0, plain.stderr[-4000:]
-    off = run_example(tmp_path / "offload", *flags, "--offload", offload)
+    off = run_example(tmp_path / "offload", *plain_flags(stage), "--offload", offload)
     assert off.returncode == 0, off.stderr[-4000:]
     label = "optimizer" if offload == "optimizer" else "optimizer, params"
     assert f"ZeRO stage {stage} + offload ({label}) |" in off.stderr
-    want, got = logged_losses(tmp_path / "plain"), logged_losses(tmp_path / "offload")
-    assert len(got) == len(want) == 6
+    want, got = logged_losses(plain_out), logged_losses(tmp_path / "offload")
+    assert len(got) == len(want) == PLAIN_STEPS
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=5e-5, atol=5e-5)
 
 
@@ -251,27 +289,40 @@ def _one_rank(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 
+#: The flags of the one-rank reference run that the TP and SP runs are compared with.
+ONE_RANK_COMMON = ("--stage", "2", "--micro-batch", "4", "--lr", "1e-2")
+
+
+@pytest.fixture(scope="module")
+def one_rank_ref(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The example on one rank with ``ONE_RANK_COMMON`` for 3 steps, saved: its ``--out``
+    folder and its ``--save-dir``. One run serves the TP and the SP comparison (the same
+    flags; the schedule depends on ``--steps``: 3 for both) and the TP resume."""
+    tmp = tmp_path_factory.mktemp("one_rank_ref")
+    ref = _one_rank(tmp / "ref", *ONE_RANK_COMMON, "--steps", "3", "--save-dir", str(tmp / "ck"))
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    return tmp / "ref", tmp / "ck"
+
+
 @pytest.mark.slow
-def test_train_gpt_tp2_matches_tp1_and_its_checkpoint_resumes_at_tp1(tmp_path: Path) -> None:
+def test_train_gpt_tp2_matches_tp1_and_its_checkpoint_resumes_at_tp1(
+    tmp_path: Path, one_rank_ref: tuple[Path, Path]
+) -> None:
     """``--tp 2`` on 2 ranks (one TP group: both read rank 0's stream) logs the losses of one
     rank without TP; its (universal) checkpoint resumes on 1 rank and exports the plain GPT."""
     from ds_core.checkpoint import consolidated_state_dict
     from examples.gpt import GPT, PRESETS
 
-    common = ("--stage", "2", "--micro-batch", "4", "--lr", "1e-2")
+    common = ONE_RANK_COMMON
     ck = tmp_path / "ck"
     tp = run_example(
         tmp_path / "tp", *common, "--tp", "2", "--steps", "3", "--no-plot", "--save-dir", str(ck)
     )
     assert tp.returncode == 0, tp.stderr[-4000:]
     assert "TP=2 x DP=1" in tp.stderr
-    # the same run without TP on 1 rank (the schedule depends on --steps: the same here)
-    ck1 = tmp_path / "ck1"
-    ref = _one_rank(tmp_path / "ref", *common, "--steps", "3", "--save-dir", str(ck1))
-    assert ref.returncode == 0, ref.stderr[-4000:]
-    torch.testing.assert_close(
-        _losses(tmp_path / "tp"), _losses(tmp_path / "ref"), rtol=1e-5, atol=1e-6
-    )
+    # the same run without TP on 1 rank
+    ref, ck1 = one_rank_ref
+    torch.testing.assert_close(_losses(tmp_path / "tp"), _losses(ref), rtol=1e-5, atol=1e-6)
     for src, out in ((ck, "resumed"), (ck1, "resumed1")):
         run = _one_rank(tmp_path / out, *common, "--steps", "5", "--resume", str(src))
         assert run.returncode == 0, run.stderr[-4000:]
@@ -298,23 +349,36 @@ def test_train_gpt_ep2_matches_the_moe_variant_without_ep(tmp_path: Path) -> Non
     )
 
 
+#: The flags of the pipeline runs, on 2 ranks (``--pp 2``) and on one (``--pp 1``).
+PP_COMMON = ("--stage", "1", "--micro-batch", "2", "--grad-accum", "4", "--lr", "1e-2")
+
+
+@pytest.fixture(scope="module")
+def pp_one_rank_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pipeline model trained on one rank for 3 steps (its ``--out`` folder): the
+    reference of the cpu and the sim ``--pp 2`` runs alike (the one-rank run is on cpu)."""
+    out = tmp_path_factory.mktemp("pp_one_rank_ref") / "ref"
+    ref = _one_rank(out, *PP_COMMON, "--pp", "1", "--steps", "3")
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "sim"])
-def test_train_gpt_pp2_matches_the_pipeline_on_one_rank(tmp_path: Path, backend: str) -> None:
+def test_train_gpt_pp2_matches_the_pipeline_on_one_rank(
+    tmp_path: Path, backend: str, pp_one_rank_ref: Path
+) -> None:
     """``--pp 2`` on 2 ranks (two stages, 1F1B over 4 micro-batches) logs the losses of the
     same pipeline model (``seed_layers``: its initial values do not depend on the stages)
     trained on one rank, and the counter sees the activations and gradients it sends."""
     if backend == "sim" and importlib.util.find_spec("ds_backend_sim") is None:
         pytest.skip("the sim backend is not installed")
-    common = ("--stage", "1", "--micro-batch", "2", "--grad-accum", "4", "--lr", "1e-2")
-    pp = run_example(tmp_path / "pp", *common, "--pp", "2", "--steps", "3", "--no-plot",
+    pp = run_example(tmp_path / "pp", *PP_COMMON, "--pp", "2", "--steps", "3", "--no-plot",
                      backend=backend)  # fmt: skip
     assert pp.returncode == 0, pp.stderr[-4000:]
     assert "PP=2 x DP=1" in pp.stderr
-    ref = _one_rank(tmp_path / "ref", *common, "--pp", "1", "--steps", "3")
-    assert ref.returncode == 0, ref.stderr[-4000:]
     torch.testing.assert_close(
-        _losses(tmp_path / "pp"), _losses(tmp_path / "ref"), rtol=1e-5, atol=1e-6
+        _losses(tmp_path / "pp"), _losses(pp_one_rank_ref), rtol=1e-5, atol=1e-6
     )
     with open(tmp_path / "pp" / "train_log.csv") as f:
         sent = [float(r["comm_bytes"]) for r in csv.DictReader(f)]
@@ -324,15 +388,12 @@ def test_train_gpt_pp2_matches_the_pipeline_on_one_rank(tmp_path: Path, backend:
 
 
 @pytest.mark.slow
-def test_train_gpt_sp2_matches_one_rank(tmp_path: Path) -> None:
+def test_train_gpt_sp2_matches_one_rank(tmp_path: Path, one_rank_ref: tuple[Path, Path]) -> None:
     """``--sp 2`` on 2 ranks (each holds half of every sequence; Ulysses around attention)
     logs the losses of one rank training on the whole sequences."""
-    common = ("--stage", "2", "--micro-batch", "4", "--lr", "1e-2", "--steps", "3")
-    sp = run_example(tmp_path / "sp", *common, "--sp", "2", "--no-plot")
+    sp = run_example(tmp_path / "sp", *ONE_RANK_COMMON, "--steps", "3", "--sp", "2", "--no-plot")
     assert sp.returncode == 0, sp.stderr[-4000:]
     assert "SP=2 x DP=1" in sp.stderr
-    ref = _one_rank(tmp_path / "ref", *common)
-    assert ref.returncode == 0, ref.stderr[-4000:]
     torch.testing.assert_close(
-        _losses(tmp_path / "sp"), _losses(tmp_path / "ref"), rtol=1e-5, atol=1e-6
+        _losses(tmp_path / "sp"), _losses(one_rank_ref[0]), rtol=1e-5, atol=1e-6
     )
