@@ -41,54 +41,63 @@ def check_log(tmp_path: Path, steps: int) -> None:
         assert (tmp_path / "train_gpt.png").stat().st_size > 10_000
 
 
-#: Steps of the flag-built runs that :func:`plain_runs` shares.
-PLAIN_STEPS = 8
+#: Steps of the runs that :func:`shared_runs` shares.
+SHARED_STEPS = 8
+#: A DeepSpeed config file's run at stage 3 (:func:`shared_flags` ``"s3_config"``).
+S3_CONFIG = {
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 4,
+    # every parameter partitioned, so the volume is the paper's 3Ψ (and, offloaded, every
+    # parameter has a host shard)
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "gradient_clipping": 1.0,  # the default (DeepSpeed's), said to show it
+    "wall_clock_breakdown": False,
+}
 
 
-def plain_flags(stage: int) -> list[str]:
-    """The flags of the example's flag-built run at ``stage`` (:func:`plain_runs`)."""
-    return [
-        "--stage",
-        str(stage),
-        "--steps",
-        str(PLAIN_STEPS),
-        "--micro-batch",
-        "4",
-        "--lr",
-        "1e-2",
-    ]
+def shared_flags(name: str, folder: Path) -> list[str]:
+    """The example's flags of the shared run ``name``: ``s2_flags`` (stage 2 from flags) or
+    ``s3_config`` (stage 3 from :data:`S3_CONFIG`, written to ``folder``)."""
+    steps = ["--steps", str(SHARED_STEPS)]
+    if name == "s2_flags":
+        return ["--stage", "2", *steps, "--micro-batch", "4", "--lr", "1e-2"]
+    path = folder / "ds_config.json"
+    path.write_text(json.dumps(S3_CONFIG))
+    return ["--config", str(path), *steps]
+
+
+#: A shared run: its ``--out`` folder, its flags and its process.
+Shared = tuple[Path, list[str], subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture(scope="module")
-def plain_runs(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Callable[[int], tuple[Path, subprocess.CompletedProcess[str]]]:
-    """The example on 2 cpu ranks with :func:`plain_flags` at a stage, run once per module
-    (``--out`` folder, process): the flag-built run's test and the offload comparison read
-    the same run (a launch's CPU time is almost all start-up, not its steps)."""
-    runs: dict[int, tuple[Path, subprocess.CompletedProcess[str]]] = {}
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Shared]:
+    """The example on 2 cpu ranks with :func:`shared_flags` ``name``, run once per module:
+    the run's own test and the offload comparison read the same run (a launch's CPU time is
+    almost all start-up, not its steps)."""
+    runs: dict[str, Shared] = {}
 
-    def run(stage: int) -> tuple[Path, subprocess.CompletedProcess[str]]:
-        if stage not in runs:
-            out = tmp_path_factory.mktemp(f"plain_s{stage}")
-            runs[stage] = out, run_example(out, *plain_flags(stage))
-        return runs[stage]
+    def run(name: str) -> Shared:
+        if name not in runs:
+            out = tmp_path_factory.mktemp(name)
+            flags = shared_flags(name, out)
+            runs[name] = out, flags, run_example(out, *flags)
+        return runs[name]
 
     return run
 
 
 @pytest.mark.slow
-def test_train_gpt_with_flags_stage_2(
-    plain_runs: Callable[[int], tuple[Path, subprocess.CompletedProcess[str]]],
-) -> None:
-    out, proc = plain_runs(2)
+def test_train_gpt_with_flags_stage_2(shared_runs: Callable[[str], Shared]) -> None:
+    out, _, proc = shared_runs("s2_flags")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ZeRO stage 2 | fp32 | 2 ranks on cpu (gloo)" in proc.stderr
-    assert f"step {PLAIN_STEPS}/{PLAIN_STEPS} |" in proc.stderr
+    assert f"step {SHARED_STEPS}/{SHARED_STEPS} |" in proc.stderr
     assert "summary: final loss" in proc.stdout
     # stage 2 communicates 2Ψ per step (Ψ = fp32 gradient bytes)
     assert "(2.00 Ψ" in proc.stdout, proc.stdout
-    check_log(out, PLAIN_STEPS)
+    check_log(out, SHARED_STEPS)
 
 
 SIM_STEPS, SIM_SAVED_AT = 8, 3
@@ -221,24 +230,12 @@ def test_a_checkpoint_saved_on_sim_exports_to_a_plain_module(
 
 
 @pytest.mark.slow
-def test_train_gpt_with_a_deepspeed_config_stage_3(tmp_path: Path) -> None:
-    steps = 8
-    config = {
-        "train_batch_size": 8,
-        "train_micro_batch_size_per_gpu": 4,
-        # every parameter partitioned, so the volume is the paper's 3Ψ
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "gradient_clipping": 1.0,  # the default (DeepSpeed's), said to show it
-        "wall_clock_breakdown": False,
-    }
-    path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps(config))
-    proc = run_example(tmp_path, "--config", str(path), "--steps", str(steps))
+def test_train_gpt_with_a_deepspeed_config_stage_3(shared_runs: Callable[[str], Shared]) -> None:
+    out, _, proc = shared_runs("s3_config")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ZeRO stage 3" in proc.stderr
     assert "(3.00 Ψ" in proc.stdout, proc.stdout
-    check_log(tmp_path, steps)
+    check_log(out, SHARED_STEPS)
 
 
 def test_a_bad_config_is_one_clear_message(tmp_path: Path) -> None:
@@ -255,23 +252,22 @@ def logged_losses(folder: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("stage", "offload"), [(2, "optimizer"), (3, "all")])
+@pytest.mark.parametrize(
+    ("run", "stage", "offload"), [("s2_flags", 2, "optimizer"), ("s3_config", 3, "all")]
+)
 def test_an_offload_run_matches_the_run_without_it(
-    tmp_path: Path,
-    stage: int,
-    offload: str,
-    plain_runs: Callable[[int], tuple[Path, subprocess.CompletedProcess[str]]],
+    tmp_path: Path, run: str, stage: int, offload: str, shared_runs: Callable[[str], Shared]
 ) -> None:
     """ZeRO-Offload (host masters and Adam state, cpu_adam; at stage 3 host parameter shards
     too) trains the example to the same losses as the device run, within 5e-5."""
-    plain_out, plain = plain_runs(stage)
+    plain_out, flags, plain = shared_runs(run)
     assert plain.returncode == 0, plain.stderr[-4000:]
-    off = run_example(tmp_path / "offload", *plain_flags(stage), "--offload", offload)
+    off = run_example(tmp_path / "offload", *flags, "--offload", offload)
     assert off.returncode == 0, off.stderr[-4000:]
     label = "optimizer" if offload == "optimizer" else "optimizer, params"
     assert f"ZeRO stage {stage} + offload ({label}) |" in off.stderr
     want, got = logged_losses(plain_out), logged_losses(tmp_path / "offload")
-    assert len(got) == len(want) == PLAIN_STEPS
+    assert len(got) == len(want) == SHARED_STEPS
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=5e-5, atol=5e-5)
 
 
