@@ -166,7 +166,9 @@ def test_a_rank_computing_longer_than_the_liveness_bound_is_not_reported(
 
 @pytest.mark.slow
 def test_a_rank_computing_past_the_hang_timeout_is_reported(tmp_path: Path) -> None:
-    timeout = 1.5 * MISSES * PERIOD_S  # above the bound, as Settings.from_env requires
+    # above the bound, as Settings.from_env requires, by 2 periods: the verdict waits for the
+    # timeout, every period past the bound deciding that waiting is still legitimate
+    timeout = (MISSES + 2) * PERIOD_S
     results = _pair("slow", "cpu", tmp_path, SLEEP_S=str(GUARD_S), DS_HANG_TIMEOUT_S=str(timeout))
     (rc0, err0), (rc1, err1) = results
     assert (rc0, rc1) == (hangs.EXIT_CODE, hangs.EXIT_CODE), err0[-3000:] + err1[-3000:]
