@@ -154,10 +154,11 @@ def test_a_fault_ends_every_rank_with_one_line(case: str, backend: str, tmp_path
 def test_a_rank_computing_longer_than_the_liveness_bound_is_not_reported(
     backend: str, tmp_path: Path
 ) -> None:
-    # rank 0 computes 2x the bound before one backward while rank 1 waits in a collective:
-    # rank 1 is blocked past the bound for MISSES more periods, each deciding that a computing
-    # peer is no hang (more sleeps, or longer ones, would only repeat that decision)
-    sleep = str(2 * MISSES * PERIOD_S)
+    # rank 0 computes the bound and 6 periods more before one backward while rank 1 waits in
+    # a collective (entered milliseconds after rank 0's sleep began): rank 1 is blocked past
+    # the bound for several periods, each deciding that a computing peer is no hang (more
+    # sleeps, or longer ones, would only repeat that decision)
+    sleep = str((MISSES + 6) * PERIOD_S)
     results = _pair("compute", backend, tmp_path, SLEEP_S=sleep)
     for rank, (rc, err) in enumerate(results):
         assert rc == 0, f"rank {rank}: {err[-4000:]}"
