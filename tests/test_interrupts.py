@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -81,21 +82,43 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+#: An interrupted run: its folder, exit status, stderr, and the rank pids still alive after it.
+Interrupted = tuple[Path, int, str, list[int]]
+
+
+@pytest.fixture(scope="module")
+def interrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool], Interrupted]:
+    """The example on 2 ranks stopped by Ctrl+C after 2 CSV rows, with ``--save-on-interrupt``
+    or without; run once per module: the checkpoint the interrupt saved is also the one the
+    failing-rank test resumes with another model."""
+    runs: dict[bool, Interrupted] = {}
+
+    def run(save: bool) -> Interrupted:
+        if save in runs:
+            return runs[save]
+        tmp_path = tmp_path_factory.mktemp(f"interrupted_save{int(save)}")
+        flags = ["--steps", "100000"]
+        if save:
+            flags += ["--save-dir", str(tmp_path / "ckpt"), "--save-on-interrupt"]
+        proc = start(tmp_path, *flags)
+        wait_for_rows(proc, tmp_path)
+        ranks = children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl+C sends
+        _out, err = proc.communicate(timeout=90)
+        runs[save] = tmp_path, proc.returncode, err, [pid for pid in ranks if alive(pid)]
+        return runs[save]
+
+    return run
+
+
 @pytest.mark.parametrize("save", [False, True])
 def test_ctrl_c_stops_every_rank_with_one_line_and_keeps_the_log(
-    tmp_path: Path, save: bool
+    interrupted_runs: Callable[[bool], Interrupted], save: bool
 ) -> None:
-    flags = ["--steps", "100000"]
-    if save:
-        flags += ["--save-dir", str(tmp_path / "ckpt"), "--save-on-interrupt"]
-    proc = start(tmp_path, *flags)
-    wait_for_rows(proc, tmp_path)
-    ranks = children(proc.pid)
-    assert len(ranks) == 2, ranks
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl+C sends
-    _out, err = proc.communicate(timeout=90)
-    assert proc.returncode == 130, err
-    assert not any(alive(pid) for pid in ranks)
+    tmp_path, returncode, err, left = interrupted_runs(save)
+    assert returncode == 130, err
+    assert not left, left
     assert "Traceback" not in err and "SignalException" not in err, err
     lines = [line for line in err.splitlines() if "interrupted" in line]
     assert len(lines) == 1, err
@@ -137,15 +160,14 @@ def test_kill_9_of_the_agent_takes_its_ranks_with_it(tmp_path: Path) -> None:
     assert rows(tmp_path)  # the rows written so far stay
 
 
-def test_a_failing_rank_is_one_line_naming_the_rank(tmp_path: Path) -> None:
+def test_a_failing_rank_is_one_line_naming_the_rank(
+    tmp_path: Path, interrupted_runs: Callable[[bool], Interrupted]
+) -> None:
     # a real mistake that only shows inside the ranks: resuming a checkpoint of another model
-    ckpt = tmp_path / "ckpt"
-    first = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *TINY, "--steps", "2",
-         "--save-dir", str(ckpt), "--out", str(tmp_path / "o1")],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert first.returncode == 0, first.stderr[-3000:]
+    # (the tiny model's, saved on Ctrl+C)
+    saved, returncode, err, _ = interrupted_runs(True)
+    ckpt = saved / "ckpt"
+    assert returncode == 130 and (ckpt / "latest").is_file(), err[-3000:]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--model", "small",
          "--seq", "32", "--no-plot", "--steps", "4", "--resume", str(ckpt),
