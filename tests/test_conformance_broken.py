@@ -5,12 +5,13 @@ temporary directory and the suite runs on its one category through ``ds-core con
 as a vendor would run it, narrowed to the checks the test asserts on (``NARROW``); the JSON
 report must show the failures that catch the fault, in that category alone, and the checks
 that must pass passing. The broken backends' runs are forked from one interpreter that has
-imported torch and ds_core (tests/clifork.py: two thirds of a fresh run's CPU time was those
-imports); the other cases here run the CLI in a fresh interpreter.
+imported torch and ds_core (tools/forkserver.py: two thirds of a fresh run's CPU time was
+those imports); the other cases here run the CLI in a fresh interpreter.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,15 +25,21 @@ import torch
 from ds_conformance.comm_cases import cases
 
 from tests.broken_backends import ALSO_FAILS, BROKEN, ENV, MUST_PASS, NARROW, install
-from tests.clifork import CliForks
 from tests.distfactory import make_backend
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("forkserver", ROOT / "tools/forkserver.py")
+assert _spec is not None and _spec.loader is not None
+forkserver = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(forkserver)
+#: what every CLI run imports, loaded once by the server (none selects a backend at import)
+PRELOAD = ("torch", "pytest", "ds_core.cli", "ds_conformance.runner")
 
 
 @pytest.fixture(scope="module")
-def cli_forks() -> Iterator[CliForks]:
-    forks = CliForks()
+def cli_forks() -> Iterator[Any]:
+    forks = forkserver.ForkServer(PRELOAD, cwd=ROOT)
     yield forks
     forks.close()
 
@@ -42,7 +49,7 @@ def run_suite(
     *args: str,
     timeout: float = 900,
     env_extra: dict[str, str] | None = None,
-    forks: CliForks | None = None,
+    forks: Any = None,
 ) -> tuple[int, str, dict[str, Any]]:
     """Run ``ds-core conformance`` with ``site`` on PYTHONPATH (and ``env_extra`` set), in a
     fresh interpreter or forked by ``forks``; return (code, output, report)."""
@@ -52,7 +59,9 @@ def run_suite(
     argv = ["conformance", "--report", str(report), *args]
     if forks is not None:
         log = site / "ds-core.out"
-        code = forks.run(argv, env, site, log, timeout)
+        code = forks.run("ds_core.cli:main", argv, log, timeout, env, replace_env=True, path=site)
+        if code is None:
+            raise subprocess.TimeoutExpired("ds-core conformance", timeout)
         output = log.read_text()
     else:
         proc = subprocess.run(
@@ -83,9 +92,7 @@ def _may_unshare_mounts() -> bool:
 
 
 @pytest.mark.parametrize("stem", sorted(BROKEN))
-def test_broken_backend_fails_in_its_category(
-    tmp_path: Path, stem: str, cli_forks: CliForks
-) -> None:
+def test_broken_backend_fails_in_its_category(tmp_path: Path, stem: str, cli_forks: Any) -> None:
     category, must_fail, what = BROKEN[stem]
     if "cgroup" in stem and not _may_unshare_mounts():
         pytest.skip("the cgroup check needs a private mount namespace (root or CAP_SYS_ADMIN)")

@@ -339,13 +339,16 @@ def test_the_fork_server_reports_pass_fail_and_kills_a_run_past_its_timeout(
         "def test_hang(): time.sleep(600)\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    server = tool.ForkServer(env)
+    server = tool.ForkServer(tool.PRELOAD, env, forbid=["ds_backend_"])
     try:
         base = ["-q", "-p", "no:cacheprovider", "-o", "addopts="]
 
         def run(name: str, timeout: float) -> int | None:
             args = [*base, f"{tmp_path}/test_x.py::{name}"]
-            code: int | None = server.run(args, tmp_path, {"MARK": "1"}, tmp_path / "log", timeout)
+            log = tmp_path / "log"
+            code: int | None = server.run(
+                "pytest:main", args, log, timeout, {"MARK": "1"}, cwd=tmp_path
+            )
             return code
 
         assert run("test_pass", 120) == 0

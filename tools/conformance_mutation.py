@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mutation_select as sel  # next to this file; tools/ is not a package
-from mutation_fork import ForkServer
+from forkserver import ForkServer
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "backends" / "cpu" / "ds_backend_cpu"
@@ -52,6 +52,9 @@ CACHE = ROOT / ".mutation-cache"
 #: survivors shown equivalent: ``key<TAB>reason`` (conformance/MUTATION.md renders them)
 EQUIVALENT = ROOT / "conformance" / "mutation-equivalent.tsv"
 
+#: what every suite run imports, loaded once by the fork server (never the backend under
+#: test: each run imports the mutated copy afresh)
+PRELOAD = ("ds_conformance.plugin", "pytest", "torch", "ds_core")
 #: file -> category; plugin.py is split by its section headers (see SECTIONS).
 FILES: dict[str, str | None] = {
     "plugin.py": None,
@@ -295,7 +298,7 @@ def run_suite(
     start = time.monotonic()
     if server is not None:
         log = copy.root / "pytest.log"
-        code = server.run(cmd[3:], copy.root, dict(extra or {}), log, timeout)
+        code = server.run("pytest:main", cmd[3:], log, timeout, dict(extra or {}), cwd=copy.root)
         output = log.read_text(errors="replace") if log.exists() else ""
         if code is None:
             return "timeout", time.monotonic() - start, f"over {timeout:.0f} s"
@@ -387,7 +390,7 @@ def run(
     """Run each mutant not yet in ``ledger`` (appending each outcome there); (outcomes, not
     run, baselines). ``select="coverage"`` runs a mutant only against the checks executing
     its statement (:mod:`mutation_select`); ``"full"`` against its category's whole suite.
-    ``fork``: each mutant's runs fork from a server (:mod:`mutation_fork`). ``retry``: ledger
+    ``fork``: each mutant's runs fork from a server (tools/forkserver.py). ``retry``: ledger
     outcomes run again (``timeout``: those of a loaded host)."""
     outcomes: list[Outcome] = []
     baselines: dict[str, float] = {}
@@ -398,7 +401,11 @@ def run(
     pending = [m for m in mutants if m.key not in done]
     with contextlib.ExitStack() as stack:
         copy = stack.enter_context(MutantCopy())
-        server = ForkServer(_suite_env(copy.root, None)) if fork and pending else None
+        server = (
+            ForkServer(PRELOAD, _suite_env(copy.root, None), forbid=["ds_backend_"])
+            if fork and pending
+            else None
+        )
         if server is not None:
             stack.callback(server.close)
         while pending and time.monotonic() < deadline:
