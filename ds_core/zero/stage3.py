@@ -13,13 +13,24 @@ gathered once and reference-counted. Parameters are meant to be used only inside
 the module that owns them (or shares them), as with FSDP.
 
 Prefetch: the first forward records the order modules run in; later forwards, as long as they
-follow it, issue the next module's all-gather asynchronously before running the current one,
-and each module's backward gather prefetches the module before it in that order (a prefetch
-nobody consumes is finished and dropped at the end of the pass). With NVMe parameter offload,
-the swapped shards of the module after the prefetched one are read from their files at the
-same time (see [Note: NVMe parameter swap]), so each gather finds its shard in host memory.
-The trace must be the same on every rank (data-dependent module order would desynchronise the
-collectives). All collectives go through ``get_accelerator()``.
+follow it, issue all-gathers asynchronously along the trace ahead of the module being run, and
+each module's backward gather does the same along the trace in reverse (backward runs roughly
+in reverse forward order). The look-ahead is bounded by elements, not modules: units are issued
+in trace order while the elements prefetched and not yet used stay within
+``stage3_prefetch_bucket_size`` (and the gathered total within ``stage3_max_live_parameters``);
+a unit bigger than the bucket is still issued when nothing else is ahead, so a large module is
+never left to a synchronous gather. This is DeepSpeed's rule (``fetch_sub_module`` in
+deepspeed/runtime/zero/partitioned_param_coordinator.py walks its parameter queue "while
+numel_prefetching < max_params_to_prefetch"), with one deliberate difference: DeepSpeed's
+bucket limits what *each fetch* issues, so its look-ahead grows by up to a bucket per module
+until ``stage3_max_live_parameters``; here the bucket limits what is *ahead* at any time, so the
+gathered parameters of a step stay within the unit being computed plus one bucket (the bound
+tests/zero/test_zero_peak_memory.py asserts). A prefetch nobody consumes is finished and dropped
+at the end of the pass. With NVMe parameter offload, the swapped shards of the module after
+the last one prefetched are read from their files at the same time (see [Note: NVMe parameter
+swap]), so each gather finds its shard in host memory. The trace must be the same on every
+rank (data-dependent module order would desynchronise the collectives). All collectives go
+through ``get_accelerator()``.
 
 Leaf modules (``zero_optimization.leaf_module``, :func:`leaf_modules`): a leaf's units hold
 its whole subtree's parameters and only the leaf is hooked, so it is gathered, prefetched and
@@ -150,7 +161,8 @@ class ParamCoordinator:
 
     :param module: the root module.
     :param by_param: ``id(param) -> ZeroParam`` of every PARTITIONED parameter.
-    :param prefetch_numel: ``stage3_prefetch_bucket_size``: elements gathered ahead at most.
+    :param prefetch_numel: ``stage3_prefetch_bucket_size``: elements prefetched and not yet
+        used at most (one unit more than this only when that unit alone is bigger).
     :param max_live_numel: ``stage3_max_live_parameters``: gathered elements held at most
         (prefetches that would exceed it are not issued; what a module needs is always gathered).
     :param max_reuse_distance: ``stage3_max_reuse_distance``: a unit the trace uses again
@@ -207,6 +219,13 @@ class ParamCoordinator:
         self.live_numel = 0
         self.peak_live_numel = 0
         self._live: set[int] = set()
+        #: units prefetched and not yet used by the module they were issued for, and their
+        #: elements (bounded by ``prefetch_numel``).
+        self._ahead: set[int] = set()
+        self.ahead_numel = 0
+        #: the trace position the next prefetch scan starts at: forward scans up from the
+        #: cursor, backward down from the module before the one computing.
+        self._scan = 0
         #: the reuse plan of the recorded trace (:meth:`_plan_reuse`): per unit used by more
         #: than one module of the trace, the positions using it; and the gathered elements
         #: of the trace before each position.
@@ -226,6 +245,7 @@ class ParamCoordinator:
         self.recording = not self.trace_done
         self.on_trace = self.trace_done
         self.backward = False
+        self._scan = 0
 
     def end_forward(self) -> None:
         if self.recording:
@@ -238,6 +258,7 @@ class ParamCoordinator:
 
     def begin_backward(self) -> None:
         self.backward = True
+        self._scan = len(self.trace) - 1
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -251,8 +272,7 @@ class ParamCoordinator:
                 self.on_trace = False
         self.gather(module)
         if self.on_trace and self.cursor < len(self.trace):
-            self._prefetch(self.trace[self.cursor])
-            self._read_ahead(self.cursor + 1)
+            self._prefetch(self.cursor, 1)
         if torch.is_grad_enabled():
             return _map_tensors(args, self._after_backward[module])
         return None
@@ -265,11 +285,10 @@ class ParamCoordinator:
 
     def _pre_backward(self, module: nn.Module) -> None:
         self.gather(module)
-        # Backward runs roughly in reverse forward order: prefetch the module before this one.
+        # Backward runs roughly in reverse forward order: prefetch the modules before this one.
         pos = self.last_position.get(module)
         if pos:
-            self._prefetch(self.trace[pos - 1])
-            self._read_ahead(pos - 2)
+            self._prefetch(pos - 1, -1)
 
     # -- gather / release --------------------------------------------------------------------
 
@@ -283,11 +302,18 @@ class ParamCoordinator:
         if id(unit) in self._live:
             self._live.discard(id(unit))
             self.live_numel -= unit.padded
+        self._used(unit)
+
+    def _used(self, unit: FlatUnit) -> None:
+        if id(unit) in self._ahead:
+            self._ahead.discard(id(unit))
+            self.ahead_numel -= unit.padded
 
     def gather(self, module: nn.Module) -> None:
         """Make ``module``'s parameters full (one all-gather per unit, unless prefetched)."""
         for unit in self.module_units[module]:
             self._track(unit)
+            self._used(unit)
             unit.gather()
             unit.gather_count += 1
 
@@ -349,24 +375,40 @@ class ParamCoordinator:
                 if unit.gather_count == 0 and (unit.gathered or unit.inflight is not None):
                     self._free(unit)
 
-    def _prefetch(self, module: nn.Module) -> None:
-        todo = [u for u in self.module_units[module] if not u.gathered and u.inflight is None]
-        need = sum(u.padded for u in todo)
-        if not todo or need > self.prefetch_numel:
-            return
-        if self.live_numel + need > self.max_live_numel:
-            return
-        for unit in todo:
-            self._track(unit)
-            unit.gather(async_op=True)
+    def _prefetch(self, start: int, step: int) -> None:
+        """Issue asynchronous gathers along the trace from position ``start`` (or from where
+        the last scan stopped, if further along) in direction ``step`` (1 forward, -1
+        backward) while the elements ahead stay within ``prefetch_numel``; then start the
+        NVMe reads of the module where the scan stopped."""
+        pos = max(start, self._scan) if step > 0 else min(start, self._scan)
+        end = len(self.trace) if step > 0 else -1
+        while pos != end:
+            for unit in self.module_units[self.trace[pos]]:
+                if unit.gathered or unit.inflight is not None:
+                    continue  # held (in use or kept for reuse) or already on its way
+                fits = self.ahead_numel + unit.padded <= self.prefetch_numel
+                if not (fits or self.ahead_numel == 0):
+                    break
+                if self.live_numel + unit.padded > self.max_live_numel:
+                    break
+                self._track(unit)
+                self._ahead.add(id(unit))
+                self.ahead_numel += unit.padded
+                unit.gather(async_op=True)
+            else:
+                pos += step
+                continue
+            break
+        self._scan = pos
+        self._read_ahead(pos if pos != end else -1)
 
     def _read_ahead(self, pos: int) -> None:
         """NVMe parameter offload: start reading the swapped shards of the module at trace
-        position ``pos`` (one past the all-gather prefetch), so the read is in flight while
+        position ``pos`` (where the all-gather prefetch stopped), so the read is in flight while
         the current module computes (see [Note: NVMe parameter swap])."""
         if 0 <= pos < len(self.trace):
             for unit in self.module_units[self.trace[pos]]:
-                if unit.swapper is not None and not unit.gathered:
+                if unit.swapper is not None and not unit.gathered and unit.inflight is None:
                     unit.swapper.prefetch(unit)
 
     def remove(self) -> None:

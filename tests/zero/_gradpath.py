@@ -173,6 +173,9 @@ def grad_peak() -> dict[str, Any]:
                 "stage": stage,
                 "stage3_param_persistence_threshold": 0,
                 "reduce_bucket_size": 2 * (width * width + width),
+                # one layer ahead: this measures gradient buffers, not the prefetch's depth
+                # (bounded by this key; tests/zero/test_zero_peak_memory.py checks that rule)
+                "stage3_prefetch_bucket_size": width * width + width,
             },
         }
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -227,6 +230,9 @@ def limits() -> dict[str, Any]:
         "live2": {"stage3_max_live_parameters": 2 * unit},
         "reuse0": {"stage3_max_reuse_distance": 0},
         "reuse_far": {"stage3_max_reuse_distance": 5 * unit},
+        "bucket1": {"stage3_prefetch_bucket_size": unit},
+        "bucket2": {"stage3_prefetch_bucket_size": 2 * unit},
+        "bucket_small": {"stage3_prefetch_bucket_size": unit // 2},
     }
     for name, extra in settings.items():
         torch.manual_seed(0)

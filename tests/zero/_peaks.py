@@ -35,13 +35,15 @@ class Stack(nn.Module):
         return x.pow(2).mean()
 
 
-def measure(stage: int, gas: int = 1) -> Callable[[], dict[str, Any]]:
+def measure(stage: int, gas: int = 1, bucket: int | None = None) -> Callable[[], dict[str, Any]]:
     """``gas``: ``gradient_accumulation_steps`` (stage 1 accumulates a full gradient locally
     and reduce-scatters it at the window's last backward; without accumulation it streams as
-    stage 2 does)."""
+    stage 2 does); ``bucket``: ``stage3_prefetch_bucket_size`` in layers (default: the
+    config's default, which holds this whole model)."""
 
     def run() -> dict[str, Any]:
         import ds_core
+        from ds_core.zero.partition import Mode
 
         acc = ds_core.get_accelerator()
         # the rank process is shared with earlier suites (tests/rankpool.py): what they left on
@@ -59,6 +61,8 @@ def measure(stage: int, gas: int = 1) -> Callable[[], dict[str, Any]]:
         }
         if gas != 1:
             config["gradient_accumulation_steps"] = gas
+        if bucket is not None:
+            config["zero_optimization"]["stage3_prefetch_bucket_size"] = bucket * WIDTH * WIDTH
         engine, _, _, _ = ds_core.initialize(model=model, optimizer=opt, config=config)
         gen = torch.Generator().manual_seed(1 + ds_core.comm.get_rank())
         batches = [on_device(torch.randn(MICRO, WIDTH, generator=gen)) for _ in range(3 * gas)]
@@ -102,6 +106,9 @@ def measure(stage: int, gas: int = 1) -> Callable[[], dict[str, Any]]:
             "local": type(engine.reducer.path).__name__ in ("LocalAccumulation", "LocalAllReduce"),
             "parts": sum(u.part for u in units) * 4,
             "n_params": sum(zp.numel for zp in engine.zparams.values()),
+            # stage 3: the gathered bytes of each partitioned unit, and the prefetch bucket
+            "partitioned_units": [u.padded * 4 for u in units if u.mode is Mode.PARTITIONED],
+            "prefetch_bucket": engine.config.zero_optimization.stage3_prefetch_bucket_size * 4,
         }
         engine.destroy()
         acc.empty_cache()
@@ -111,4 +118,8 @@ def measure(stage: int, gas: int = 1) -> Callable[[], dict[str, Any]]:
 
 
 def jobs() -> dict[str, Callable[[], dict[str, Any]]]:
-    return {**{f"s{stage}": measure(stage) for stage in range(4)}, "s1gas4": measure(1, 4)}
+    return {
+        **{f"s{stage}": measure(stage) for stage in range(4)},
+        "s1gas4": measure(1, 4),
+        "s3bucket2": measure(3, bucket=2),
+    }

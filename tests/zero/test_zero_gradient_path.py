@@ -87,6 +87,14 @@ def test_stage3_live_and_reuse_limits_hold(suite: Callable[[str, int], SuiteResu
         # reuse lies within the distance (4 middle units away); 6 gathers vs 5 in all
         assert res["reuse0"]["forward_gathers"] == 6
         assert res["reuse_far"]["forward_gathers"] == 5
+        # the prefetch keeps up to stage3_prefetch_bucket_size elements ahead along the trace,
+        # not one module: gathered at most are `shared` (kept for its reuse), the unit computed
+        # and the bucket's units; a unit bigger than the bucket is still prefetched alone
+        assert res["bucket1"]["peak"] == 3 * unit
+        assert res["bucket2"]["peak"] == 4 * unit
+        assert res["bucket_small"]["peak"] == 3 * unit
+        # a bucket holding the model: every module ahead is in flight (5 units in all)
+        assert res["default"]["peak"] == 5 * unit
         # the trace is recorded in the engine's first forward only (6 module calls): calling
         # the module directly, before or after, neither grows nor replaces it
         assert res["default"]["trace"] == (6, 6)
