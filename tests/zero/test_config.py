@@ -40,11 +40,11 @@ def test_defaults_follow_deepspeed() -> None:
     assert cfg.bf16.enabled is False and cfg.bf16.check_grad_overflow is True
     z = cfg.zero_optimization
     assert z.stage == 0
-    # ds_core's one measured deviation here (tests/zero/test_deepspeed_defaults.py says why)
+    # ds_core's measured deviations here (tests/zero/test_deepspeed_defaults.py says why)
     assert z.reduce_bucket_size == 5_000_000
     assert z.allgather_bucket_size == 500_000_000
     assert z.overlap_comm is False
-    assert z.stage3_prefetch_bucket_size == 50_000_000
+    assert z.stage3_prefetch_bucket_size == 5_000_000
     assert z.stage3_param_persistence_threshold == 100_000
     assert z.stage3_max_live_parameters == 1_000_000_000
     assert cfg.optimizer is None and cfg.scheduler is None and cfg.accelerator == {}

@@ -12,7 +12,7 @@ Two bounds, both derived from the engine's own buffers and the config, never fro
   parameter before the engine takes it and, at stage 3, the gathered unit being computed and
   what the prefetch keeps ahead: ``stage3_prefetch_bucket_size`` elements, or one unit when it
   alone is bigger, never more than the other units (ds_core/zero/stage3.py, [Note: stage-3
-  hooks]; the default bucket, DeepSpeed's 5e7, holds this whole model, so ``s3bucket2`` also
+  hooks]; the default bucket (5e6) holds this whole model, so ``s3bucket2`` also
   runs with a bucket of two layers, where the bound is tight) (activations are a few KiB here). The optimizer: torch's foreach Adam
   makes one temporary the size of the parameters it steps; no staging buffer is held then.
 
