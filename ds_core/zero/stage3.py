@@ -245,7 +245,7 @@ class ParamCoordinator:
         self.recording = not self.trace_done
         self.on_trace = self.trace_done
         self.backward = False
-        self._scan = 0
+        self._start_scan(0)
 
     def end_forward(self) -> None:
         if self.recording:
@@ -258,7 +258,15 @@ class ParamCoordinator:
 
     def begin_backward(self) -> None:
         self.backward = True
-        self._scan = len(self.trace) - 1
+        self._start_scan(len(self.trace) - 1)
+
+    def _start_scan(self, pos: int) -> None:
+        # Nothing is ahead when a pass starts: the last one dropped what it prefetched
+        # (end_forward, release_all); a unit released outside the coordinator between passes
+        # (GatheredParameters, a state dict) must not keep counting against the bucket.
+        self._scan = pos
+        self._ahead.clear()
+        self.ahead_numel = 0
 
     # -- hooks -------------------------------------------------------------------------------
 
