@@ -268,7 +268,13 @@ def summarize(results: dict[str, list[Any]], args: argparse.Namespace) -> str:
         for ph, op, _nb, _s in rounds[0][0]["steps"][0]["comm"]:
             counts[(ph, op)] = counts.get((ph, op), 0) + 1
         calls = ", ".join(f"{ph}:{op}×{c}" for (ph, op), c in sorted(counts.items()))
-        details.append(f"stage {stage} overlap_comm={overlap}: {ops}\n    calls: {calls}")
+        # the phases' own compute (link off): communication issued in a phase can hide only
+        # behind that much, e.g. stage 3's forward gathers behind the forward
+        free = ", ".join(f"{p} {med(phase_off[p]) * 1e3:.0f} ms" for p in PHASES)
+        details.append(
+            f"stage {stage} overlap_comm={overlap}: {ops}\n    calls: {calls}\n"
+            f"    link off, per phase: {free}"
+        )
     lines.append("")
     lines.append(
         "comm: modelled link time of the step's collectives; step/free: median step time "
