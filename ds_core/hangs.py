@@ -18,7 +18,13 @@ store connection, once a period:
   same instruction, no call issued) since the last period means *stalled*; a stack
   inside a collective, a ``torch.distributed`` call or with a frame on a ``.wait(`` line is
   *in communication*, where only a new call counts as progress (a backend's wait may poll
-  in Python, moving its frame without getting anywhere); stalled there is *blocked*. It
+  in Python, moving its frame without getting anywhere); stalled there is *blocked*. On a
+  device with ``async_streams`` a collective runs on a stream, not in the call: the host
+  waits for it later, in whatever synchronises with that stream (a ``.item()``, a copy to the
+  host), whose frame is not a collective's. There a main thread whose own code (frames
+  outside the backend's ``ds_backend_*`` modules, which may run queued work and poll) is
+  stalled counts as blocked too, *waiting on the device*: its peers' records then tell
+  whether its pending work includes a call a peer has not issued (below), or it computes. It
   publishes this rank's record (``prog/<rank>``: per channel the issued count and ring, the
   stall, its phase, the engine's step) -- one store
   request per period.
@@ -303,8 +309,15 @@ def _where(record: dict[str, Any]) -> str:
 class Checker:
     """One rank's side of the check, driven by the liveness watchdog's thread."""
 
-    def __init__(self, watchdog: Any, settings: Settings) -> None:
+    def __init__(self, watchdog: Any, settings: Settings, device_waits: bool | None = None) -> None:
+        """:param device_waits: whether the host may wait for communication outside a
+        collective's call (a device with ``async_streams``); ``None``: ask the accelerator."""
         self.w, self.settings = watchdog, settings
+        if device_waits is None:
+            from ds_core.accelerator import get_accelerator
+
+            device_waits = not get_accelerator().is_synchronized_device()
+        self.device_waits = device_waits
         self.rank = watchdog.rank
         self.sample: tuple[Any, ...] | None = None
         self.stalled_since = time.monotonic()
@@ -314,11 +327,12 @@ class Checker:
     def record(self, now: float, left: bool = False) -> dict[str, Any]:
         frame = sys._current_frames().get(threading.main_thread().ident or -1)
         last = _last_call()
+        comm = _in_comm(frame)
         # Inside communication only a new call counts as progress: a wait that polls moves
-        # its frame every sample without getting anywhere.
-        mark = (
-            ("comm", last) if _in_comm(frame) else (id(frame), frame.f_lasti if frame else -1, last)
-        )
+        # its frame every sample without getting anywhere. On an async device the same holds
+        # for a backend running queued work (a collective) inside a device wait.
+        own = _own_frame(frame) if self.device_waits else frame
+        mark = ("comm", last) if comm else (id(own), own.f_lasti if own else -1, last)
         if mark != self.sample:  # the main thread moved, or some thread issued a call
             self.stalled_since = now
         self.sample = mark
@@ -332,7 +346,12 @@ class Checker:
         bound = self.w.settings.misses * self.w.settings.period_s
         if stall >= bound or left:
             rec["phase"] = self.w.main_phase()
-            rec["comm"] = _in_comm(frame)
+            # stalled on an async device: a wait for the device, whose queued work may hold a
+            # collective (decide() asks the peers; never one on a rank that issued none)
+            device = not comm and self.device_waits and last is not None and not left
+            rec["comm"] = comm or device
+            if device:
+                rec["device"] = True
             if last is not None and _in_facade(frame):
                 rec["blocked"] = list(last)  # a synchronous call: the last one issued
         return rec
@@ -403,6 +422,8 @@ class Checker:
             if rec is not None and rec.get("left"):
                 return _left_text(peer, rec, rank, recs[rank], key, seq, op)
             blocked = rec is not None and rec.get("comm") and rec["stall"] >= self._bound()
+            if blocked and rec is not None and rec.get("device") and not self._waiting(peer, recs):
+                blocked = False  # a device wait with no call missing on a peer: it computes
             if blocked and peer in path:
                 return _cycle_text(path[path.index(peer) :], recs)
             if not blocked:
@@ -417,6 +438,14 @@ class Checker:
                 )
             path.append(peer)
             rank = peer
+
+    def _waiting(self, rank: int, recs: dict[int, dict[str, Any]]) -> bool:
+        """Whether ``rank`` waits on a peer (fetching the records that tells it)."""
+        members = {m for ch in recs[rank]["ch"].values() for m in ch[0]}
+        missing = sorted(members - recs.keys() - {rank})
+        if missing:
+            recs.update(self._records(missing))
+        return bool(_waits_on(rank, recs))
 
     def mismatch_now(self) -> str | None:
         """The mismatch check alone, on the records as published now (this rank's is)."""
@@ -460,6 +489,14 @@ class Checker:
 def in_comm_phase(phase: str) -> bool:
     """Whether a phase (:func:`ds_core.comm.liveness.phase_of`) is inside communication."""
     return phase.startswith("torch.distributed.") or phase.split(" ", 1)[0] in COMM_FUNCS
+
+
+def _own_frame(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame outside a backend's modules: what the program itself is at while a
+    backend runs queued device work (and polls) under it."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("ds_backend_"):
+        frame = frame.f_back
+    return frame
 
 
 def _in_facade(frame: FrameType | None) -> bool:

@@ -166,11 +166,23 @@ def test_a_rank_computing_longer_than_the_liveness_bound_is_not_reported(
 
 
 @pytest.mark.slow
-def test_a_rank_computing_past_the_hang_timeout_is_reported(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", [*BACKENDS, "sim-lazy"])
+def test_a_rank_computing_past_the_hang_timeout_is_reported(backend: str, tmp_path: Path) -> None:
     # above the bound, as Settings.from_env requires, by 2 periods: the verdict waits for the
-    # timeout, every period past the bound deciding that waiting is still legitimate
+    # timeout, every period past the bound deciding that waiting is still legitimate. On sim
+    # the waiting rank's host blocks in a device wait (its collective is queued on a stream),
+    # not in a collective's call; under DS_SIM_ASYNC=lazy the backend runs the collective,
+    # polling, inside that wait.
     timeout = (MISSES + 2) * PERIOD_S
-    results = _pair("slow", "cpu", tmp_path, SLEEP_S=str(GUARD_S), DS_HANG_TIMEOUT_S=str(timeout))
+    mode = {"DS_SIM_ASYNC": "lazy"} if backend == "sim-lazy" else {}
+    results = _pair(
+        "slow",
+        backend.removesuffix("-lazy"),
+        tmp_path,
+        SLEEP_S=str(GUARD_S),
+        DS_HANG_TIMEOUT_S=str(timeout),
+        **mode,
+    )
     (rc0, err0), (rc1, err1) = results
     assert (rc0, rc1) == (hangs.EXIT_CODE, hangs.EXIT_CODE), err0[-3000:] + err1[-3000:]
     found = LINE.findall(err1)
@@ -229,6 +241,45 @@ def test_the_decision_rules_on_records() -> None:
     assert hangs._waits_on(0, {0: send, 1: recv}) == []
 
 
+class _Records:
+    """A store holding hand-made ``prog/<rank>`` records (what Checker.decide reads)."""
+
+    def __init__(self, recs: dict[int, dict[str, object]]) -> None:
+        self.values = {f"t/prog/{r}": json.dumps(rec).encode() for r, rec in recs.items()}
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.values[k] for k in keys]
+
+
+def test_a_device_wait_with_no_call_missing_is_computing() -> None:
+    """On an async device a stalled host counts as blocked (its queued work may hold a
+    collective), but a peer stalled so whose calls every member issued computes: the waiting
+    rank's verdict is the hang timeout's, not "everyone issued it" (never reported)."""
+    settings = liveness.Settings(period_s=0.5, misses=4)
+    world, rs = [0, 1], ["reduce_scatter", 8, "torch.float32"]
+    ahead = _record({"world": [world, 3, [[0, *rs], [1, *rs], [2, *rs]]]}, comm=True, device=True)
+    behind = _record({"world": [world, 2, [[0, *rs], [1, *rs]]]}, comm=True, device=True)
+    for rec in (ahead, behind):
+        rec.update(stall=30.0, phase="optimizer step")
+    watchdog = type("W", (), {"rank": 1, "ns": "t/", "settings": settings})()
+    watchdog.store = _Records({0: behind})
+    checker = hangs.Checker(watchdog, hangs.Settings(timeout_s=20.0), device_waits=True)
+    text = checker.decide(dict(ahead))
+    assert text is not None and text.startswith("rank 0 has not issued call #2 (reduce_scatter)")
+    assert "DS_HANG_TIMEOUT_S=20" in text, text
+    # within the timeout the waiting goes on
+    assert hangs.Checker(watchdog, hangs.Settings(timeout_s=60.0), True).decide(ahead) is None
+    # a peer that waits in a call this rank has not issued is blocked: a deadlock at once
+    other = _record({"p2p 0->1": [world, 1, [[0, "send", 4, "f"]]]}, comm=True, device=True)
+    behind["ch"] = {**behind["ch"], **other["ch"]}  # type: ignore[dict-item]
+    watchdog.store = _Records({0: behind})
+    text = hangs.Checker(watchdog, hangs.Settings(timeout_s=60.0), True).decide(ahead)
+    assert text is not None and text.startswith("deadlock: rank 1 waits in call #2"), text
+
+
 _SAMPLER = """
 import sys, threading
 from ds_core import hangs
@@ -277,7 +328,7 @@ def test_a_record_that_cannot_be_read_skips_the_period(
     publishes nothing that period, and says so once after a bound of periods in a row."""
     settings = liveness.Settings(period_s=0.5, misses=3)
     watchdog = type("W", (), {"rank": 1, "store": _Store(), "ns": "t/", "settings": settings})()
-    checker = hangs.Checker(watchdog, hangs.Settings())
+    checker = hangs.Checker(watchdog, hangs.Settings(), device_waits=False)
 
     def unreadable(now: float, left: bool = False) -> dict[str, object]:
         raise TypeError("'<=' not supported between instances of 'int' and 'NoneType'")
