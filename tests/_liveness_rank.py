@@ -113,7 +113,7 @@ def main() -> None:
     )
     acc = ds_core.get_accelerator()
     if phase == "clean":
-        t = torch.ones(4)
+        t = torch.ones(4, device=acc.device())
         acc.all_reduce(t)
         if rank == 1:  # outlive rank 0 (and its store) by twice the watchdog's bound
             settings = liveness.Settings.from_env()
@@ -121,7 +121,7 @@ def main() -> None:
         ds_core.destroy_distributed()
         return
     if phase == "ring":
-        t = torch.ones(4)
+        t = torch.ones(4, device=acc.device())
         acc.all_reduce(t)
         if is_victim(rank):
             _die(work, rank)
@@ -129,7 +129,7 @@ def main() -> None:
             acc.all_reduce(t)
     if phase == "idle":
         (work / f"pid.rank{rank}").write_text(str(os.getpid()))
-        t = torch.ones(4)
+        t = torch.ones(4, device=acc.device())
         while True:
             acc.all_reduce(t)
     engine = engine_for(2, "nvme" if phase == "swap" else "none", work, seed=0)
@@ -142,11 +142,13 @@ def main() -> None:
     if phase == "collective":
         if is_victim(rank):
             _die(work, rank)
-        t = torch.ones(4)
+        t = torch.ones(4, device=acc.device())
         for _ in range(100):
             acc.all_reduce(t)
+        # on an asynchronous device the calls above only queue: the host waits here
+        float(t.sum())
     elif phase == "backward":
-        x, y = draw_batch(sc.model)
+        x, y = (t.to(acc.device()) for t in draw_batch(sc.model))
         out = _DieInBackward.apply(engine(x), str(work), rank)
         engine.backward(loss_of(out, y))
         engine.step()

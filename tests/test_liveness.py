@@ -63,13 +63,18 @@ SURVIVOR_PHASE = {
 NODE_PHASES = list(SURVIVOR_PHASE) if "DS_LIVENESS_TRIALS" in os.environ else ["swap"]
 
 
-def _env(rank: int, port: int, world: int = 2, period: float = PERIOD_S) -> dict[str, str]:
-    return {
+def _env(
+    rank: int, port: int, world: int = 2, period: float = PERIOD_S, backend: str = "cpu"
+) -> dict[str, str]:
+    env = {
         **os.environ,
-        **rank_env(rank, world, port, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
+        **rank_env(rank, world, port, DS_ACCELERATOR=backend, OMP_NUM_THREADS="1"),
         "DS_LIVENESS_PERIOD_S": str(period),
         "DS_LIVENESS_MISSES": str(MISSES),
     }
+    if backend == "sim":
+        env["DS_SIM_DEVICES"] = str(world)  # one device per rank
+    return env
 
 
 def _free_port() -> int:
@@ -79,7 +84,12 @@ def _free_port() -> int:
 
 
 def _pair(
-    phase: str, work: Path, world: int = 2, victims: str = "1", period: float = PERIOD_S
+    phase: str,
+    work: Path,
+    world: int = 2,
+    victims: str = "1",
+    period: float = PERIOD_S,
+    backend: str = "cpu",
 ) -> list[tuple[int, str]]:
     """Run ``world`` ranks of ``phase`` (env://, rank 0 serving the store); each one's exit
     status and stderr. When each process of a trial ended (``time.monotonic()``, polled every
@@ -93,7 +103,7 @@ def _pair(
                 subprocess.Popen(
                     [sys.executable, "-m", "tests._liveness_rank", phase, str(work)],
                     cwd=ROOT,
-                    env={**_env(rank, port, world, period), "DS_TEST_VICTIMS": victims},
+                    env={**_env(rank, port, world, period, backend), "DS_TEST_VICTIMS": victims},
                     stderr=err,
                 )
             )
@@ -200,6 +210,30 @@ def test_a_killed_rank_is_named_by_the_survivor(
     assert rc1 == -signal.SIGKILL, err0[-4000:]
     line = _check_survivor(rc0, err0, rank=0, dead=1, phase=SURVIVOR_PHASE[phase])
     _table_row("env:// 2 ranks", phase, tmp_path, line)
+    _check_run_left(tmp_path, phase, rank_pools)
+
+
+#: on sim (asynchronous streams) the host only queues the collectives; a rank whose peer died
+#: is found waiting where it next needs the device's results: the collective case's host read
+#: (tests/_liveness_rank.py), backward's end, the step's gradient norm
+SIM_SURVIVOR_PHASE = {
+    "collective": "main (_liveness_rank.py",
+    "backward": "backward",
+    "step": "optimizer step",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", list(SIM_SURVIVOR_PHASE))
+def test_a_killed_rank_is_named_by_the_survivor_on_sim(
+    phase: str, tmp_path: Path, rank_pools: RankPools
+) -> None:
+    """As above on the simulated accelerator (a device that is not the host): the collectives
+    wait on device streams, not in the host's call."""
+    (rc0, err0), (rc1, _) = _pair(phase, tmp_path, backend="sim")
+    assert rc1 == -signal.SIGKILL, err0[-4000:]
+    line = _check_survivor(rc0, err0, rank=0, dead=1, phase=SIM_SURVIVOR_PHASE[phase])
+    _table_row("env:// 2 ranks, sim", phase, tmp_path, line)
     _check_run_left(tmp_path, phase, rank_pools)
 
 

@@ -64,7 +64,8 @@ def engine_for(stage: int, device: str, root: Path, seed: int) -> Any:
 
 def opt_state(engine: Any) -> dict[str, dict[str, Any]]:
     """Per parameter: this rank's fp32 piece, moments and step, wherever they live (read
-    through the swap engine for NVMe), in one layout for every placement."""
+    through the swap engine for NVMe), in one layout for every placement, as host copies (a
+    process without the device reads them)."""
     from ds_core.checkpoint._nvme import swap
 
     nv = swap(engine)
@@ -76,11 +77,11 @@ def opt_state(engine: Any) -> dict[str, dict[str, Any]]:
             values = nv.read_piece(zp)
             step = nv.step_count or None
         else:
-            values = {"fp32": zp.master.detach().reshape(-1).clone()}
+            values = {"fp32": zp.master.detach().reshape(-1).to("cpu", copy=True)}
             state = engine.optimizer.state.get(zp.master, {})
             for k in ("exp_avg", "exp_avg_sq"):
                 if k in state:
-                    values[k] = state[k].detach().reshape(-1).clone()
+                    values[k] = state[k].detach().reshape(-1).to("cpu", copy=True)
             step = state.get("step")
         if nv is not None:
             nv.settle()
