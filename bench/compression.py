@@ -117,7 +117,7 @@ CONFIGS = ONEBIT + ZEROPP
 #: each configuration's uncompressed reference (a reference maps to itself)
 REFERENCE = {
     "adam": "adam", "onebit_adam_nc": "onebit_adam_nc", "onebit_adam": "onebit_adam_nc",
-    "zero_one_adam": "onebit_adam_nc", **{v: "onebit_adam_nc" for v in variants.VARIANTS},
+    "zero_one_adam": "onebit_adam_nc", **{v: variants.reference(v) for v in variants.VARIANTS},
     "lamb": "lamb", "onebit_lamb_nc": "onebit_lamb_nc", "onebit_lamb": "onebit_lamb_nc",
     "zero3": "zero3", "qwz": "zero3", "qgz": "zero3", "hpz": "zero3", "zeropp": "zero3",
 }  # fmt: skip
@@ -195,7 +195,9 @@ def ds_config(name: str, micro_batch: int, freeze: int, local_size: int) -> dict
             zero["zero_quantized_gradients"] = True
         if name in ("hpz", "zeropp") and local_size > 1:
             zero["zero_hpz_partition_size"] = local_size
+    sched = variants.scheduler(name, ADAM_LR, freeze)
     return {
+        **({"scheduler": sched} if sched else {}),
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,

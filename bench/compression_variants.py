@@ -24,6 +24,16 @@ DeepSpeed modes):
   run, so the variance updates on every step until ``var_freeze_step`` (no compressed gradient
   steps; the frozen phase is 0/1 Adam's). Against ``zero_one_adam``: the thinned variance
   updates and the compressed gradients between them.
+- ``zero_one_adam_nofreeze``: a DeepSpeed setting: ``var_freeze_step`` beyond the run, as
+  DeepSpeed's 0/1 Adam tutorial (``docs/_tutorials/zero-one-adam.md``) says it may be set;
+  the variance keeps its doubling schedule (``var_update_scaler`` 16) and every step between
+  its updates is a compressed gradient step. Against ``zero_one_adam``: the frozen phase.
+
+With a learning-rate warm-up (DeepSpeed's ``WarmupLR``, linear from 0 to the optimizer's lr
+over the freeze step's count of steps, then constant; the tutorial's setting makes
+``var_freeze_step`` the end of the warm-up), against ``onebit_adam_nc_warmup`` (the reference,
+never compressing, with the same warm-up): ``onebit_adam_warmup`` (``freeze_step``) and
+``zero_one_adam_warmup`` (``var_freeze_step``).
 
 ``python bench/compression_variants.py`` prints :func:`overstatement` (how far a 1-bit gradient
 overstates the elements whose own gradients are small).
@@ -46,9 +56,16 @@ VARIANTS = (
     "zero_one_adam_exact",
     "zero_one_adam_avg",
     "zero_one_adam_dense",
+    "zero_one_adam_nofreeze",
+    "onebit_adam_nc_warmup",
+    "onebit_adam_warmup",
+    "zero_one_adam_warmup",
 )
 #: the variants whose engine keeps averaging gradients after every step (:func:`adjust`)
 _AVERAGED = ("onebit_adam_frozen", "zero_one_adam_avg")
+#: the variants that replace the compressed all-reduce (:func:`apply`)
+_PATCHED = ("onebit_adam_exact", "onebit_adam_frozen", "zero_one_adam_exact", "zero_one_adam_avg")
+_WARMUP = ("onebit_adam_nc_warmup", "onebit_adam_warmup", "zero_one_adam_warmup")
 #: a count no run reaches (a step, a number of updates)
 _NEVER = 10**9
 
@@ -56,13 +73,33 @@ _NEVER = 10**9
 def optimizer(name: str, lr: float, freeze: int) -> dict[str, Any] | None:
     """The DeepSpeed ``optimizer`` config block of variant ``name`` (``None``: not a variant)."""
     if name.startswith("onebit_adam_") and name in VARIANTS:
-        return {"type": "OneBitAdam", "params": {"lr": lr, "freeze_step": freeze}}
+        never = name == "onebit_adam_nc_warmup"
+        return {
+            "type": "OneBitAdam",
+            "params": {"lr": lr, "freeze_step": _NEVER if never else freeze},
+        }
     if name.startswith("zero_one_adam_") and name in VARIANTS:
         params: dict[str, Any] = {"lr": lr, "var_freeze_step": freeze}
         if name == "zero_one_adam_dense":
             params["var_update_scaler"] = _NEVER
+        if name == "zero_one_adam_nofreeze":
+            params["var_freeze_step"] = _NEVER
         return {"type": "ZeroOneAdam", "params": params}
     return None
+
+
+def scheduler(name: str, lr: float, freeze: int) -> dict[str, Any] | None:
+    """The ``scheduler`` config block of variant ``name``: the warm-up variants' ``WarmupLR``
+    (linear over ``freeze`` steps to ``lr``); ``None`` for every other configuration."""
+    if name not in _WARMUP:
+        return None
+    params = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": freeze}
+    return {"type": "WarmupLR", "params": {**params, "warmup_type": "linear"}}
+
+
+def reference(name: str) -> str:
+    """The uncompressed reference of variant ``name`` (the warm-up variants have their own)."""
+    return "onebit_adam_nc_warmup" if name in _WARMUP else "onebit_adam_nc"
 
 
 def exact_mean(
@@ -92,7 +129,7 @@ def apply(name: str) -> Callable[[], None]:
 
     module: Any = zero_one if name.startswith("zero_one_adam_") else onebit
     saved = module.compressed_all_reduce
-    if name in VARIANTS and name != "zero_one_adam_dense":
+    if name in _PATCHED:
         module.compressed_all_reduce = exact_mean if name.endswith("_exact") else copy
 
     def undo() -> None:
