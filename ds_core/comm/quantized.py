@@ -22,6 +22,9 @@ belongs to, which sums again. Bytes on the wire per element of the bucket: 1/2 i
 plus 1/local_size across nodes, against 4 for an fp32 reduce-scatter. (DeepSpeed's current
 kernel uses 4 bits in both phases; the paper's 8 bits across nodes is kept here, as the
 across-node partial sums carry more range.)
+Its block is the caller's: stage 3 passes each unit DeepSpeed's group size
+(:func:`ds_core.zero.zeropp.qgz_block`, ``min(rows, cols)`` of a weight; ``bench/qgz_error.py``
+measures what the block size does to the gradient's error).
 """
 
 from __future__ import annotations

@@ -139,9 +139,10 @@ class GradPath:
     def collective(
         self, unit: FlatUnit, out: torch.Tensor, send: torch.Tensor, async_op: bool
     ) -> Work:
-        """Reduce-scatter ``send`` into ``out`` over the unit's group (qgZ over the world)."""
-        if self.qgz is not None and unit.group is None:
-            return quantized_reduce_scatter(out, send, self.qgz, async_op)
+        """Reduce-scatter ``send`` into ``out`` over the unit's group (qgZ over the world, in
+        the unit's block; a unit of 1-D parameters only is reduced exactly, as DeepSpeed's)."""
+        if self.qgz is not None and unit.group is None and unit.qgz_block:
+            return quantized_reduce_scatter(out, send, self.qgz, async_op, unit.qgz_block)
         return self.acc.reduce_scatter(out, send, "sum", unit.group, async_op)
 
     def land(self, done: Reduction) -> None:

@@ -275,6 +275,9 @@ class FlatUnit:
         self.inflight: InFlight | None = None
         #: ZeRO++ qwZ: gathers move 8-bit codes (:func:`~ds_core.comm.quantized.quantized_all_gather`).
         self.quantized_gather = False
+        #: ZeRO++ qgZ: elements per scale of its reduce-scatter, 0 for a plain one
+        #: (:func:`~ds_core.zero.zeropp.qgz_block`; set by ``configure_zeropp``).
+        self.qgz_block = 0
         #: ZeRO++ hpZ: the copy partitioned inside a node (:meth:`enable_secondary`), or ``None``.
         self.secondary: Secondary | None = None
         self._refresh_secondary = False

@@ -6,15 +6,28 @@ node (hpZ), and the node groups of quantized gradient reductions (qgZ). The coll
 from __future__ import annotations
 
 import logging
+import math
 
 from ds_core.comm.quantized import NodeGroups, node_groups
 from ds_core.errors import ConfigError
 from ds_core.zero.config import ZeroConfig
 from ds_core.zero.partition import FlatUnit, Mode
 
-__all__ = ["configure_zeropp"]
+__all__ = ["configure_zeropp", "qgz_block"]
 
 log = logging.getLogger("ds_core.zero")
+
+
+def qgz_block(shapes: list[tuple[int, ...]], world: int) -> int:
+    """qgZ's elements per scale for a unit holding parameters of ``shapes``: DeepSpeed 0.19.8's
+    group, ``numel / max(shape[0], shape[1], world)`` of each parameter of 2 or more dimensions
+    (``deepspeed/runtime/comm/coalesced_collectives.py`` ``all_to_all_quant_reduce``: its
+    ``intra_quant_group`` is a count of groups; ``min(rows, cols)`` for a weight matrix), the
+    smallest over the unit, as one block size serves the unit's flat buffer. 0 when every
+    parameter is 1-D: DeepSpeed reduces those (biases, norms) unquantized."""
+    numel = [(s, math.prod(s)) for s in shapes if len(s) >= 2]
+    groups = [n // max(s[0], s[1], world) for s, n in numel if n]
+    return max(2, min(groups)) if groups else 0
 
 
 def configure_zeropp(
@@ -55,6 +68,8 @@ def configure_zeropp(
                 unit.enable_secondary(nodes.intra, hpz, rank % hpz)
     if not zcfg.zero_quantized_gradients:
         return None
+    for unit in units:
+        unit.qgz_block = qgz_block([tuple(zp.shape) for zp in unit.zparams], world)
     try:
         return node_groups()
     except ValueError as exc:

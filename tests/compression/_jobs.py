@@ -31,10 +31,10 @@ def compressed(numel: int, steps: int) -> dict[str, list[torch.Tensor]]:
     return {"outs": outs, "worker": [worker.cpu()], "server": [server.cpu()]}
 
 
-def quantized(part: int, local_size: int) -> dict[str, torch.Tensor]:
+def quantized(part: int, local_size: int, block: int) -> dict[str, torch.Tensor]:
     """qwZ's all-gather of :func:`rank_input` shards and qgZ's reduce-scatter of
-    ``world × part`` inputs over nodes of ``local_size`` ranks; results on the host, with
-    the bytes each moved (CommCounter)."""
+    ``world × part`` inputs over nodes of ``local_size`` ranks, in blocks of ``block``
+    elements; results on the host, with the bytes each moved (CommCounter)."""
     from ds_core.comm.counting import CommCounter
     from ds_core.comm.quantized import node_groups, quantized_all_gather, quantized_reduce_scatter
 
@@ -45,11 +45,12 @@ def quantized(part: int, local_size: int) -> dict[str, torch.Tensor]:
     ds_core.register_plugin(counter)
     try:
         gathered = torch.empty(world * part, device=device)
-        quantized_all_gather(gathered, rank_input(rank, 0, part).to(device), None, True).wait()
+        mine = rank_input(rank, 0, part).to(device)
+        quantized_all_gather(gathered, mine, None, True, block).wait()
         gather_bytes = sum(counter.bytes_by_op().values())
         reduced = torch.empty(part, device=device)
         handle = quantized_reduce_scatter(
-            reduced, rank_input(rank, 1, world * part).to(device), groups, True
+            reduced, rank_input(rank, 1, world * part).to(device), groups, True, block
         )
         handle.wait()
         reduce_bytes = sum(counter.bytes_by_op().values()) - gather_bytes

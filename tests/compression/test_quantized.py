@@ -56,13 +56,16 @@ def test_bad_bit_widths_are_refused() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "local"), [(2, 2), (4, 2)])
-def test_qwz_and_qgz_against_exact_collectives(run_ranks: RunJob, world: int, local: int) -> None:
-    part = 3000  # two 2048-element blocks per shard, the second one short
-    got = run_ranks(world, "tests.compression._jobs:quantized", part, local)
+@pytest.mark.parametrize(("world", "local", "block"), [(2, 2, 2048), (4, 2, 2048), (4, 2, 256)])
+def test_qwz_and_qgz_against_exact_collectives(
+    run_ranks: RunJob, world: int, local: int, block: int
+) -> None:
+    # 2048: two blocks per shard, the second one short; 256: qgZ's block on a 256-wide weight
+    part = 3000
+    got = run_ranks(world, "tests.compression._jobs:quantized", part, local, block)
     shards = [rank_input(r, 0, part) for r in range(world)]
     exact_gather = torch.cat(shards)
-    bound = torch.cat([error_bound(s.reshape(1, -1), 8)[0] for s in shards])
+    bound = torch.cat([error_bound(s.reshape(1, -1), 8, block)[0] for s in shards])
     inputs = [rank_input(r, 1, world * part).reshape(world, part) for r in range(world)]
     exact_sum = torch.stack(inputs).sum(0)
     for r in range(world):
@@ -72,10 +75,12 @@ def test_qwz_and_qgz_against_exact_collectives(run_ranks: RunJob, world: int, lo
         # qgZ: 4-bit codes of each input chunk, summed over `local` peers, then 8-bit codes of
         # the partial sums: bound the error by the two quantizations' half levels.
         nodes = world // local
-        first = sum(error_bound(inputs[src][r : r + 1], 4)[0] for src in range(world))
+        first = sum(error_bound(inputs[src][r : r + 1], 4, block)[0] for src in range(world))
         partials = [sum(inputs[n * local + p][r] for p in range(local)) for n in range(nodes)]
         second = (
-            sum(error_bound((p + first).reshape(1, -1), 8)[0] for p in partials) if nodes > 1 else 0
+            sum(error_bound((p + first).reshape(1, -1), 8, block)[0] for p in partials)
+            if nodes > 1
+            else 0
         )
         err = (g["reduced"] - exact_sum[r]).abs()
         assert bool((err <= first + second + 1e-5).all()), float((err - first - second).max())

@@ -12,6 +12,7 @@ import torch
 
 from ds_core import ConfigError
 from ds_core.zero.config import load_config
+from ds_core.zero.zeropp import qgz_block
 from tests.compression.conftest import RunJob
 
 STEPS, WORLD, LOCAL = 6, 4, 2
@@ -74,6 +75,17 @@ def test_zeropp_trains_like_plain_stage3_and_moves_fewer_bytes(runs: Any) -> Non
         assert qwz_world <= 0.26 * base_world
         # hpZ over the whole world (one node) keeps no second copy: qwZ's gathers stay quantized
         assert world_and_node_bytes(whole, step) == world_and_node_bytes(qwz, step)
+
+
+def test_qgz_block_is_deepspeeds_group() -> None:
+    # DeepSpeed 0.19.8's all_to_all_quant_reduce: numel / max(rows, cols, world) elements per
+    # group of each tensor of 2+ dimensions; 1-D tensors are reduced unquantized
+    assert qgz_block([(768, 256), (768,)], 2) == 256  # a Linear and its bias
+    assert qgz_block([(256, 1024), (1024, 256)], 4) == 256
+    assert qgz_block([(16, 3, 5, 5)], 2) == 75  # a conv: 1200 / max(16, 3, 2)
+    assert qgz_block([(50, 8), (8, 8)], 2) == 8  # the unit's smallest group
+    assert qgz_block([(3, 2)], 8) == 2  # numel under the world: the smallest block
+    assert qgz_block([(64,), (64,)], 2) == 0  # a norm's weight and bias: exact
 
 
 def test_zeropp_keys_are_fields_and_hpz_must_divide_the_world() -> None:
