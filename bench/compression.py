@@ -25,8 +25,7 @@ seed and the same batches per rank:
 - ``onebit_lamb``   OneBitLamb, ``freeze_step`` = 15%
 - ``zero3``         stage 3, AdamW: the reference of the ZeRO++ rows
 - ``qwz`` / ``qgz`` / ``hpz``  + ``zero_quantized_weights`` / ``zero_quantized_gradients`` /
-  ``zero_hpz_partition_size`` = ranks per node; ``zeropp`` all three; ``qgz_group`` qgZ in
-  DeepSpeed's group size (bench/compression_variants.py)
+  ``zero_hpz_partition_size`` = ranks per node; ``zeropp`` all three
 
 Warm-up: the compressing optimizers run uncompressed (averaged gradients) until their freeze
 step, then communicate their compressed momentum. The freeze step is 15% of the run
@@ -113,15 +112,14 @@ ONEBIT = (
     "onebit_lamb_nc",
     "onebit_lamb",
 )
-ZEROPP = ("zero3", "qwz", "qgz", "qgz_group", "hpz", "zeropp")
+ZEROPP = ("zero3", "qwz", "qgz", "hpz", "zeropp")
 CONFIGS = ONEBIT + ZEROPP
 #: each configuration's uncompressed reference (a reference maps to itself)
 REFERENCE = {
     "adam": "adam", "onebit_adam_nc": "onebit_adam_nc", "onebit_adam": "onebit_adam_nc",
     "zero_one_adam": "onebit_adam_nc", **{v: variants.reference(v) for v in variants.VARIANTS},
     "lamb": "lamb", "onebit_lamb_nc": "onebit_lamb_nc", "onebit_lamb": "onebit_lamb_nc",
-    "zero3": "zero3", "qwz": "zero3", "qgz": "zero3", "qgz_group": "zero3", "hpz": "zero3",
-    "zeropp": "zero3",
+    "zero3": "zero3", "qwz": "zero3", "qgz": "zero3", "hpz": "zero3", "zeropp": "zero3",
 }  # fmt: skip
 ADAM_LR, LAMB_LR, CLIP, SEED = 3e-4, 1e-3, 1.0, 1234
 #: a freeze step no run reaches: the optimizer's own uncompressed form (DeepSpeed's update,
@@ -193,7 +191,7 @@ def ds_config(name: str, micro_batch: int, freeze: int, local_size: int) -> dict
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
         if name in ("qwz", "zeropp"):
             zero["zero_quantized_weights"] = True
-        if name in ("qgz", "qgz_group", "zeropp"):
+        if name in ("qgz", "zeropp"):
             zero["zero_quantized_gradients"] = True
         if name in ("hpz", "zeropp") and local_size > 1:
             zero["zero_hpz_partition_size"] = local_size
@@ -241,7 +239,7 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor, steps: in
     losses: list[float] = []
     norms: list[float] = []  # the global gradient norm before clipping, every step
     error = ""
-    undo = variants.apply(name, PRESETS[args.preset].n_embd)
+    undo = variants.apply(name)
     try:
         torch.manual_seed(SEED)
         model = GPT(PRESETS[args.preset])
@@ -405,7 +403,7 @@ def compressed_ratio(name: str, r: dict[str, Any], ref: dict[str, Any], nodes: b
     parts = []
     if name in ("qwz", "zeropp", "zero3"):
         parts.append("ag " + ratio(ops.get("all_gather", 0.0), rops.get("all_gather", 0.0)))
-    if name in ("qgz", "qgz_group", "zeropp", "zero3"):
+    if name in ("qgz", "zeropp", "zero3"):
         # qgZ replaces the reduce-scatter by two all-to-alls; either counts as the reduction
         mine = ops.get("reduce_scatter", 0.0) + ops.get("all_to_all", 0.0)
         parts.append("rd " + ratio(mine, rops.get("reduce_scatter", 0.0)))
@@ -530,7 +528,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worlds", default="2,4", help="comma-separated rank counts")
     p.add_argument("--steps", type=int, default=300, help="the convergence run (small, 2, cpu)")
     p.add_argument("--short-steps", type=int, default=16, help="every other launch's run")
-    default = [c for c in CONFIGS if c not in (*variants.VARIANTS, "qgz_group")]  # diagnostics
+    default = [c for c in CONFIGS if c not in variants.VARIANTS]  # diagnostics on request
     p.add_argument("--configs", default=",".join(default))
     p.add_argument("--backends", default="cpu,sim")
     p.add_argument("--micro-batch", type=int, default=8)

@@ -29,10 +29,6 @@ DeepSpeed modes):
   the variance keeps its doubling schedule (``var_update_scaler`` 16) and every step between
   its updates is a compressed gradient step. Against ``zero_one_adam``: the frozen phase.
 
-ZeRO++'s: ``qgz_group``: qgZ with blocks of DeepSpeed's group size, ``numel / max(rows,
-cols)`` of the GPT's weights (``n_embd``: 256 on ``small``) in place of ds_core's 2048
-(``bench/qgz_error.py`` compares the two algorithms). Against ``qgz``: the block size.
-
 With a learning-rate warm-up (DeepSpeed's ``WarmupLR``, linear from 0 to the optimizer's lr
 over the freeze step's count of steps, then constant; the tutorial's setting makes
 ``var_freeze_step`` the end of the warm-up), against ``onebit_adam_nc_warmup`` (the reference,
@@ -49,7 +45,6 @@ function).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -126,22 +121,12 @@ def copy(
     return buffer.detach().clone()
 
 
-def apply(name: str, group: int) -> Callable[[], None]:
+def apply(name: str) -> Callable[[], None]:
     """Patch the compressed all-reduce of the optimizer of configuration ``name`` (nothing for a
-    name that is not a patched variant), or for ``qgz_group`` qgZ's block to ``group`` elements;
-    returns the function that undoes it."""
+    name that is not a patched variant); returns the function that undoes it."""
     import ds_core.optim.onebit_adam as onebit
     import ds_core.optim.zero_one_adam as zero_one
-    import ds_core.zero.grad_paths as grad_paths
 
-    if name == "qgz_group":
-        reduce_scatter = grad_paths.quantized_reduce_scatter
-        grad_paths.quantized_reduce_scatter = functools.partial(reduce_scatter, block=group)
-
-        def unpatch() -> None:
-            grad_paths.quantized_reduce_scatter = reduce_scatter
-
-        return unpatch
     module: Any = zero_one if name.startswith("zero_one_adam_") else onebit
     saved = module.compressed_all_reduce
     if name in _PATCHED:

@@ -7,9 +7,11 @@ gradient (lr 3e-4, clipping 1.0), and both algorithms' arithmetic applied to the
 
 - **ds_core** (``ds_core/comm/quantized.py`` ``quantized_reduce_scatter``): stage 3's flat unit
   of each module (its own parameters, concatenated, padded to ``world``), each rank's chunk
-  of it block-quantized (blocks of at most ``--block`` elements, 15 levels at 4 bits) inside
-  the node, summed in fp32, re-quantized at 8 bits across nodes, summed again. It runs the
-  module's own ``quantize``/``dequantize``, so its arithmetic is the engine's.
+  of it block-quantized (15 levels at 4 bits) inside the node, summed in fp32, re-quantized at
+  8 bits across nodes, summed again. It runs the module's own ``quantize``/``dequantize``, so
+  its arithmetic is the engine's. Blocks (``--blocks``): ``engine``, the engine's rule
+  (``ds_core/zero/zeropp.py`` ``qgz_block``: DeepSpeed's group, units of 1-D parameters
+  exact), or a fixed size for every unit (2048 was the engine's before that rule).
 - **DeepSpeed** (``deepspeed/runtime/comm/coalesced_collectives.py``
   ``all_to_all_quant_reduce``, called by ``deepspeed/runtime/zero/stage3.py``
   ``__avg_scatter_grads`` only when there is more than one node; kernels in
@@ -43,6 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ds_core.comm.quantized import dequantize, quantize  # noqa: E402
+from ds_core.zero.zeropp import qgz_block  # noqa: E402
 from examples.gpt import GPT, PRESETS, Batches, encode, make_corpus  # noqa: E402
 
 SEED, LR, CLIP = 1234, 3e-4, 1.0
@@ -54,12 +57,18 @@ def roundtrip(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     return dequantize(codes, scales, bits, x.shape[1], block)
 
 
-def ours(grads: list[list[torch.Tensor]], units: list[list[int]], local: int, block: int) -> list:
+def ours(grads: list[list[torch.Tensor]], units: list[list[int]], local: int, blocks: str) -> list:
     """ds_core's qgZ arithmetic: per flat unit, returns the reduced mean of every parameter."""
     world = len(grads)
     nodes = world // local
     out: list[torch.Tensor | None] = [None] * len(grads[0])
     for unit in units:
+        shapes = [tuple(grads[0][i].shape) for i in unit]
+        block = qgz_block(shapes, world) if blocks == "engine" else int(blocks)
+        if not block:  # reduced exactly
+            for i in unit:
+                out[i] = torch.stack([g[i] for g in grads]).mean(dim=0)
+            continue
         flats = [torch.cat([g[i].flatten() for i in unit]) for g in grads]
         n = flats[0].numel()
         part = -(-n // world)
@@ -129,7 +138,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--steps", default="0,30,100,200")
-    p.add_argument("--blocks", default="2048,256", help="ds_core block sizes to compare")
+    p.add_argument("--blocks", default="2048,engine", help="ds_core blocks to compare")
     args = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the quantizer op of the CPU backend
     torch.set_num_threads(1)
@@ -157,9 +166,9 @@ def main() -> None:
                 grads.append([q.grad.detach().clone() for q in model.parameters()])  # type: ignore[union-attr]
             exact = [torch.stack(gs).mean(dim=0) for gs in zip(*grads, strict=True)]
             if step in checkpoints:
-                for block in (int(b) for b in args.blocks.split(",")):
+                for block in args.blocks.split(","):
                     line = compare(ours(grads, units, local, block), exact, names)
-                    print(f"  step {step:>3} ds_core block {block:>5}: {line}", flush=True)
+                    print(f"  step {step:>3} ds_core block {block:>6}: {line}", flush=True)
                 line = compare(deepspeed(grads, local), exact, names)
                 print(f"  step {step:>3} DeepSpeed 0.19.8  : {line}", flush=True)
             for q, e in zip(model.parameters(), exact, strict=True):
