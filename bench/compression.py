@@ -318,7 +318,9 @@ def clipped(r: RunResult) -> str:
 def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank),
-        LOCAL_RANK=str(rank),  # one device per rank (sim); nodes come from LOCAL_WORLD_SIZE
+        # as a launcher sets them on nodes of local_size ranks (ds_core refuses a LOCAL_RANK
+        # at or above LOCAL_WORLD_SIZE: ds_core/comm/groups.py check_launcher_env)
+        LOCAL_RANK=str(rank % args.local_size),
         WORLD_SIZE=str(args.world),
         LOCAL_WORLD_SIZE=str(args.local_size),
         MASTER_ADDR="127.0.0.1",
