@@ -25,7 +25,7 @@ DeepSpeed modes):
   steps; the frozen phase is 0/1 Adam's). Against ``zero_one_adam``: the thinned variance
   updates and the compressed gradients between them.
 - ``zero_one_adam_nofreeze``: a DeepSpeed setting: ``var_freeze_step`` beyond the run, as
-  DeepSpeed's 0/1 Adam tutorial (``docs/_tutorials/zero-one-adam.md``) says it may be set;
+  DeepSpeed's 0/1 Adam tutorial (its documentation site's "0/1 Adam" page) says it may be set;
   the variance keeps its doubling schedule (``var_update_scaler`` 16) and every step between
   its updates is a compressed gradient step. Against ``zero_one_adam``: the frozen phase.
 
