@@ -309,14 +309,11 @@ def _where(record: dict[str, Any]) -> str:
 class Checker:
     """One rank's side of the check, driven by the liveness watchdog's thread."""
 
-    def __init__(self, watchdog: Any, settings: Settings, device_waits: bool | None = None) -> None:
+    def __init__(self, watchdog: Any, settings: Settings, device_waits: bool = False) -> None:
         """:param device_waits: whether the host may wait for communication outside a
-        collective's call (a device with ``async_streams``); ``None``: ask the accelerator."""
+        collective's call (a device with ``async_streams``: the liveness watchdog asks the
+        accelerator)."""
         self.w, self.settings = watchdog, settings
-        if device_waits is None:
-            from ds_core.accelerator import get_accelerator
-
-            device_waits = not get_accelerator().is_synchronized_device()
         self.device_waits = device_waits
         self.rank = watchdog.rank
         self.sample: tuple[Any, ...] | None = None

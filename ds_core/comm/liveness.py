@@ -52,6 +52,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from ds_core import hangs
+from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
 
 #: exit status of a rank ended by the watchdog (EX_TEMPFAIL: a peer failed, not this rank).
@@ -214,7 +215,11 @@ class Watchdog:
         hang = hangs.Settings.from_env(settings.misses * settings.period_s)
         hangs.enable(hang.enabled)
         #: the hang check (ds_core/hangs.py), riding on this thread and connection.
-        self.hang = hangs.Checker(self, hang) if hang.enabled else None
+        self.hang = (
+            hangs.Checker(self, hang, not get_accelerator().is_synchronized_device())
+            if hang.enabled
+            else None
+        )
         self.thread = threading.Thread(target=self._run, name="ds_core-liveness", daemon=True)
 
     def main_phase(self) -> str:
