@@ -1,6 +1,6 @@
 """Peak device memory during a ZeRO step against the ZeRO formula, on the simulated accelerator.
 
-Run: ``python bench/memory_formula.py`` (both models, stages 0-3 with the default
+Run: ``python bench/memory_formula.py`` (the three models, stages 0-3 with the default
 configuration and with DeepSpeed's ``reduce_bucket_size``), or e.g.
 ``python bench/memory_formula.py --models linear16 --variants default`` for a quick look;
 ``--variants default,try=reduce_bucket_size=5e7`` measures a named candidate
@@ -20,7 +20,8 @@ formula counts model states only, so a ratio above 1 is activations, communicati
 gathered parameters and optimizer temporaries.
 
 Models: ``gpt`` (examples/gpt.py preset ``large``, micro-batch 1 × 64 tokens: model states
-dominate) and ``linear16`` (16 × ``nn.Linear(1024, 1024)``, micro-batch 2, loss = mean square
+dominate), ``gpt_small`` (preset ``small``, 3.2 M parameters, micro-batch 1 × 64: the model
+bench/zero_vs_peers.py's ``--preset small`` trains) and ``linear16`` (16 × ``nn.Linear(1024, 1024)``, micro-batch 2, loss = mean square
 of the output). Per configuration: 2 warm-up steps, then the measured step. Memory is
 deterministic, so one measured step suffices; the bench prints and never asserts.
 """
@@ -83,11 +84,18 @@ class Linear16(torch.nn.Module):
         return self.layers(x).pow(2).mean()
 
 
+#: model name -> (GPT preset or None for Linear16, micro-batch, description)
+MODELS: dict[str, tuple[str | None, int, str]] = {
+    "gpt": ("large", 1, "GPT large, micro-batch 1 × 64"),
+    "gpt_small": ("small", 1, "GPT small, micro-batch 1 × 64"),
+    "linear16": (None, 2, "16 × Linear(1024, 1024), micro-batch 2"),
+}
+
+
 def build_model(name: str) -> tuple[torch.nn.Module, int]:
     torch.manual_seed(SEED)
-    if name == "gpt":
-        return GPT(PRESETS["large"]), 1
-    return Linear16(), 2
+    preset, micro, _ = MODELS[name]
+    return (GPT(PRESETS[preset]) if preset else Linear16()), micro
 
 
 def measure(
@@ -115,7 +123,7 @@ def measure(
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused or None)
     engine, _, _, _ = ds_core.initialize(model=model, optimizer=optimizer, config=config)
     dev = acc.device()
-    if model_name == "gpt":
+    if MODELS[model_name][0] is not None:
         data = Batches(tokens, micro, 64, seed=SEED, rank=rank)
         batches = [tuple(t.to(dev) for t in data.next()) for _ in range(gas * (warmup + 1))]
     else:
@@ -208,12 +216,8 @@ def summarize(results: dict[str, Any], args: argparse.Namespace) -> str:
             lines += [f"  {k}: {v[0].get('error')}" for k, v in results.items()]
             continue
         n_params = some[0][0]["n_params"]
-        desc = {
-            "gpt": "GPT large, micro-batch 1 × 64",
-            "linear16": "16 × Linear(1024, 1024), micro-batch 2",
-        }
         lines.append(
-            f"{desc[model_name]}: Ψ = {n_params / 1e6:.2f} M ({4 * n_params / MiB:.1f} MiB fp32), "
+            f"{MODELS[model_name][2]}: Ψ = {n_params / 1e6:.2f} M ({4 * n_params / MiB:.1f} MiB fp32), "
             f"{args.world} ranks on sim, torch.optim.Adam "
             f"({'fused=True' if args.optimizer == 'fused' else 'torch defaults: foreach'})"
         )
@@ -276,7 +280,7 @@ def free_port() -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt,linear16")
+    p.add_argument("--models", default="gpt,gpt_small,linear16")
     p.add_argument("--variants", default="default,deepspeed")
     p.add_argument("--rows", default=",".join(r[0] for r in ROWS))
     p.add_argument("--warmup", type=int, default=2)

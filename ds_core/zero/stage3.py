@@ -32,6 +32,14 @@ swap]), so each gather finds its shard in host memory. The trace must be the sam
 rank (data-dependent module order would desynchronise the collectives). All collectives go
 through ``get_accelerator()``.
 
+The default bucket (``stage3_prefetch_bucket_size`` unset) is :func:`default_prefetch_numel`:
+a quarter of this rank's partitioned elements, at most 5e6. The ZeRO formula at stage 3 is
+16Ψ/N bytes, i.e. 4Ψ/N fp32 elements, so a quarter of Ψ/N gathered ahead costs at most 1/16
+of it whatever the model's size, where a fixed bucket is the whole model ahead on a small one
+(5e6 on the 3.2 M-parameter GPT ``small``: stage-3 peak 1.82 of the formula, 1.51 at this
+rule; the 5e6 cap is what the large GPT and 16 × Linear(1024, 1024) measured at 1.26:
+bench/README.md, "memory_formula.py"). A bucket the user sets is used as given.
+
 Leaf modules (``zero_optimization.leaf_module``, :func:`leaf_modules`): a leaf's units hold
 its whole subtree's parameters and only the leaf is hooked, so it is gathered, prefetched and
 released as one: one all-gather per leaf and pass instead of one per submodule.
@@ -80,6 +88,17 @@ def leaf_modules(model: nn.Module, cfg: LeafModuleConfig) -> set[nn.Module]:
                 )
     inside = {id(m) for leaf in matched for m in leaf.modules() if m is not leaf}
     return {m for m in matched if id(m) not in inside}
+
+
+#: the default bucket's ceiling, in elements (the large GPT's measured choice).
+DEFAULT_PREFETCH_CAP = 5_000_000
+
+
+def default_prefetch_numel(partitioned_per_rank: int) -> int:
+    """``stage3_prefetch_bucket_size`` when the config leaves it unset: a quarter of this
+    rank's partitioned elements (``partitioned_per_rank``, Ψ/N), at most
+    :data:`DEFAULT_PREFETCH_CAP`, at least 1 (one unit ahead). Elements, not bytes."""
+    return max(1, min(DEFAULT_PREFETCH_CAP, partitioned_per_rank // 4))
 
 
 def hooked_parameters(root: nn.Module, leaves: set[nn.Module]) -> list[tuple[nn.Module, list[Any]]]:
@@ -162,7 +181,8 @@ class ParamCoordinator:
     :param module: the root module.
     :param by_param: ``id(param) -> ZeroParam`` of every PARTITIONED parameter.
     :param prefetch_numel: ``stage3_prefetch_bucket_size``: elements prefetched and not yet
-        used at most (one unit more than this only when that unit alone is bigger).
+        used at most (one unit more than this only when that unit alone is bigger); ``None``:
+        :func:`default_prefetch_numel` of the hooked units' partitions.
     :param max_live_numel: ``stage3_max_live_parameters``: gathered elements held at most
         (prefetches that would exceed it are not issued; what a module needs is always gathered).
     :param max_reuse_distance: ``stage3_max_reuse_distance``: a unit the trace uses again
@@ -174,12 +194,11 @@ class ParamCoordinator:
         self,
         module: nn.Module,
         by_param: dict[int, ZeroParam],
-        prefetch_numel: int,
+        prefetch_numel: int | None,
         max_live_numel: int,
         max_reuse_distance: int,
         leaves: set[nn.Module] | None = None,
     ) -> None:
-        self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
         #: module -> the units of its direct partitioned parameters (a tied weight's unit is
@@ -193,6 +212,11 @@ class ParamCoordinator:
                     units.append(zp.unit)
             if units:
                 self.module_units[sub] = units
+        if prefetch_numel is None:
+            distinct = {id(u): u for units in self.module_units.values() for u in units}
+            prefetch_numel = default_prefetch_numel(sum(u.part for u in distinct.values()))
+        #: the bucket in force (the config's, or the default rule's), elements.
+        self.prefetch_numel: int = prefetch_numel
         #: per module, built once (not two closures per hook call): what its inputs' and
         #: outputs' gradients run on their way through (release after its backward, gather
         #: before it).

@@ -38,8 +38,8 @@ class Stack(nn.Module):
 def measure(stage: int, gas: int = 1, bucket: int | None = None) -> Callable[[], dict[str, Any]]:
     """``gas``: ``gradient_accumulation_steps`` (stage 1 accumulates a full gradient locally
     and reduce-scatters it at the window's last backward; without accumulation it streams as
-    stage 2 does); ``bucket``: ``stage3_prefetch_bucket_size`` in layers (default: the
-    config's default, which holds this whole model)."""
+    stage 2 does); ``bucket``: ``stage3_prefetch_bucket_size`` in layers (default: unset, the
+    engine's rule: a quarter of a rank's partitioned elements, under one layer here)."""
 
     def run() -> dict[str, Any]:
         import ds_core
@@ -79,6 +79,9 @@ def measure(stage: int, gas: int = 1, bucket: int | None = None) -> Callable[[],
         acc.synchronize()
         held = acc.memory_allocated() - before
         acc.reset_peak_memory_stats()
+        coord = engine.coordinator
+        if coord is not None:
+            coord.peak_live_numel = coord.live_numel
         micro_batches(2)
         # with overlap_comm the last reductions are still in flight: their buffers are held
         staging = engine.reducer.staging_bytes()
@@ -108,7 +111,11 @@ def measure(stage: int, gas: int = 1, bucket: int | None = None) -> Callable[[],
             "n_params": sum(zp.numel for zp in engine.zparams.values()),
             # stage 3: the gathered bytes of each partitioned unit, and the prefetch bucket
             "partitioned_units": [u.padded * 4 for u in units if u.mode is Mode.PARTITIONED],
-            "prefetch_bucket": engine.config.zero_optimization.stage3_prefetch_bucket_size * 4,
+            "partitioned_part": sum(u.part for u in units if u.mode is Mode.PARTITIONED),
+            "prefetch_bucket": coord.prefetch_numel * 4 if coord is not None else 0,
+            "configured_bucket": engine.config.zero_optimization.stage3_prefetch_bucket_size,
+            # the most gathered (held or in flight) during the measured step, bytes
+            "peak_gathered": coord.peak_live_numel * 4 if coord is not None else 0,
         }
         engine.destroy()
         acc.empty_cache()

@@ -44,7 +44,7 @@ def test_defaults_follow_deepspeed() -> None:
     assert z.reduce_bucket_size == 5_000_000
     assert z.allgather_bucket_size == 500_000_000
     assert z.overlap_comm is False
-    assert z.stage3_prefetch_bucket_size == 5_000_000
+    assert z.stage3_prefetch_bucket_size is None  # the engine's rule (ds_core/zero/stage3.py)
     assert z.stage3_param_persistence_threshold == 100_000
     assert z.stage3_max_live_parameters == 1_000_000_000
     assert cfg.optimizer is None and cfg.scheduler is None and cfg.accelerator == {}

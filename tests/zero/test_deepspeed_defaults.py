@@ -184,11 +184,14 @@ ROWS: list[Row] = [
     Row("zero_optimization.overlap_comm", True, f"{ZERO}.overlap_comm_valid", given=S3,
         scope="stage 3", note="stage 3"),
     Row("zero_optimization.stage3_prefetch_bucket_size", 50_000_000,
-        f"{ZERO}.prefetch_bucket_size", 5_000_000, "the elements prefetched ahead of use are "
-        "gathered parameters on top of stage 3's 16Ψ/N: at 5e7 a model under 5e7 parameters is "
-        "gathered ahead whole. Measured on sim, 2 ranks, stage 3 peak / ZeRO formula: 16 × "
-        "Linear(1024, 1024) 1.59 at 5e7, 1.41 at 1e7, 1.26 at 5e6 (the optimizer step's peak); "
-        "GPT large 1.59 / 1.25 / 1.26 (bench/memory_formula.py)"),
+        f"{ZERO}.prefetch_bucket_size", None, "unset: a quarter of each rank's partitioned "
+        "elements (Ψ/4N), at most 5e6 (ds_core/zero/stage3.py, default_prefetch_numel); a set "
+        "value is used as given. The elements prefetched ahead of use are gathered parameters on "
+        "top of stage 3's 16Ψ/N bytes, so Ψ/4N costs at most 1/16 of it on any model; a fixed "
+        "bucket is the whole model ahead on a small one. Measured on sim, 2 ranks, stage 3 peak "
+        "/ ZeRO formula (bench/memory_formula.py): GPT large 1.59 at 5e7, 1.26 at 5e6 and at the "
+        "rule (the optimizer step's peak); 16 × Linear(1024, 1024) 1.60 / 1.25 / 1.25; GPT small "
+        "(3.2 M) 1.82 at 5e7 and at 5e6, 1.51 at the rule"),
     Row("zero_optimization.stage3_param_persistence_threshold", 100_000,
         f"{ZERO}.param_persistence_threshold"),
     Row("zero_optimization.stage3_max_live_parameters", 1_000_000_000,

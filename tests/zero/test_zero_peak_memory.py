@@ -12,9 +12,14 @@ Two bounds, both derived from the engine's own buffers and the config, never fro
   parameter before the engine takes it and, at stage 3, the gathered unit being computed and
   what the prefetch keeps ahead: ``stage3_prefetch_bucket_size`` elements, or one unit when it
   alone is bigger, never more than the other units (ds_core/zero/stage3.py, [Note: stage-3
-  hooks]; the default bucket (5e6) holds this whole model, so ``s3bucket2`` also
-  runs with a bucket of two layers, where the bound is tight) (activations are a few KiB here). The optimizer: torch's foreach Adam
-  makes one temporary the size of the parameters it steps; no staging buffer is held then.
+  hooks]). Unset, the bucket is a quarter of a rank's partitioned elements (at most 5e6): on
+  this 1.6 M-parameter model less than one layer, so ``s3`` keeps one unit ahead, not the
+  whole model as a fixed 5e6 did; ``s3bucket2`` sets two layers and gets exactly that
+  (activations are a few KiB here). The optimizer: torch's foreach Adam makes one temporary
+  the size of the parameters it steps; no staging buffer is held then.
+
+The gathered elements themselves (the stage-3 coordinator's count of units held or in flight)
+are checked on every backend: they are the same on ``cpu`` and ``sim``.
 
 Run on 2 ranks (tests/zero/_peaks.py).
 """
@@ -79,4 +84,33 @@ def test_device_memory_stays_within_the_design(suite: SuiteGetter, job: str) -> 
         assert got["peak"] <= bound, (
             f"rank {rank}, stage {stage}: peak {got['peak']} bytes during a step, above "
             f"held {got['held']} + transients {bound - got['held']}: {got}"
+        )
+
+
+#: the coordinator's counts do not depend on sim's async mode: one mode is enough
+GATHER_BACKENDS = [b for b in BACKENDS if b == "cpu" or b == SIM[0]]
+
+
+@pytest.mark.parametrize("job", ["s3", "s3bucket2"])
+@pytest.mark.parametrize("backend", GATHER_BACKENDS)
+def test_stage3_prefetch_bucket_default_rule_and_explicit_setting(
+    suite: SuiteGetter, backend: str, job: str
+) -> None:
+    """Unset, ``stage3_prefetch_bucket_size`` is a quarter of the rank's partitioned elements
+    (at most 5e6); set, it is used as given. The gathered bytes during the step reach exactly
+    the unit computed plus that look-ahead."""
+    for rank, got in enumerate(suite("peaks", 2, backend).ranks(job)):
+        if job == "s3":
+            assert got["configured_bucket"] is None, got["configured_bucket"]
+            expected = min(5_000_000, got["partitioned_part"] // 4) * 4
+        else:
+            expected = got["configured_bucket"] * 4
+            assert got["configured_bucket"] == 2 * max(got["partitioned_units"]) // 4
+        assert got["prefetch_bucket"] == expected, (
+            f"rank {rank}, {job}: bucket {got['prefetch_bucket']} bytes, expected {expected}"
+        )
+        units = sorted(got["partitioned_units"])
+        assert got["peak_gathered"] == gathered_bound(got) < sum(units), (
+            f"rank {rank}, {job}: {got['peak_gathered']} bytes gathered at most, expected the "
+            f"unit computed plus the look-ahead, {gathered_bound(got)} of {sum(units)}"
         )

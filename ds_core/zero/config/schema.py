@@ -110,11 +110,15 @@ class ZeroConfig(BaseModel):
     """Elements per parameter all-gather bucket (stages 1/2). (Default: 5e8)"""
     overlap_comm: Bool = False
     """Issue collectives asynchronously and wait late. (Default: true at stage 3, else false)"""
-    stage3_prefetch_bucket_size: Int = Field(default=5_000_000, gt=0)
+    stage3_prefetch_bucket_size: Int | None = Field(default=None, gt=0)
     """Elements of parameters prefetched ahead of use at stage 3, along the recorded module
-    order; a unit bigger than this is still prefetched alone. (Default: 5e6; DeepSpeed's 5e7
-    gathers a model under 5e7 parameters ahead whole, 1.59 of the ZeRO formula at the peak:
-    docs/from-deepspeed.md)"""
+    order; a unit bigger than this is still prefetched alone. Set, it is used as given.
+    (Default: unset, meaning a quarter of each rank's partitioned elements Ψ/N, at most 5e6
+    (ds_core/zero/stage3.py, ``default_prefetch_numel``): gathered-ahead parameters then cost
+    at most 1/16 of stage 3's 16Ψ/N bytes on any model. Stage-3 peak / ZeRO formula on sim,
+    2 ranks: GPT large 1.26, 16 × Linear(1024, 1024) 1.25, GPT small 1.51 (1.82 at a fixed
+    5e6, which gathers that 3.2 M-parameter model ahead whole); DeepSpeed's 5e7: 1.59 on the
+    first two. docs/from-deepspeed.md, bench/README.md "memory_formula.py")"""
     stage3_param_persistence_threshold: Int = Field(default=100_000, ge=0)
     """Parameters with fewer elements stay whole on every rank at stage 3. (Default: 1e5)"""
     stage3_max_live_parameters: Int = Field(default=1_000_000_000, gt=0)
