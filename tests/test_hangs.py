@@ -5,7 +5,7 @@ The check: ds_core/hangs.py; the rule: docs/architecture.md §3.10. Each case ru
 rank processes (ranks leave by ``os._exit``) of tests/_hangs_rank.py, on the cpu and the sim
 backend. Time bounds: the process group's timeout there is 900 s and ``DS_HANG_TIMEOUT_S``
 keeps its default of 600 s, so a pair ending within :data:`GUARD_S` (far above the liveness
-bound of ``MISSES`` x ``PERIOD_S`` = 10 s, far below both) was ended by a definite verdict, not
+bound of ``MISSES`` x ``PERIOD_S`` = 5 s, far below both) was ended by a definite verdict, not
 by a timeout; no test measures a duration.
 """
 
@@ -26,7 +26,12 @@ from ds_core.comm import liveness
 from ds_core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-PERIOD_S, MISSES = 0.5, 20  # a 10 s bound: heartbeats survive a heavily loaded CI host
+# A 5 s bound, the liveness suite's for engine ranks, in 20 of this rank's own ticks: a loaded
+# host that delays the watcher's thread delays its count as well (ds_core/comm/liveness.py),
+# so a peer is not blamed for the host's load. Every fault case waits the bound out once,
+# and the compute and timeout cases a few periods past it; nothing asserted depends on its
+# length, and the production defaults are asserted by reading them (test_liveness.py).
+PERIOD_S, MISSES = 0.25, 20
 GUARD_S = 300
 BACKENDS = ["cpu", "sim"]
 LINE = re.compile(r"^ds_core: .*; exiting$", re.M)

@@ -35,7 +35,10 @@ from tests.checkpoint.test_resume import equal
 from tests.rankpool import RankPools, rank_env
 
 ROOT = Path(__file__).resolve().parents[1]
-PERIOD_S, MISSES = 0.5, 10
+#: a 3 s bound for engine ranks: each kill waits it out once, and nothing asserted depends on
+#: its length (the line's count of periods is checked against it); the production defaults
+#: are asserted by reading the settings (test_the_defaults_are_read_once_not_waited_for)
+PERIOD_S, MISSES = 0.3, 10
 #: the tests without an engine (``ring``: start-up and all_reduce only) beat faster
 RING_PERIOD_S = 0.2
 #: a hang guard for a whole trial (start-up, one step, a save, the kill, the watchdog): far
@@ -487,6 +490,14 @@ def test_bad_settings_are_named(monkeypatch: pytest.MonkeyPatch, name: str, valu
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=f"{name}={value!r}"):
         liveness.Settings.from_env()
+
+
+def test_the_defaults_are_read_once_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the watchdog beats every second and calls a peer dead after 10 silent periods
+    (the module docstring's defaults); the multi-rank tests here use shorter periods."""
+    for name in ("DS_LIVENESS", "DS_LIVENESS_PERIOD_S", "DS_LIVENESS_MISSES"):
+        monkeypatch.delenv(name, raising=False)
+    assert liveness.Settings.from_env() == liveness.Settings(True, period_s=1.0, misses=10)
 
 
 def _watchdog(store: Any, rank: int) -> liveness.Watchdog:
