@@ -6,7 +6,10 @@ as a vendor would run it, narrowed to the checks the test asserts on (``NARROW``
 report must show the failures that catch the fault, in that category alone, and the checks
 that must pass passing. The broken backends' runs are forked from one interpreter that has
 imported torch and ds_core (tools/forkserver.py: two thirds of a fresh run's CPU time was
-those imports); the other cases here run the CLI in a fresh interpreter.
+those imports), and their rank groups from multiprocessing's fork server
+(``DS_CONFORMANCE_RANK_START=forkserver``, ds_conformance/ranks.py: a fresh interpreter per
+rank was most of a comm case's CPU time); the other cases here run the CLI in a fresh
+interpreter with fresh rank interpreters, as a vendor's run does.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from ds_conformance import ranks
 from ds_conformance.comm_cases import cases
 
 from tests.broken_backends import ALSO_FAILS, BROKEN, ENV, MUST_PASS, NARROW, install
@@ -105,7 +109,7 @@ def test_broken_backend_fails_in_its_category(tmp_path: Path, stem: str, cli_for
         "--category",
         category,
         *extra,
-        env_extra=ENV.get(stem),
+        env_extra={ranks.START_ENV: "forkserver", **ENV.get(stem, {})},
         forks=cli_forks,
     )
     assert code == 1, f"{stem} ({what}) was not caught: exit {code}\n{output[-3000:]}"
@@ -176,3 +180,17 @@ def test_the_dead_peer_bound_defaults_to_30_s_and_refuses_a_bad_setting(
         monkeypatch.setenv(comm_dead_peer.BOUND_ENV, bad)
         with pytest.raises(ValueError, match=rf"DS_CONFORMANCE_HANG_S='{bad}': expected a posit"):
             comm_dead_peer.bound_s()
+
+
+def test_ranks_start_fresh_unless_the_fork_server_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A vendor's run starts each rank in a fresh interpreter; the fork server is opt-in, and
+    any other value is refused by name."""
+    monkeypatch.delenv(ranks.START_ENV, raising=False)
+    assert ranks.start_method() == "spawn"
+    monkeypatch.setenv(ranks.START_ENV, "forkserver")
+    assert ranks.start_method() == "forkserver"
+    monkeypatch.setenv(ranks.START_ENV, "fork")
+    with pytest.raises(ValueError, match="DS_CONFORMANCE_RANK_START='fork': expected 'spawn'"):
+        ranks.start_method()

@@ -4,11 +4,22 @@ Spawning ranks and forming a process group costs seconds, so one group per world
 every multi-rank job the selected tests need (``comm``: every collective case; ``zero``: the
 ZeRO smoke runs) and each test then reads its own result. Ranks are processes on the ``cpu``
 device type; elsewhere a world size needs that many devices, else its tests skip.
+
+Each rank is a fresh interpreter (``python -m ds_conformance._rank_worker``), as a vendor's
+launcher would start it. ``DS_CONFORMANCE_RANK_START=forkserver`` instead forks the ranks from
+one server that has imported :data:`FORKSERVER_PRELOAD` (multiprocessing's forkserver): the
+server imports modules only (none selects a backend, reads ``DS_*`` settings or touches a
+device at import), so every rank still initialises its backend and device after the fork.
+It saves the per-rank start-up (about two CPU seconds of ``import torch``) for suites that
+run the conformance suite many times, such as the project's broken-backend tests; unset, a
+vendor's run is unchanged.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -17,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import IO, Any
 
 import pytest
 
@@ -24,6 +36,62 @@ import pytest
 GROUP_TIMEOUT = 600.0
 #: test module -> the rank job it reads results from
 JOB_OF_MODULE: dict[str, str] = {"test_comm": "comm", "test_zero": "zero"}
+#: how rank processes start: "spawn" (a fresh interpreter each, the default) or "forkserver"
+START_ENV = "DS_CONFORMANCE_RANK_START"
+#: what the fork server imports before it forks ranks: modules only, none selects a backend
+FORKSERVER_PRELOAD = ["torch", "ds_core", "ds_conformance._rank_worker"]
+
+
+def start_method() -> str:
+    """The rank start method ``DS_CONFORMANCE_RANK_START`` selects (default ``"spawn"``).
+
+    :raises ValueError: a value other than ``spawn`` or ``forkserver``, naming the variable.
+    """
+    value = os.environ.get(START_ENV, "spawn").strip() or "spawn"
+    if value not in ("spawn", "forkserver"):
+        raise ValueError(f"{START_ENV}={value!r}: expected 'spawn' (the default) or 'forkserver'")
+    return value
+
+
+def _forked_rank(argv: list[str], env: dict[str, str], log: str) -> None:
+    """A rank forked by the fork server: the environment and output a fresh rank would have,
+    then the worker's ``main`` with ``argv``."""
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = ["ds_conformance._rank_worker", *argv]
+    from ds_conformance import _rank_worker
+
+    code = _rank_worker.main()
+    # an interpreter's exit: multiprocessing's children skip atexit, which a backend may use
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class _Forked:
+    """A forked rank behind the :class:`subprocess.Popen` calls :func:`spawn_group` makes."""
+
+    def __init__(self, ctx: Any, argv: list[str], env: dict[str, str], log: IO[str]) -> None:
+        self._proc = ctx.Process(target=_forked_rank, args=(argv, env, log.name), daemon=False)
+        self._proc.start()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired("ds_conformance._rank_worker", timeout or 0.0)
+        return self.returncode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
 
 
 def _free_port() -> int:
@@ -47,6 +115,10 @@ def spawn_group(
     Key ``__group__`` carries problems of the group itself (a rank that crashed or hung).
     """
     port = _free_port()
+    ctx: Any = None
+    if start_method() == "forkserver":
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="ds-conformance-ranks-") as tmp:
         selection = Path(tmp) / "cases.json"
         if cases is not None:
@@ -54,15 +126,18 @@ def spawn_group(
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         env["OMP_NUM_THREADS"] = "1"
         env.update(env_extra or {})
-        procs = []
+        procs: list[tuple[Any, Path, IO[str]]] = []
         for rank in range(world):
             out = Path(tmp) / f"rank{rank}.json"
-            cmd = [sys.executable, "-m", "ds_conformance._rank_worker"]
-            cmd += ["--rank", str(rank), "--world", str(world), "--port", str(port)]
-            cmd += ["--out", str(out), "--jobs", ",".join(sorted(jobs))]
+            argv = ["--rank", str(rank), "--world", str(world), "--port", str(port)]
+            argv += ["--out", str(out), "--jobs", ",".join(sorted(jobs))]
             if cases is not None:
-                cmd += ["--cases", str(selection)]
+                argv += ["--cases", str(selection)]
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
+            if ctx is not None:
+                procs.append((_Forked(ctx, argv, env, log), out, log))
+                continue
+            cmd = [sys.executable, "-m", "ds_conformance._rank_worker", *argv]
             procs.append(
                 (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
             )
