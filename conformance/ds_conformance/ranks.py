@@ -91,7 +91,8 @@ class _Forked:
 
     @property
     def returncode(self) -> int | None:
-        return self._proc.exitcode
+        code: int | None = self._proc.exitcode
+        return code
 
 
 def _free_port() -> int:
@@ -133,7 +134,7 @@ def spawn_group(
             argv += ["--out", str(out), "--jobs", ",".join(sorted(jobs))]
             if cases is not None:
                 argv += ["--cases", str(selection)]
-            log = open(Path(tmp) / f"rank{rank}.log", "w+")
+            log: IO[str] = open(Path(tmp) / f"rank{rank}.log", "w+")
             if ctx is not None:
                 procs.append((_Forked(ctx, argv, env, log), out, log))
                 continue
