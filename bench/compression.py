@@ -37,7 +37,7 @@ in-node copy follow; at 2 ranks there is one node, where hpZ's in-node group *is
 
 One table per (preset, world size). Each backend is one launch of the ranks; in it every
 configuration is built from the same seed and trained ``--steps`` steps (the convergence run:
-``small`` at 2 ranks on cpu) or ``--short-steps`` steps (everything else). Measured steps are
+the presets of ``--long-presets``, ``small`` by default, at 2 ranks on cpu) or ``--short-steps`` steps (everything else). Measured steps are
 those after the warm-up (the freeze step, then one transition step). Columns:
 
 - **MiB/step**: logical bytes per step per rank, every collective the engine or the optimizer
@@ -528,7 +528,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default="small", help=f"comma-separated, from {sorted(PRESETS)}")
     p.add_argument("--worlds", default="2,4", help="comma-separated rank counts")
-    p.add_argument("--steps", type=int, default=300, help="the convergence run (small, 2, cpu)")
+    p.add_argument("--steps", type=int, default=300, help="the convergence run (2 ranks, cpu)")
+    p.add_argument(
+        "--long-presets",
+        default="small",
+        help="presets whose 2-rank cpu launch is the convergence run",
+    )
     p.add_argument("--short-steps", type=int, default=16, help="every other launch's run")
     default = [c for c in CONFIGS if c not in variants.VARIANTS]  # diagnostics on request
     p.add_argument("--configs", default=",".join(default))
@@ -559,7 +564,7 @@ def main(argv: list[str] | None = None) -> None:
             run_configs = [c for c in configs if not (c == "hpz" and local_size == world)]
             skipped = [c for c in configs if c not in run_configs]
             runs: dict[str, dict[str, dict]] = {}
-            long_run = preset == "small" and world == 2
+            long_run = preset in args.long_presets.split(",") and world == 2
             for backend in args.backends.split(","):
                 steps = args.steps if long_run and backend == "cpu" else args.short_steps
                 a = argparse.Namespace(**{**vars(args), "preset": preset, "world": world})
