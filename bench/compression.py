@@ -557,6 +557,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
     t0 = time.perf_counter()
     curves: dict[str, list[float]] = {}
+    curves_preset = "small"
     for preset in args.presets.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             # 2 simulated nodes when the world splits evenly in two, else one node
@@ -584,9 +585,10 @@ def main(argv: list[str] | None = None) -> None:
             print(table(preset, world, local_size, runs, args))
             if long_run and "cpu" in runs:
                 curves = {n: r["losses"] for n, r in runs["cpu"].items() if not r["error"]}
+                curves_preset = preset
             print(flush=True)
     if curves:
-        title = f"GPT small, 2 ranks, cpu: {len(next(iter(curves.values())))} steps"
+        title = f"GPT {curves_preset}, 2 ranks, cpu: {len(next(iter(curves.values())))} steps"
         done = plot(curves, title)
         print(done)
         print(coarse_curves(curves))
