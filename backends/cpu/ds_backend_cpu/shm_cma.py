@@ -174,21 +174,16 @@ class Offer:
     min_bytes: int
 
 
-def offer(
-    threshold: int, scope: int | None = None, world: int = 2, most: int = DEFAULT_MAX_RANKS
-) -> tuple[Offer | str, object]:
+def offer(threshold: int, scope: int | None = None) -> tuple[Offer | str, object]:
     """This rank's offer (with its ``threshold``, :func:`min_bytes`) and the buffer that holds
     its token (keep it alive until every peer probed), or a reason when single-copy reads are
-    off here: switched off, a group of ``world`` ranks above ``most`` (:func:`max_ranks`), no
-    libc function, Yama forbidding it.
+    off here.
 
     Under Yama scope 1 this declares the parent process as this rank's ptracer (see the
     module docstring).
     """
     if not enabled():
         return f"{ENV_CMA}=0", None
-    if world > most:
-        return f"a group of {world} ranks (single-copy up to {ENV_MAX_RANKS}={most})", None
     fn = _libc_fn()
     if isinstance(fn, str):
         return fn, None

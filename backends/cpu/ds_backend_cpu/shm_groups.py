@@ -410,4 +410,6 @@ def _cma_offer(world: int) -> tuple[shm_cma.Offer | str, object]:
     except ValueError as exc:
         warnings.warn(f"{exc}; single-copy reads are off", stacklevel=2)
         return str(exc), None
-    return shm_cma.offer(threshold, world=world, most=most)
+    if world > most:
+        return f"a group of {world} ranks (single-copy up to {shm_cma.ENV_MAX_RANKS}={most})", None
+    return shm_cma.offer(threshold)
