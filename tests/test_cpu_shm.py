@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ds_backend_cpu import shm_cma, shm_groups, shm_segment, shm_sync
+from ds_backend_cpu import shm_cma, shm_segment, shm_sync
 
 from tests.rankpool import rank_env
 
@@ -106,10 +106,7 @@ def test_every_collective_op_and_dtype_matches_gloo(
 def test_single_copy_reads_match_gloo(world: int) -> None:
     """All-gathers read peers' memory (process_vm_readv) at every size; skipped where this
     host does not allow it, which the result says."""
-    results = _run(
-        "match", world, DS_CPU_SHM_SLOT_BYTES="8192", DS_CPU_SHM_CMA_MIN_BYTES="0",
-        DS_CPU_SHM_CMA_MAX_RANKS="4",
-    )  # fmt: skip
+    results = _run("match", world, DS_CPU_SHM_SLOT_BYTES="8192", DS_CPU_SHM_CMA_MIN_BYTES="0")
     if results[0]["cma_off"].startswith("rank"):  # the probe failed: a property of the host
         pytest.skip(f"single-copy reads unavailable here: {results[0]['cma_off']}")
     for r in results:
@@ -125,19 +122,6 @@ def test_a_failed_single_copy_read_is_redone_over_the_slots_on_every_rank() -> N
         assert not r["cma_on"], r
         assert "a read on rank 1 failed" in r["reason"], r
     assert "injected failure" in results[1]["reason"], results
-
-
-def test_groups_above_the_rank_limit_keep_the_slots(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Single-copy reads lose to the slots from 4 ranks (shm_cma's docstring): a larger group
-    is refused before any probe, naming the limit; the variable raises it."""
-    monkeypatch.setattr(shm_cma, "offer", lambda threshold: ("offered", None))
-    assert shm_groups._cma_offer(3) == ("offered", None)
-    assert (
-        shm_groups._cma_offer(4)[0]
-        == "a group of 4 ranks (single-copy up to DS_CPU_SHM_CMA_MAX_RANKS=3)"
-    )
-    monkeypatch.setenv(shm_cma.ENV_MAX_RANKS, "8")
-    assert shm_groups._cma_offer(8) == ("offered", None)
 
 
 def test_single_copy_probe_and_its_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,10 +141,6 @@ def test_single_copy_probe_and_its_refusals(monkeypatch: pytest.MonkeyPatch) -> 
     assert "ptrace_scope=3" in str(shm_cma.offer(0, scope=3)[0])
     monkeypatch.setenv(shm_cma.ENV_CMA, "0")
     assert shm_cma.offer(0, scope=0)[0] == "DS_CPU_SHM_CMA=0"
-    monkeypatch.setenv(shm_cma.ENV_MAX_RANKS, "1")
-    with pytest.raises(ValueError, match="DS_CPU_SHM_CMA_MAX_RANKS must be"):
-        shm_cma.max_ranks()
-    monkeypatch.delenv(shm_cma.ENV_MAX_RANKS)
     monkeypatch.setenv(shm_cma.ENV_MIN, "lots")
     with pytest.raises(ValueError, match="DS_CPU_SHM_CMA_MIN_BYTES must be"):
         shm_cma.min_bytes()

@@ -32,14 +32,6 @@ whose seccomp profile denies the call fails the probe with ``EPERM``/``ENOSYS``.
 probe fails, or whose reads later fail on any rank, uses the slots; the reason is kept
 (:func:`status`, shown by ``ds-core report`` under the ``shm_sync`` op).
 ``DS_CPU_SHM_CMA=0`` turns it off.
-
-Only groups of at most :func:`max_ranks` ranks (``DS_CPU_SHM_CMA_MAX_RANKS``, default 3) read
-single-copy: per output byte a rank copies (world + 1) / world through the slots at ``copy_``'s
-rate, against (world - 1) / world through the kernel plus its own row at ``copy_``'s, so
-single-copy wins only while the kernel's rate is above (world - 1) / world of ``copy_``'s: 0.5
-at 2 ranks, 0.67 at 3, 0.75 at 4; measured 0.73-0.82, and 4 ranks on this project's 2-core VM
-ran slower single-copy at every size from 4 to 64 MiB (bench/README.md, "cpu_collectives.py").
-Larger groups use the slots.
 """
 
 from __future__ import annotations
@@ -55,11 +47,8 @@ from dataclasses import dataclass
 
 ENV_CMA = "DS_CPU_SHM_CMA"
 ENV_MIN = "DS_CPU_SHM_CMA_MIN_BYTES"
-ENV_MAX_RANKS = "DS_CPU_SHM_CMA_MAX_RANKS"
 #: Below this many bytes per call the slots win: a single-copy call always takes two steps.
 DEFAULT_MIN_BYTES = 256 << 10
-#: Groups larger than this use the slots (the module docstring says why).
-DEFAULT_MAX_RANKS = 3
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 _PR_SET_PTRACER = 0x59616D61
 _TOKEN = 16
@@ -85,33 +74,21 @@ def enabled() -> bool:
     return os.environ.get(ENV_CMA, "1").lower() not in ("0", "false", "off", "no")
 
 
-def _env_int(name: str, default: int, least: int, what: str) -> int:
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    try:
-        n = int(value)
-    except ValueError:
-        n = least - 1
-    if n < least:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return n
-
-
 def min_bytes() -> int:
     """Bytes per call from which a collective reads single-copy (``DS_CPU_SHM_CMA_MIN_BYTES``).
 
     :raises ValueError: when the variable is not a non-negative integer.
     """
-    return _env_int(ENV_MIN, DEFAULT_MIN_BYTES, 0, "a non-negative number of bytes")
-
-
-def max_ranks() -> int:
-    """The largest group that reads single-copy (``DS_CPU_SHM_CMA_MAX_RANKS``, default 3).
-
-    :raises ValueError: when the variable is not an integer of at least 2.
-    """
-    return _env_int(ENV_MAX_RANKS, DEFAULT_MAX_RANKS, 2, "a number of ranks of at least 2")
+    value = os.environ.get(ENV_MIN, "")
+    if not value:
+        return DEFAULT_MIN_BYTES
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{ENV_MIN} must be a non-negative number of bytes, got {value!r}")
+    return n
 
 
 def _libc_fn() -> object:

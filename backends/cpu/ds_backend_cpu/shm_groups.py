@@ -346,7 +346,7 @@ def _setup(h: Handshake) -> ShmProtocol | str:
     cma_offer: shm_cma.Offer | str = "shared memory is off"
     cma_token: object = None  # the offered token's buffer: alive until every peer probed it
     if not local_reason:
-        cma_offer, cma_token = _cma_offer(world)
+        cma_offer, cma_token = _cma_offer()
     facts = h.all_gather_object((seg_mod.host_key(), local_reason, cma_offer))
     for r, (key, reason, _offer) in enumerate(facts):
         if reason:
@@ -401,15 +401,12 @@ def _setup(h: Handshake) -> ShmProtocol | str:
     return protocol
 
 
-def _cma_offer(world: int) -> tuple[shm_cma.Offer | str, object]:
-    """This rank's single-copy offer for a group of ``world`` ranks; a bad setting turns
-    single-copy reads off with a warning rather than failing the group's setup halfway through
-    its handshake."""
+def _cma_offer() -> tuple[shm_cma.Offer | str, object]:
+    """This rank's single-copy offer; a bad threshold turns single-copy reads off with a
+    warning rather than failing the group's setup halfway through its handshake."""
     try:
-        threshold, most = shm_cma.min_bytes(), shm_cma.max_ranks()
+        threshold = shm_cma.min_bytes()
     except ValueError as exc:
         warnings.warn(f"{exc}; single-copy reads are off", stacklevel=2)
         return str(exc), None
-    if world > most:
-        return f"a group of {world} ranks (single-copy up to {shm_cma.ENV_MAX_RANKS}={most})", None
     return shm_cma.offer(threshold)
