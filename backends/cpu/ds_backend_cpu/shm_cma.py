@@ -66,8 +66,6 @@ _lock = threading.Lock()
 _fn: object = None  # the libc function, or a string saying why there is none
 _groups_on = 0
 _last_off = ""
-_calls = 0  # collective calls this process completed single-copy
-_bytes = 0  # bytes it read from peers in them
 
 
 def enabled() -> bool:
@@ -152,9 +150,8 @@ class Offer:
 
 
 def offer(threshold: int, scope: int | None = None) -> tuple[Offer | str, object]:
-    """This rank's offer (with its ``threshold``, :func:`min_bytes`) and the buffer that holds
-    its token (keep it alive until every peer probed), or a reason when single-copy reads are
-    off here.
+    """This rank's offer (with its ``threshold``, :func:`min_bytes`), and the buffer that holds its token (keep it alive until every peer
+    probed), or a reason when single-copy reads are off here.
 
     Under Yama scope 1 this declares the parent process as this rank's ptracer (see the
     module docstring).
@@ -216,32 +213,15 @@ def note(on: bool, reason: str) -> None:
             _last_off = reason
 
 
-def count(nbytes: int) -> None:
-    """Record one collective call completed single-copy, ``nbytes`` read from peers."""
-    global _calls, _bytes
-    with _lock:
-        _calls += 1
-        _bytes += nbytes
-
-
-def counts() -> tuple[int, int]:
-    """Collective calls this process completed single-copy, and the bytes read in them."""
-    with _lock:
-        return _calls, _bytes
-
-
 def status() -> str:
     """Whether this process's groups read single-copy, in words (no peer is contacted)."""
     with _lock:
-        on, off, calls, nbytes = _groups_on, _last_off, _calls, _bytes
+        on, off = _groups_on, _last_off
     if not enabled():
         return f"single-copy reads off ({ENV_CMA}=0)"
     parts = []
     if on:
-        parts.append(
-            f"single-copy reads (process_vm_readv) in {on} group(s), "
-            f"{calls} call(s) so far, {nbytes / 2**20:.1f} MiB read"
-        )
+        parts.append(f"single-copy reads (process_vm_readv) in {on} group(s)")
     if off:
         parts.append(f"slots only in a group because {off}")
     return "; ".join(parts) or "single-copy reads (process_vm_readv) probed at a group's setup"
