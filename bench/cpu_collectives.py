@@ -89,8 +89,6 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], evict_bytes: int, 
     acc.barrier()
     protocol = shm_groups.existing(None)
     path = type(protocol.flags).__name__ if protocol else "none (gloo fallback)"
-    if protocol:  # whether all-gathers read single-copy (ds_backend_cpu.shm_cma)
-        path += ", single-copy reads" if protocol.cma else f", slots only ({protocol.cma_reason})"
     rows: dict[tuple[str, str, int], tuple[float, float]] = {}
     scratch = torch.ones(evict_bytes // 4)
     for nbytes in sizes:

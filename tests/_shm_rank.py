@@ -335,36 +335,10 @@ def scenario_require(runner: Runner) -> dict[str, Any]:
     raise AssertionError("a complex64 all_reduce fell back silently")
 
 
-def scenario_cma_fail(runner: Runner) -> dict[str, Any]:
-    """Rank 1's first single-copy read fails: every rank redoes that call over the slots (the
-    result still equals gloo's) and the group reads through the slots from then on."""
-    from ds_backend_cpu import shm_cma, shm_groups
-
-    me = runner.dist.get_rank()
-    gen = torch.Generator().manual_seed(5 + me)
-    runner.run("all_gather", None, torch.float32, "", 1000, False, gen)  # sets the group up
-    protocol = shm_groups.existing(None)
-    if protocol is None or not protocol.cma:
-        raise AssertionError(f"single-copy reads are off: {protocol and protocol.cma_reason}")
-    real = shm_cma.read
-
-    def failing(pid: int, dst: int, src: int, nbytes: int) -> None:
-        raise shm_cma.CmaError(14, "injected failure")
-
-    if me == 1:
-        shm_cma.read = failing
-    try:
-        for kind in ("all_gather", "reduce_scatter", "broadcast"):
-            runner.run(kind, None, torch.float32, "sum", 70_001, False, gen)
-    finally:
-        shm_cma.read = real
-    return {"cma_on": protocol.cma, "reason": protocol.cma_reason}
-
-
 def main() -> None:
     scenario = sys.argv[1]
     torch.set_num_threads(1)
-    from ds_backend_cpu import comm, shm_groups
+    from ds_backend_cpu import comm
 
     import ds_core
 
@@ -374,9 +348,6 @@ def main() -> None:
     counts = comm.transport_counts()
     result["shm_calls"] = sum(v for (_, t, _), v in counts.items() if t == "shm")
     result["gloo_reasons"] = sorted({r for (_, t, r), _ in counts.items() if t == "gloo"})
-    world = shm_groups.existing(None)
-    # "" when the world group read single-copy throughout (ds_backend_cpu.shm_cma)
-    result["cma_off"] = world.cma_reason if world is not None else "no shared-memory group"
     print("OK " + json.dumps(result), flush=True)
     ds_core.comm.destroy_distributed()
     # Skip interpreter finalization: with torch 2.13, gloo's threads can still abort the

@@ -92,59 +92,10 @@ def _paths() -> list[tuple[str, dict[str, str]]]:
 def test_every_collective_op_and_dtype_matches_gloo(
     world: int, path: tuple[str, dict[str, str]]
 ) -> None:
-    # The slot path alone: single-copy reads have their own test below.
-    results = _run("match", world, DS_CPU_SHM_SLOT_BYTES="8192", DS_CPU_SHM_CMA="0", **path[1])
+    results = _run("match", world, DS_CPU_SHM_SLOT_BYTES="8192", **path[1])
     for r in results:
         assert r["gloo_reasons"] == [], r  # every call took the shared-memory path
         assert r["shm_calls"] > 500
-        assert r["cma_off"] == "rank 0: DS_CPU_SHM_CMA=0", r
-
-
-@pytest.mark.slow  # real rank processes
-@pytest.mark.parametrize("world", [2, 4])
-def test_single_copy_reads_match_gloo(world: int) -> None:
-    """All-gathers read peers' memory (process_vm_readv) at every size; skipped where this
-    host does not allow it, which the result says."""
-    results = _run("match", world, DS_CPU_SHM_SLOT_BYTES="8192", DS_CPU_SHM_CMA_MIN_BYTES="0")
-    if results[0]["cma_off"].startswith("rank"):  # the probe failed: a property of the host
-        pytest.skip(f"single-copy reads unavailable here: {results[0]['cma_off']}")
-    for r in results:
-        assert r["gloo_reasons"] == [] and r["shm_calls"] > 500, r
-        assert r["cma_off"] == "", r  # on at setup and no read failed afterwards
-
-
-@pytest.mark.slow  # real rank processes
-def test_a_failed_single_copy_read_is_redone_over_the_slots_on_every_rank() -> None:
-    results = _run("cma_fail", 2, DS_CPU_SHM_CMA_MIN_BYTES="0")
-    for r in results:
-        assert not r["cma_on"], r
-        assert "a read on rank 1 failed" in r["reason"], r
-    assert "injected failure" in results[1]["reason"], results
-
-
-def test_single_copy_probe_and_its_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank reads a token from its own memory; a wrong token, a gone pid, the switch and
-    Yama scope 3 each say why."""
-    from ds_backend_cpu import shm_cma
-
-    first, keep1 = shm_cma.offer(0, scope=0)
-    second, keep2 = shm_cma.offer(0, scope=0)
-    assert isinstance(first, shm_cma.Offer) and isinstance(second, shm_cma.Offer)
-    assert shm_cma.probe([first, second], 0, [0, 1]) == ""
-    second.token = bytes(16)
-    assert "wrong token" in shm_cma.probe([first, second], 0, [0, 1])
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    second.pid, second.token = gone.pid, first.token
-    assert "cannot read rank 1" in shm_cma.probe([first, second], 0, [0, 1])
-    assert shm_cma.probe([first, "DS_CPU_SHM_CMA=0"], 0, [0, 1]) == "rank 1: DS_CPU_SHM_CMA=0"
-    assert "ptrace_scope=3" in str(shm_cma.offer(0, scope=3)[0])
-    monkeypatch.setenv(shm_cma.ENV_CMA, "0")
-    assert shm_cma.offer(0, scope=0)[0] == "DS_CPU_SHM_CMA=0"
-    monkeypatch.setenv(shm_cma.ENV_MIN, "lots")
-    with pytest.raises(ValueError, match="DS_CPU_SHM_CMA_MIN_BYTES must be"):
-        shm_cma.min_bytes()
-    del keep1, keep2
 
 
 @pytest.mark.slow  # real rank processes

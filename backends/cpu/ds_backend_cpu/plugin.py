@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_backend_cpu import comm, memory, shm_cma, shm_groups, shm_p2p, shm_sync
+from ds_backend_cpu import comm, memory, shm_groups, shm_p2p, shm_sync
 from ds_backend_cpu.graph import CpuGraph
 from ds_core import hookimpl
 from ds_core.backend_kit import (
@@ -363,7 +363,7 @@ class _ShmSyncProvider:
     def status(self) -> str:
         if not shm_groups.enabled():
             return f"inactive: {shm_groups.ENV_ENABLE}=0"
-        return f"{shm_sync.status()}; {shm_cma.status()}"
+        return shm_sync.status()
 
 
 @hookimpl

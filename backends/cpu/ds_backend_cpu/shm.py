@@ -26,11 +26,6 @@ copies into its slot only the regions its peers reduce and reads its own region 
 its buffer. An all-reduce rank so copies (2 world - 1) / world of the piece (its peers'
 regions in and out, its own result out to them) besides reducing 1/world of it: 1.5x the
 piece on 2 ranks, against 2x when every rank copied its whole piece in.
-
-An all-gather of at least ``cma_min`` bytes skips the slots where the group's ranks may read
-each other's memory: see [Note: single-copy collectives] in
-:mod:`ds_backend_cpu.shm_cma`. Which path a call takes depends only on values every rank
-agrees on (the group's probe, the byte count in the checked record), so ranks never mix them.
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ds_backend_cpu import shm_cma
 from ds_backend_cpu import shm_segment as seg_mod
 from ds_backend_cpu.shm_sync import Flags, pid_alive
 
@@ -156,10 +150,6 @@ class ShmProtocol:
         self._peer_ranks = [r for r in range(self.world) if r != rank]
         self._pids = [0] * self.world
         self._record_words = lay.record_words
-        self._addr = [segment.word_index(r, seg_mod.ADDR_WORD) for r in range(self.world)]
-        self._fail = [segment.word_index(r, seg_mod.FAIL_WORD) for r in range(self.world)]
-        #: whether collectives read single-copy (set by the group's setup), and why not
-        self.cma, self.cma_reason, self.cma_min = False, "not probed", 0
 
     # ---------------------------------------------------------------- setup and steps
 
@@ -304,46 +294,6 @@ class ShmProtocol:
         """Elements of ``dtype`` in ``nbytes`` (default: one slot)."""
         return (nbytes or self.seg.slot_bytes) // torch.empty((), dtype=dtype).element_size()
 
-    def _single(self, nbytes: int, error: str) -> bool:
-        """Whether a call of ``nbytes`` reads single-copy (the same answer on every rank)."""
-        return self.cma and not error and nbytes > 0 and nbytes >= self.cma_min
-
-    def _exposed(self, kind: str, fields: dict[int, int], shape: Sequence[int],
-                 exposed: torch.Tensor, read: Callable[[list[int]], None]) -> bool:  # fmt: skip
-        """Run a call whose peers read ``exposed`` (this rank's buffer) straight from here.
-
-        Publishes its address, runs the first step, calls ``read`` with every rank's address,
-        and takes a second step so that ``exposed`` stays unchanged until every reader is done.
-
-        :returns: ``False`` when a read failed on any rank (every rank sees it): the group
-            reads through the slots from now on and the caller redoes the call there.
-        """
-        # Counted as the slot path's first piece is, so slot parities agree on every rank
-        # even when a mismatch raises below with ranks on different paths.
-        self.pieces += 1
-        self.flags.store(self._addr[self.rank], exposed.data_ptr())
-        self.begin(kind, fields, shape, "")
-        failed = ""
-        try:
-            read([self.flags.load(i) for i in self._addr])
-        except shm_cma.CmaError as exc:
-            failed = str(exc)
-            self.flags.store(self._fail[self.rank], self.calls)
-        self._sync(kind)
-        bad = [r for r in range(self.world) if self.flags.load(self._fail[r]) == self.calls]
-        if not bad:
-            return True
-        self.cma = False
-        self.cma_reason = f"a read on rank {self.ranks[bad[0]]} failed in call #{self.calls}"
-        if failed:
-            self.cma_reason += f" ({failed})"
-        shm_cma.note(False, self.cma_reason)
-        return False
-
-    def _read(self, r: int, dst: torch.Tensor, address: int) -> None:
-        """Fill ``dst`` from address ``address`` in group rank ``r``'s memory."""
-        shm_cma.read(self._pids[r], dst.data_ptr(), address, dst.numel() * dst.element_size())
-
     def barrier(self) -> None:
         self.begin("barrier", {}, (), "")
 
@@ -428,21 +378,6 @@ class ShmProtocol:
         fields = {_DTYPE: DTYPES.index(inp.dtype) + 1, _NUMEL: n, _NUMEL2: out.numel()}
         # The usual in-place form: the input is this rank's own chunk of the output.
         in_place = not error and inp.data_ptr() == out.data_ptr() + me * n * inp.element_size()
-        if self._single(n * inp.element_size(), error):
-            # Peers read my input while I fill my output: they may share memory only in the
-            # in-place form, where I never write my own row.
-            src = inp.clone() if not in_place and _overlaps(out, inp) else inp
-            rows = out.view(w, n)
-
-            def read(at: list[int]) -> None:
-                for r in self._peer_ranks:
-                    self._read(r, rows[r], at[r])
-                if not in_place:
-                    rows[me].copy_(src)
-
-            if self._exposed("all_gather", fields, shape, src, read):
-                return
-            inp = src
         for i, start in enumerate(range(0, max(n, 1), cap)):
             m = min(cap, n - start)
             slots = self._next_slots(inp.dtype)

@@ -6,8 +6,6 @@ one gloo all-gather decides whether the group qualifies (every rank on this host
 memory enabled and a synchronisation path available on each), the first rank creates the
 segment and broadcasts its name, the others attach, one more all-gather confirms every attach
 and the name is unlinked (see [Note: segment lifetime] in :mod:`ds_backend_cpu.shm_segment`).
-The same two all-gathers carry the single-copy probe: each rank's offer with the first, each
-rank's verdict on its peers' with the second (:mod:`ds_backend_cpu.shm_cma`).
 Any failure leaves the group on gloo, on every rank alike, with the reason recorded.
 Those setup calls go through a :class:`Handshake`: over a registered process group by
 default, or (:class:`BackendHandshake`) over a bare c10d backend object that
@@ -25,7 +23,6 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_backend_cpu import shm_cma, shm_sync
 from ds_backend_cpu import shm_segment as seg_mod
+from ds_backend_cpu import shm_sync
 from ds_backend_cpu.shm import ShmProtocol
 
 ENV_ENABLE = "DS_CPU_SHM"
@@ -343,12 +340,8 @@ def _setup(h: Handshake) -> ShmProtocol | str:
         local_reason = f"{ENV_ENABLE}=0"
     else:
         local_reason = shm_sync.unavailable_reason()
-    cma_offer: shm_cma.Offer | str = "shared memory is off"
-    cma_token: object = None  # the offered token's buffer: alive until every peer probed it
-    if not local_reason:
-        cma_offer, cma_token = _cma_offer()
-    facts = h.all_gather_object((seg_mod.host_key(), local_reason, cma_offer))
-    for r, (key, reason, _offer) in enumerate(facts):
+    facts = h.all_gather_object((seg_mod.host_key(), local_reason))
+    for r, (key, reason) in enumerate(facts):
         if reason:
             return f"rank {ranks[r]}: {reason}"
         if key != facts[0][0]:
@@ -371,15 +364,12 @@ def _setup(h: Handshake) -> ShmProtocol | str:
             segment = seg_mod.attach(announce[0], layout)
         except seg_mod.SegmentError as exc:
             problem = str(exc)
-    offers = [f[2] for f in facts]
-    cma_problem = "" if problem else shm_cma.probe(offers, rank, ranks)
     try:
-        outcomes = h.all_gather_object((problem, cma_problem))
+        outcomes = h.all_gather_object(problem)
     finally:
         if segment is not None:
             segment.unlink()  # every rank is attached (or gave up): the name can go
-    del cma_token  # every rank probed before it joined the all-gather above
-    for r, (outcome, _cma) in enumerate(outcomes):
+    for r, outcome in enumerate(outcomes):
         if outcome:
             return f"rank {ranks[r]}: {outcome}"
     if segment is None:  # pragma: no cover - every rank reported success above
@@ -390,23 +380,7 @@ def _setup(h: Handshake) -> ShmProtocol | str:
     if flags is None:  # pragma: no cover - checked before the all-gather
         return shm_sync.unavailable_reason()
     protocol = ShmProtocol(segment, flags, rank, ranks, h.timeout)
-    protocol.cma_reason = next((why for _, why in outcomes if why), "")
-    protocol.cma = not protocol.cma_reason
-    if protocol.cma:  # the largest threshold any rank asked for, so all choose alike
-        protocol.cma_min = max(o.min_bytes for o in offers if isinstance(o, shm_cma.Offer))
-    shm_cma.note(protocol.cma, protocol.cma_reason)
     protocol.publish_pid()
     h.barrier()  # every pid is published before anyone reads them
     protocol.read_pids()
     return protocol
-
-
-def _cma_offer() -> tuple[shm_cma.Offer | str, object]:
-    """This rank's single-copy offer; a bad threshold turns single-copy reads off with a
-    warning rather than failing the group's setup halfway through its handshake."""
-    try:
-        threshold = shm_cma.min_bytes()
-    except ValueError as exc:
-        warnings.warn(f"{exc}; single-copy reads are off", stacklevel=2)
-        return str(exc), None
-    return shm_cma.offer(threshold)

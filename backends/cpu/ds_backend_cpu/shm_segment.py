@@ -14,8 +14,7 @@ of the creator between the create and the attach report, a few milliseconds at g
 [Note: layout]
 ``| control block of rank 0 | ... | control block of rank W-1 | data slots |``. A control block
 (64-byte aligned) holds, each on its own cache line, the
-rank's arrival counter (the only word other ranks wait on), its pid, the address it exposes to
-single-copy reads and two alternating
+rank's arrival counter (the only word other ranks wait on), its pid, and two alternating
 metadata records (by call parity) describing the call it has posted. Data slots: two per rank
 (by step parity, parity-major), each :attr:`Segment.slot_bytes` long. Why two of each: see
 [Note: protocol] in :mod:`ds_backend_cpu.shm`.
@@ -41,8 +40,6 @@ ALIGN = 64
 COUNTER_WORD = 0
 PID_WORD = 8
 SLEEPERS_WORD = 9  # peers asleep on this rank's counter (C helper only)
-ADDR_WORD = 10  # address of the buffer this rank exposes to single-copy reads (shm_cma)
-FAIL_WORD = 11  # the call number in which this rank's single-copy read failed
 RECORD_WORD = 16
 META_WORDS = 24
 
