@@ -146,6 +146,11 @@ def build_fsdp2(model: torch.nn.Module) -> Trainer:
     return _torch_trainer(model, model, opt, lambda: opt.state, stage=3)
 
 
+#: ``stage3_prefetch_bucket_size`` of the ds_core runs, ``None`` for the default rule
+#: (zero_vs_peers.py's ``+pb<N>`` suffix sets it for one configuration)
+PREFETCH_BUCKET: int | None = None
+
+
 def ds_config(
     stage: int,
     micro_batch: int,
@@ -178,6 +183,8 @@ def ds_config(
     }
     if default_persistence:
         del cfg["zero_optimization"]["stage3_param_persistence_threshold"]
+    if PREFETCH_BUCKET is not None:
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = PREFETCH_BUCKET
     if leaf_blocks:
         cfg["zero_optimization"]["leaf_module"] = {"classes": ["Block"]}
     if offload and nvme_path is not None:

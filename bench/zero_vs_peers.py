@@ -30,6 +30,8 @@ rotated every round, because this machine's speed drifts by up to 1.8× between 
   §3.10), to show what the watchdog costs a step: ``--configs ds2,ds2+nolive``
 - ``<config>+nohang`` the same without the hang check's per-collective record
   (ds_core/hangs.py), to show what it costs a step: ``--configs ds2,ds2+nohang``
+- ``<config>+pb<N>`` the same with ``stage3_prefetch_bucket_size`` N elements instead of the
+  default rule (ds_core/zero/stage3.py): ``--configs ds3_default,ds3_default+pb5e6``
 
 All use fp32, gradient clipping at 1.0 (scale-sensitive, so a wrong gradient average shows
 in the loss) and AdamW(lr 3e-4, no weight decay). Per configuration it prints: median step
@@ -113,6 +115,16 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunRes
     base, plus, flag = name.partition("+")
     if not plus:
         return measure(name, args, tokens)
+    if flag.startswith("pb"):
+        from bench import peers_build
+
+        peers_build.PREFETCH_BUCKET = int(float(flag[2:]))
+        try:
+            result = measure(base, args, tokens)
+        finally:
+            peers_build.PREFETCH_BUCKET = None
+        result.name = name
+        return result
     if flag == "nohang":
         from ds_core import hangs
 
@@ -124,7 +136,9 @@ def run_one(name: str, args: argparse.Namespace, tokens: torch.Tensor) -> RunRes
         result.name = name
         return result
     if flag != "nolive":
-        raise ValueError(f"configuration {name!r}: the suffixes are +nolive and +nohang")
+        raise ValueError(
+            f"configuration {name!r}: the suffixes are +nolive, +nohang and +pb<elements>"
+        )
     from ds_core.comm import liveness
 
     liveness.stop()
