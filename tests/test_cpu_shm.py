@@ -12,17 +12,15 @@ import os
 import signal
 import socket
 import stat
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from ds_backend_cpu import shm_segment, shm_sync
 
+from tests import forkrank
 from tests.rankpool import rank_env
 
-ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 600  # only against a hang; never a speed check
 
 
@@ -32,30 +30,22 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(scenario: str, world: int, **env: str) -> list[subprocess.Popen[str]]:
+def _launch(scenario: str, world: int, **env: str) -> list[forkrank.Forked]:
+    """``world`` ranks of ``scenario``, forked from a server that imported torch and ds_core
+    (tests/forkrank.py): a case's time goes to the transport, not to interpreters' start-up."""
     port = _port()
     procs = []
     for rank in range(world):
         env_r = {
             **os.environ,
             **rank_env(rank, world, port, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             **env,
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests._shm_rank", scenario],
-                env=env_r,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        procs.append(forkrank.popen(["-m", "tests._shm_rank", scenario], env_r))
     return procs
 
 
-def _results(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]]:
+def _results(procs: list[forkrank.Forked]) -> list[tuple[int, str, str]]:
     out = []
     try:
         for p in procs:

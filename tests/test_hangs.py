@@ -24,6 +24,7 @@ import pytest
 from ds_core import hangs
 from ds_core.comm import liveness
 from ds_core.errors import ConfigError
+from tests import forkrank
 
 ROOT = Path(__file__).resolve().parents[1]
 # A 5 s bound, the liveness suite's for engine ranks, in 20 of this rank's own ticks: a loaded
@@ -108,10 +109,9 @@ def _pair(case: str, backend: str, work: Path, **extra: str) -> list[tuple[int, 
         }
         if "DS_HANG_TIMEOUT_S" not in extra:
             env.pop("DS_HANG_TIMEOUT_S", None)  # the default: far above GUARD_S
-        command = [sys.executable, "-m", "tests._hangs_rank", case, str(work)]
-        procs.append(
-            subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-        )
+        # forked from a server that imported torch and ds_core (tests/forkrank.py): the
+        # pair's time goes to the fault, not to two interpreters' start-up
+        procs.append(forkrank.popen(["-m", "tests._hangs_rank", case, str(work)], env=env))
     out = []
     for proc in procs:
         try:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ds_core.comm import liveness
 from ds_core.errors import ConfigError
+from tests import forkrank
 from tests.checkpoint.test_resume import equal
 from tests.rankpool import RankPools, rank_env
 
@@ -101,15 +102,11 @@ def _pair(
     logs = [work / f"{phase}.rank{rank}.err" for rank in range(world)]
     procs = []
     for rank in range(world):
-        with open(logs[rank], "wb") as err:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tests._liveness_rank", phase, str(work)],
-                    cwd=ROOT,
-                    env={**_env(rank, port, world, period, backend), "DS_TEST_VICTIMS": victims},
-                    stderr=err,
-                )
-            )
+        # forked from a server that imported torch and ds_core (tests/forkrank.py)
+        env = {**_env(rank, port, world, period, backend), "DS_TEST_VICTIMS": victims}
+        procs.append(
+            forkrank.popen(["-m", "tests._liveness_rank", phase, str(work)], env, err=logs[rank])
+        )
     ended: dict[int, float] = {}
     deadline = time.monotonic() + GUARD_S
     try:

@@ -1,0 +1,57 @@
+"""tests/forkrank.py: a forked rank runs its command line as a fresh ``python`` would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests import forkrank
+
+pytestmark = pytest.mark.slow  # a server process that imports torch
+
+CODE = """
+import os, sys
+print("argv", sys.argv[1:], "var", os.environ.get("FORKRANK_VAR"), "cwd", os.getcwd())
+print("stray", "FORKRANK_STRAY" in os.environ, file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_code_gets_its_argv_environment_folder_and_exit_status(tmp_path: Path) -> None:
+    os.environ["FORKRANK_STRAY"] = "1"  # in this process only: the child's env is what it is given
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "FORKRANK_STRAY"}
+        proc = forkrank.popen(["-c", CODE, "3", "x"], {**env, "FORKRANK_VAR": "v"}, cwd=tmp_path)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        del os.environ["FORKRANK_STRAY"]
+    assert proc.returncode == 3
+    assert out.strip() == f"argv ['3', 'x'] var v cwd {tmp_path}"
+    assert err.strip() == "stray False"
+
+
+def test_a_module_that_raises_exits_1_with_its_traceback(tmp_path: Path) -> None:
+    (tmp_path / "forkrank_boom.py").write_text("raise ValueError('boom')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    # the server's sys.path is fixed: put the module's folder first through -c
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import runpy; " + (
+        "runpy.run_module('forkrank_boom', run_name='__main__')"
+    )
+    proc = forkrank.popen(["-c", code], env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "ValueError: boom" in err and "Traceback" in err
+
+
+def test_kill_poll_and_wait_behave_as_popens(tmp_path: Path) -> None:
+    proc = forkrank.popen(["-c", "import time; time.sleep(600)"], dict(os.environ))
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    proc.kill()  # after the end: nothing to do, as Popen.kill
