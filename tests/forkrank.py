@@ -25,6 +25,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,8 @@ class Forker:
         self._pids: dict[int, int] = {}  # tag -> pid
         self._codes: dict[int, int] = {}  # pid -> exit code
         self._tag = 0
+        #: the ranks' output files when a test names none, removed by :meth:`close`
+        self._folder = Path(tempfile.mkdtemp(prefix="forkrank-"))
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -140,11 +143,10 @@ class Forker:
     def start(
         self, argv: list[str], env: dict[str, str], cwd: Path, out: Path | None, err: Path | None
     ) -> Forked:
-        folder = Path(tempfile.mkdtemp(prefix="forkrank-"))
-        out, err = out or folder / "out", err or folder / "err"
         with self._lock:
             self._tag += 1
             tag = self._tag
+        out, err = out or self._folder / f"{tag}.out", err or self._folder / f"{tag}.err"
         request = {
             "argv": argv,
             "env": env,
@@ -179,6 +181,7 @@ class Forker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self._folder, ignore_errors=True)
 
 
 class Forked:

@@ -259,7 +259,7 @@ class RankPools:
         return pool
 
     def _make_room(self, world: int) -> None:
-        # An evicted pool's ranks exit while the new pool's start: the test waits for neither
+        # An evicted pool's ranks exit while the new pool starts: the test waits for neither
         # the other's teardown nor its interpreter's finalization.
         while self._pools and sum(p.world for p in self._pools.values()) + world > MAX_LIVE_RANKS:
             oldest = self._pools.pop(next(iter(self._pools)))
