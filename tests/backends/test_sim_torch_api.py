@@ -71,6 +71,39 @@ def test_record_stream_holds_a_freed_block_until_the_stream_ran_its_work() -> No
     assert "takes a sim stream" in r["refused"]
 
 
+def test_a_freed_block_goes_back_to_the_pool_of_the_stream_it_was_allocated_on() -> None:
+    """A block freed while its stream still has work queued on it is handed only to later
+    allocations on that stream (ordered after that work), as CUDA's caching allocator pools
+    per stream: another stream's allocation gets fresh memory and cannot overwrite it first."""
+    # lazy mode: queued work runs only when waited for, so the side stream's copy out of
+    # the block is still pending when the block is freed and the default stream allocates
+    r = run(
+        """
+        sim = device.init()
+        side = sim.Stream()
+        host = torch.zeros(1024).pin_memory()
+        with sim.stream(side):
+            x = torch.full((1024,), 1.0, device="sim")
+            host.copy_(x, non_blocking=True)  # queued on side, still pending
+            del x
+        reserved = sim.memory_reserved()
+        y = torch.full((1024,), 2.0, device="sim")  # the default stream: not x's block
+        other = sim.memory_reserved() - reserved
+        side.synchronize()
+        copied = host.tolist()
+        with sim.stream(side):
+            z = torch.empty(1024, device="sim")  # the side stream: x's block again
+        same = sim.memory_reserved() - reserved - other
+        out(copied=sorted(set(copied)), other=other, same=same, y=sorted(set(y.tolist())))
+        """,
+        "lazy",
+    )
+    assert r["copied"] == [1.0]  # the queued copy read x's values, not the later fill's
+    assert r["y"] == [2.0]
+    assert r["other"] == 4096  # a fresh block for the default stream
+    assert r["same"] == 0  # the side stream reused its own
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_autocast_contexts_open_and_torch_disables_an_enabled_one(mode: str) -> None:
     r = run(

@@ -117,6 +117,9 @@ struct SimStream {
   std::string error_text;
 };
 
+// The stream whose item this thread runs (with in_stream_item).
+thread_local SimStream* running_stream = nullptr;
+
 // Leaked on purpose: worker threads may still wait on these at interpreter exit.
 std::mutex& registry_mu = *new std::mutex;
 std::vector<std::vector<SimStream*>>& streams = *new std::vector<std::vector<SimStream*>>;
@@ -130,8 +133,10 @@ void run_one(SimStream* s, std::unique_lock<std::mutex>& lk) {
   // (they are the stream) nor count as the program's transfers.
   const bool was = in_fallback;
   const bool was_item = in_stream_item;
+  SimStream* const was_running = running_stream;
   in_fallback = true;
   in_stream_item = true;
+  running_stream = s;
   const double was_start = item_start_ms;
   const double real_start = now_ms();
   item_start_ms = cfg.lazy ? std::max(s->clock_ms, item.queued_ms) : real_start;
@@ -148,6 +153,7 @@ void run_one(SimStream* s, std::unique_lock<std::mutex>& lk) {
   }
   in_fallback = was;
   in_stream_item = was_item;
+  running_stream = was_running;
   const double end_ms = item_start_ms + (now_ms() - real_start);
   item_start_ms = was_start;
   // Drop what the work captured (tensors, whose release may need the GIL) before taking the
@@ -289,6 +295,7 @@ struct Block {
   size_t size;  // the block's bytes (what goes back to the cache)
   size_t used;  // the request rounded to kAlign (what counts as allocated)
   int device;
+  SimStream* stream;             // the stream current at allocation: its pool gets the block
   std::vector<SimStream*> uses;  // streams record_stream named (under the arena's lock)
 };
 
@@ -307,8 +314,14 @@ struct Arena {
   int64_t allocs = 0, frees = 0, ooms = 0, cache_hits = 0, segments = 0;
   int64_t allocated_total = 0, freed_total = 0;  // bytes, since the last accumulated reset
   int64_t live = 0;                              // blocks held by tensors
-  std::multimap<size_t, void*> cached;  // size -> free block
-  std::vector<PendingFree> pending;     // freed, waiting for recorded streams
+  // (stream, size) -> free block: one pool per stream, as CUDA's caching allocator keeps.
+  // A block freed by the host may still be read or written by work its stream has queued
+  // (a stream-ordered free); handed only to later allocations on that stream, the work
+  // that uses it next is ordered after. Handed to another stream's allocation, that
+  // stream's work could overwrite it before the queued work ran. The pools are merged only
+  // by release_cached, after the device's streams drained.
+  std::multimap<std::pair<SimStream*, size_t>, void*> cached;
+  std::vector<PendingFree> pending;  // freed, waiting for recorded streams
 };
 Arena* arenas = new Arena[kMaxDevices];
 
@@ -318,7 +331,7 @@ void cache_block(Arena& a, Block* b) {
   a.frees += 1;
   a.live -= 1;
   a.freed_total += static_cast<int64_t>(b->used);
-  a.cached.emplace(b->size, b->ptr);
+  a.cached.emplace(std::make_pair(b->stream, b->size), b->ptr);
   delete b;
 }
 
@@ -342,9 +355,9 @@ void sweep_pending(Arena& a) {
 
 void release_cached(Arena& a) {
   sweep_pending(a);
-  for (auto& [size, ptr] : a.cached) {
+  for (auto& [key, ptr] : a.cached) {
     c10::free_cpu(ptr);
-    a.reserved -= size;
+    a.reserved -= key.second;
     a.segments -= 1;
   }
   a.cached.clear();
@@ -406,21 +419,37 @@ Block* alloc_block(int device, size_t nbytes) {
   if (size == 0) size = kAlign;
   const size_t used = size;
   Arena& a = arenas[device];
-  bool full;
-  {
-    std::lock_guard<std::mutex> g(a.mu);
-    full = a.reserved + size > cfg.capacity && (!a.cached.empty() || !a.pending.empty());
-  }
-  // Stream work never drains (it may be the work being waited for).
-  if (full && !in_stream_item) drain_device(device);
-  std::lock_guard<std::mutex> g(a.mu);
+  // The allocation's stream: the one current on this thread, or for work a stream runs (a
+  // queued item allocating), that stream.
+  SimStream* stream =
+      in_stream_item && running_stream != nullptr && running_stream->device == device
+          ? running_stream
+          : current_stream(device);
+  // A cached block of this stream's pool no more than twice the request, so small tensors
+  // do not pin large blocks; end() if none.
+  auto fit = [&] {
+    auto it = a.cached.lower_bound(std::make_pair(stream, size));
+    if (it != a.cached.end() && it->first.first == stream && it->first.second <= 2 * size) {
+      return it;
+    }
+    return a.cached.end();
+  };
+  std::unique_lock<std::mutex> g(a.mu);
   sweep_pending(a);
+  auto it = fit();
+  if (it == a.cached.end() && a.reserved + size > cfg.capacity &&
+      (!a.cached.empty() || !a.pending.empty()) && !in_stream_item) {
+    // Full: the other pools' blocks and the pending frees go back only once the work that
+    // may still use them ran. Stream work never drains (it may be the work being waited for).
+    g.unlock();
+    drain_device(device);
+    g.lock();
+    sweep_pending(a);
+    it = fit();
+  }
   void* ptr = nullptr;
-  // Reuse a cached block no more than twice the request, so small tensors do not pin
-  // large blocks.
-  auto it = a.cached.lower_bound(size);
-  if (it != a.cached.end() && it->first <= 2 * size) {
-    size = it->first;
+  if (it != a.cached.end()) {
+    size = it->first.second;
     ptr = it->second;
     a.cached.erase(it);
     a.cache_hits += 1;
@@ -452,7 +481,7 @@ Block* alloc_block(int device, size_t nbytes) {
   a.live += 1;
   a.allocated_total += static_cast<int64_t>(used);
   a.peak_allocated = std::max(a.peak_allocated, a.allocated);
-  return new Block{ptr, size, used, device, {}};
+  return new Block{ptr, size, used, device, stream, {}};
 }
 
 // torch's DeviceAllocator, so torch's device-generic memory API (torch.accelerator's
