@@ -251,6 +251,7 @@ class ZeroEngine(TorchStyleBackward, DeepSpeedEngineAPI):
                 zcfg.stage3_max_live_parameters,
                 zcfg.stage3_max_reuse_distance,
                 placed.leaves,
+                self.overlap_comm,
             )
 
         # - optimizer and schedule

@@ -74,6 +74,23 @@ class InFlight:
         return self.output
 
 
+class QueuedCopy:
+    """Handle of a copy queued on the stream current at issue (a group of one's gather, which
+    needs no collective): ``wait()`` orders the stream current then after it, as a
+    collective's handle does. Issued on a side stream (stage 3's prefetch), the compute
+    stream must not read the unit before the copy ran."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self) -> None:
+        self._done = get_accelerator().Event()
+        self._done.record()
+
+    def wait(self) -> bool:
+        get_accelerator().current_stream().wait_event(self._done)
+        return True
+
+
 @dataclass(eq=False)
 class Secondary:
     """hpZ's second copy of a stage-3 unit: ``buf`` is this rank's piece of the unit cut over
@@ -434,8 +451,9 @@ class FlatUnit:
             # A group of one: the gathered unit is this rank's range; a copy on the current
             # stream, not a collective (issue 32's no-communication floor runs this way).
             self.flat.copy_(src)
-            self.inflight = InFlight(COMPLETED, src, self.flat)
-            self.wait_gather()
+            self.inflight = InFlight(QueuedCopy() if async_op else COMPLETED, src, self.flat)
+            if not async_op:
+                self.wait_gather()
             return
         if self.quantized_gather and not exact:
             handle = quantized_all_gather(self.flat, src, self.group, async_op)

@@ -32,6 +32,26 @@ swap]), so each gather finds its shard in host memory. The trace must be the sam
 rank (data-dependent module order would desynchronise the collectives). All collectives go
 through ``get_accelerator()``.
 
+With ``overlap_comm`` (stage 3's default) the prefetch's all-gathers run on a side stream,
+ordered after the work queued so far on the current stream by an event (the shards the last
+step wrote, the buffer just allocated), and each module's gather waits for its unit on the
+compute stream (the comm hookspec's ``wait()``: a stream wait, no host sync). A collective runs
+on the stream current when it is issued (ds_core/hookspecs/comm.py), so issued from the
+compute stream the module being computed would queue behind the gather of the next one:
+measured on sim's link model, the forward then lost 42 of its 54 ms of gathers though its
+compute took 70 (bench/README.md, "overlap.py"). DeepSpeed does the same
+(``allgather_stream`` in DeepSpeed 0.19.8's runtime/zero/parameter_offload.py: a new stream
+with ``overlap_comm``, else the default stream). A synchronous gather (nothing prefetched
+it) stays on the compute stream, which needs it at once.
+
+What the side stream allocates (each unit's full buffer, qwZ's codes and scales) goes back to
+that stream's pool when the host frees it: a caching allocator (CUDA's, sim's) hands a freed
+block only to later allocations on the stream it was allocated on. Temporaries the side
+stream's own queued work still reads are therefore reused only by work queued after it. A
+unit's buffer is read by the compute stream; it is freed by the host after those reads were
+queued, and the side stream allocates again only after a new entry, whose event orders it
+after every compute-stream read queued before the free, so no ``record_stream`` is needed.
+
 The default bucket (``stage3_prefetch_bucket_size`` unset) is :func:`default_prefetch_numel`:
 a quarter of this rank's partitioned elements, at most 5e6. The ZeRO formula at stage 3 is
 16Ψ/N bytes, i.e. 4Ψ/N fp32 elements, so a quarter of Ψ/N gathered ahead costs at most 1/16
@@ -48,13 +68,15 @@ released as one: one all-gather per leaf and pass instead of one per submodule.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.zero.config.sections import LeafModuleConfig
 from ds_core.zero.partition import FlatUnit, ZeroParam
@@ -188,6 +210,8 @@ class ParamCoordinator:
     :param max_reuse_distance: ``stage3_max_reuse_distance``: a unit the trace uses again
         within this many elements is kept gathered after its module instead of released.
     :param leaves: leaf modules (:func:`leaf_modules`): hooked for their whole subtree.
+    :param overlap: ``overlap_comm``: prefetch gathers run on a side stream (else on the
+        current one).
     """
 
     def __init__(
@@ -198,9 +222,13 @@ class ParamCoordinator:
         max_live_numel: int,
         max_reuse_distance: int,
         leaves: set[nn.Module] | None = None,
+        overlap: bool = False,
     ) -> None:
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
+        self.overlap = overlap
+        #: the side stream of the prefetch's gathers with ``overlap`` (made at the first).
+        self._stream: Any = None
         #: module -> the units of its direct partitioned parameters (a tied weight's unit is
         #: in every module that uses it).
         self.module_units: dict[nn.Module, list[FlatUnit]] = {}
@@ -414,6 +442,28 @@ class ParamCoordinator:
         NVMe reads of the module where the scan stopped."""
         pos = max(start, self._scan) if step > 0 else min(start, self._scan)
         end = len(self.trace) if step > 0 else -1
+        with ExitStack() as side:
+            pos = self._issue_ahead(pos, step, end, side)
+        self._scan = pos
+        self._read_ahead(pos if pos != end else -1)
+
+    @contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        """The prefetch's stream, ordered after the work queued so far on the current one."""
+        acc = get_accelerator()
+        if self._stream is None:
+            self._stream = acc.Stream()
+        ready = acc.Event()
+        ready.record()  # on the current (compute) stream
+        with acc.stream(self._stream):
+            self._stream.wait_event(ready)
+            yield
+
+    def _issue_ahead(self, pos: int, step: int, end: int, side: ExitStack) -> int:
+        """Issue the asynchronous gathers of :meth:`_prefetch` from trace position ``pos``,
+        entering the side stream in ``side`` before the first (with ``overlap``); returns the
+        position the scan stopped at."""
+        stay = not self.overlap  # True once on the side stream, or without overlap_comm
         while pos != end:
             for unit in self.module_units[self.trace[pos]]:
                 if unit.gathered or unit.inflight is not None:
@@ -426,13 +476,15 @@ class ParamCoordinator:
                 self._track(unit)
                 self._ahead.add(id(unit))
                 self.ahead_numel += unit.padded
+                if not stay:  # one event and stream switch per scan, only if it issues
+                    side.enter_context(self._side_stream())
+                    stay = True
                 unit.gather(async_op=True)
             else:
                 pos += step
                 continue
             break
-        self._scan = pos
-        self._read_ahead(pos if pos != end else -1)
+        return pos
 
     def _read_ahead(self, pos: int) -> None:
         """NVMe parameter offload: start reading the swapped shards of the module at trace
@@ -444,8 +496,12 @@ class ParamCoordinator:
                     unit.swapper.prefetch(unit)
 
     def remove(self) -> None:
-        """Remove every hook (engine teardown)."""
+        """Remove every hook (engine teardown). The host waits for the prefetch stream (no
+        step runs here): the units' buffers are freed next, and a gather still running on
+        that stream would write into them."""
         self.release_all()
+        if self._stream is not None:
+            self._stream.synchronize()
         for h in self.handles:
             h.remove()
         self.handles.clear()

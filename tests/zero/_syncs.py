@@ -98,7 +98,50 @@ def count(
     return run
 
 
+def streams(overlap: bool | None) -> Callable[[], dict[str, Any]]:
+    """Stage 3, fp32: the collectives of one steady step by kind and by the stream they were
+    queued on (``compute``: the default stream; ``side``: any other), counted where simccl
+    queues them. ``overlap`` sets ``overlap_comm`` (``None``: stage 3's default)."""
+
+    def run() -> dict[str, Any]:
+        from ds_backend_sim import collectives, device
+
+        import ds_core
+
+        torch.manual_seed(0)
+        model = MLP(WIDTH, 3)
+        cfg = config(3, "fp32", 1, False)
+        if overlap is not None:
+            cfg["zero_optimization"]["overlap_comm"] = overlap
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        engine, _, _, _ = ds_core.initialize(model=model, optimizer=opt, config=cfg)
+        batches = [on_device(torch.randn(MICRO, WIDTH)) for _ in range(3)]
+        seen: dict[str, int] = {}
+        run_queued = collectives.SimProcessGroup._run
+
+        def spy(self: Any, collective: str, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            index = tensors[0].device.index if tensors else device.current_device()
+            on = device.current_stream(index).stream_id
+            where = "compute" if on == device.default_stream(index).stream_id else "side"
+            seen[f"{collective}_{where}"] = seen.get(f"{collective}_{where}", 0) + 1
+            return run_queued(self, collective, tensors, *args, **kwargs)
+
+        for k, x in enumerate(batches):
+            if k == 2:
+                collectives.SimProcessGroup._run = spy  # type: ignore[method-assign]
+            engine.backward(engine(x).float().pow(2).mean())
+            engine.step()
+        collectives.SimProcessGroup._run = run_queued  # type: ignore[method-assign]
+        ds_core.get_accelerator().synchronize()
+        seen["units"] = len(engine.units)
+        engine.destroy()
+        return seen
+
+    return run
+
+
 def jobs() -> dict[str, Callable[[], dict[str, Any]]]:
     out = {name: count(*cfg) for name, cfg in CONFIGS.items()}
     out.update({name: count(*cfg, overlap=True) for name, cfg in OVERLAP.items()})
+    out.update({"streams_s3_default": streams(None), "streams_s3_no_overlap": streams(False)})
     return out

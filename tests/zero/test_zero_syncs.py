@@ -53,3 +53,24 @@ def test_host_syncs_per_step(suite: SuiteGetter, backend: str, name: str) -> Non
             assert got == want, f"rank {rank}: {got} host syncs per step, expected {want}"
         else:
             assert got <= want, f"rank {rank}: {got} host syncs per step, at most {want}"
+
+
+@pytest.mark.skipif(not SIM, reason="streams are asynchronous on the sim backend")
+@pytest.mark.parametrize("backend", SIM)
+def test_stage3_prefetch_gathers_run_on_a_side_stream_with_overlap_comm(
+    suite: SuiteGetter, backend: str
+) -> None:
+    """A collective runs on the stream current when it is issued, so a prefetch issued from
+    the compute stream would make the module being computed wait behind the next module's
+    gather (ds_core/zero/stage3.py). With ``overlap_comm`` (stage 3's default) only each
+    pass's first gather, which nothing prefetched, is on the compute stream; without it
+    every gather is."""
+    results = suite("syncs", 2, backend)
+    for counted in results.ranks("streams_s3_default"):
+        gathers = counted.get("all_gather_side", 0) + counted.get("all_gather_compute", 0)
+        assert gathers >= 2 * counted["units"], counted  # forward and backward, each unit
+        assert counted.get("all_gather_compute", 0) <= 2, counted
+        assert counted.get("reduce_scatter_compute", 0) == 0, counted
+    for counted in results.ranks("streams_s3_no_overlap"):
+        assert counted.get("all_gather_side", 0) == 0, counted
+        assert counted.get("all_gather_compute", 0) >= 2 * counted["units"], counted
