@@ -23,7 +23,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import traceback
@@ -34,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.rankpool import rank_env
+from tests.rankpool import free_port, rank_env
 
 #: spare bytes left to the phase (address space on cpu, device memory on sim): far below what
 #: each faulted allocation asks for (whole activations, gradients, optimizer temporaries).
@@ -382,9 +381,7 @@ def main() -> None:
             check=True,
             capture_output=True,
         )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     world = spec.get("world", 1)
     if world == 1:
         ranks(0, 1, port, spec)

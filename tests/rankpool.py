@@ -40,7 +40,29 @@ START_TIMEOUT_S = 300.0
 MAX_LIVE_RANKS = int(os.environ.get("DS_TEST_MAX_RANKS", "10"))
 
 
+#: Ports handed out by :func:`free_port`: below Linux's default ephemeral range (32768-60999,
+#: /proc/sys/net/ipv4/ip_local_port_range), from which every outgoing connection takes its
+#: local port.
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
+    """A port nothing listens on now, for a rendezvous a rank binds later.
+
+    Not one from the kernel (binding port 0): that comes from the ephemeral range, where any
+    outgoing connection of any process (a gloo group's, a rank pool's) may take it before the
+    rank binds it, and a full run saw EADDRINUSE that way. Drawn with the system's random source,
+    not ``random`` (pytest-randomly seeds that alike in every xdist worker).
+    """
+    draw = secrets.SystemRandom()
+    for _ in range(200):
+        port = draw.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

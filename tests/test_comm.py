@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.rankpool import rank_env
+from tests.rankpool import free_port, rank_env
 
 WORLD = 2
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ranks(rank: int, port: int, errors: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -122,7 +115,7 @@ def _ranks(rank: int, port: int, errors: mp.Queue) -> None:  # type: ignore[type
 def test_collectives_on_two_gloo_ranks() -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_ranks, args=(r, port, errors)) for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -12,7 +12,6 @@ hooks, the path every vendor backend takes).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distfactory import make_backend
-from tests.rankpool import rank_env
+from tests.rankpool import free_port, rank_env
 
 WORLD = 2
 SENTINEL = -7.0
@@ -33,12 +32,6 @@ NO_COLLECTIVES = """
 del ds_comm_all_reduce, ds_comm_reduce_scatter, ds_comm_all_gather
 del ds_comm_broadcast, ds_comm_all_to_all, ds_comm_barrier
 """
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _column(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +198,7 @@ def test_non_contiguous_views_on_two_ranks(path: str, tmp_path: Path) -> None:
         make_backend(tmp_path, backend, priority=-1, extra=NO_COLLECTIVES)
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank, args=(r, port, backend, root, shm, errors)) for r in range(WORLD)
     ]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.rankpool import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 ENV.pop("LOGLEVEL", None)
@@ -204,14 +206,6 @@ def leaked(before: set[str]) -> list[str]:
             continue
         mapped |= {name for name in new if name in text}
     return sorted(new - mapped)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def listening(port: int) -> bool:

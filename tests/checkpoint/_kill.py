@@ -15,7 +15,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch.multiprocessing as mp
 
 from tests.checkpoint._common import RESUME
 from tests.checkpoint._worker import build, seed_all, train
-from tests.rankpool import rank_env
+from tests.rankpool import free_port, rank_env
 
 
 def _arm(rank: int, kill_rank: int, kill_event: int) -> list[int]:
@@ -81,9 +80,7 @@ def _rank(
 
 def _pair(root: str, tag: str, fmt: str, kill: tuple[int, int], out: str) -> str:
     """Run the two ranks (forked from this driver: no re-import); how they ended."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     try:
         mp.start_processes(
             _rank, args=(port, root, tag, fmt, kill, out), nprocs=2, join=True, start_method="fork"

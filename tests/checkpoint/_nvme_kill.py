@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 
 import torch
 import torch.multiprocessing as mp
 
-from tests.rankpool import rank_env
+from tests.rankpool import free_port, rank_env
 
 KILL_RANK = 1
 
@@ -103,9 +102,7 @@ def _rank(rank: int, port: int, work: str, phase: str) -> None:
 
 def _pair(work: str, phase: str) -> str:
     """Run the two ranks (forked from this driver); how they ended."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     marker = os.path.join(work, "killed")
     if os.path.exists(marker):
         os.remove(marker)

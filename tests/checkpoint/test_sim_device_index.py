@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.rankpool import free_port
 
 pytest.importorskip("ds_backend_sim")
 
@@ -67,9 +68,7 @@ SCRIPT = textwrap.dedent(
 
 
 def run(mode: str, folder: Path, local_rank: int) -> dict[str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS_SIM_")}
     env.update(
         DS_ACCELERATOR="sim", DS_SIM_ASYNC="lazy", RANK="0", WORLD_SIZE="1",

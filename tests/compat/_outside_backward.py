@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -39,7 +38,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests.compat._loops import DIM, NZ, Discriminator, Generator
-from tests.rankpool import rank_env
+from tests.rankpool import free_port, rank_env
 
 WORLD = 2
 MICRO = 2
@@ -269,9 +268,7 @@ def _rank(rank: int, port: int, impl: str, outfile: str, names: list[str]) -> No
 def main() -> None:
     impl, outfile = sys.argv[1], sys.argv[2]
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else list(PROGRAMS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     mp.spawn(_rank, args=(port, impl, outfile, names), nprocs=WORLD, join=True)
 
 

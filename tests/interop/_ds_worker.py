@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.multiprocessing as mp
 
-from tests.rankpool import rank_env
+from tests.rankpool import free_port, rank_env
 
 WORLD = 2
 STEPS = 3
@@ -125,9 +124,7 @@ def _rank(rank: int, port: int, mode: str, outdir: str, stages: str) -> None:
 
 def main() -> None:
     mode, outdir, stages = sys.argv[1], sys.argv[2], sys.argv[3]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     mp.spawn(_rank, args=(port, mode, outdir, stages), nprocs=WORLD, join=True)
 
 

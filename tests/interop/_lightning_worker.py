@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from typing import Any
 
 import torch
 
 import ds_core.interop.lightning  # noqa: F401 - registers accelerator="ds_core"
+from tests.rankpool import free_port
 
 WORLD = 2
 STEPS = 3
@@ -70,7 +70,7 @@ def _done() -> None:
     store = _get_default_store()
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        store.set("next_port", str(_free_port()))
+        store.set("next_port", str(free_port()))
         store.wait([f"left_barrier/{r}" for r in range(1, WORLD)])
         port = store.get("next_port").decode()
     else:
@@ -78,12 +78,6 @@ def _done() -> None:
         store.set(f"left_barrier/{torch.distributed.get_rank()}", "1")
     torch.distributed.destroy_process_group()
     os.environ["MASTER_PORT"] = port
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def fabric_run(accelerator: str, strategy: Any = "ddp", devices: int = WORLD) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,17 +18,13 @@ from typing import Any
 import pytest
 import torch
 
+from tests.rankpool import free_port
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _train(out: Path, accelerator: str, stage: int, backend: str = "cpu") -> list[dict[str, Any]]:
@@ -42,7 +37,7 @@ def _train(out: Path, accelerator: str, stage: int, backend: str = "cpu") -> lis
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
-        f"--master_port={_port()}",
+        f"--master_port={free_port()}",
         str(ROOT / "examples" / "hf_trainer.py"),
         "--accelerator",
         accelerator,

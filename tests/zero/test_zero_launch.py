@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.rankpool import free_port
 from tests.zero._worker import stage_scenarios
 from tests.zero.conftest import ROOT, SuiteResults
 from tests.zero.test_zero_stages import check_against_reference
@@ -31,14 +31,8 @@ def _env() -> dict[str, str]:
     return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_torchrun_nodes_train_stages_2_and_3(tmp_path: Path) -> None:
-    port = _port()
+    port = free_port()
     agents = [
         subprocess.Popen(
             [

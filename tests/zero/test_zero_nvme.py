@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import torch
 
 from ds_core.errors import ConfigError
 from ds_core.zero.config import load_config
+from tests.rankpool import free_port
 from tests.zero._offload import NVME_TEST_ROOT, nvme_scenarios
 from tests.zero.conftest import BACKENDS, SuiteGetter
 from tests.zero.test_zero_stages import check_against_reference
@@ -147,9 +147,7 @@ except ConfigError as exc:
 
 
 def _start(path: Path, mode: str) -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     out = subprocess.run([sys.executable, "-c", _START, str(path), port, mode],
                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"),
                          timeout=300)  # fmt: skip
@@ -210,9 +208,7 @@ def test_write_backs_drain_after_the_step_and_a_save_waits_for_them(
     with its write-backs in flight, later steps (resident sub-groups first, the rest read
     ahead) stay bit for bit equal to host offload, and checkpoints saved right after a step
     (one followed by more steps) hold exactly host offload's state."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     work = Path(tempfile.mkdtemp(dir=NVME_TEST_ROOT)) if NVME_TEST_ROOT else tmp_path
     out = subprocess.run([sys.executable, "-m", "tests.zero._nvme_overlap", str(work), port,
                           str(stage)], capture_output=True, text=True, timeout=600,
