@@ -222,6 +222,57 @@ def test_reset_then_recapture_replays_the_new_work(graph_acc: Any) -> None:
     )
 
 
+@hooks("ds_graph_create")
+@promise("ds_graph_create", "Replay repeats the recorded device work, not changes of tensor")
+def test_replay_does_not_repeat_an_in_place_view(graph_acc: Any) -> None:
+    x = torch.arange(4.0, device=graph_acc.device())
+
+    def body() -> torch.Tensor:
+        return x.unsqueeze_(0) * 2  # metadata in place, then a kernel reading the view
+
+    graph = graph_acc.create_graph()
+    with graph_acc.capture_to_graph(graph):
+        out = body()
+    shape = tuple(x.shape)
+    x.copy_(torch.tensor([[4.0, 3.0, 2.0, 1.0]], device=x.device))
+    for _ in range(2):
+        graph_acc.replay_graph(graph)
+    graph_acc.synchronize()
+    check(
+        tuple(x.shape) == shape == (1, 4),
+        "shape of the tensor viewed in place during capture, after two replays",
+        tuple(x.shape),
+        f"{shape} (the view happens once, at capture)",
+        "capture(x.unsqueeze_(0) * 2); replay(); replay()",
+    )
+    check(
+        out.cpu().tolist() == [[8.0, 6.0, 4.0, 2.0]],
+        "replayed output after changing the input",
+        out.cpu().tolist(),
+        "[[8.0, 6.0, 4.0, 2.0]]",
+        "x.copy_(new); replay()",
+    )
+
+
+@hooks("ds_graph_create")
+@promise("ds_graph_create", "A graph that is capturing refuses to capture again")
+def test_a_capturing_graph_refuses_to_capture_again(graph_acc: Any) -> None:
+    x = torch.ones(4, device=graph_acc.device())
+    graph = graph_acc.create_graph()
+    with pytest.raises(Exception) as info:
+        with graph_acc.capture_to_graph(graph):
+            y = x * 2
+            with graph_acc.capture_to_graph(graph):
+                y = y + 1
+    check(
+        bool(str(info.value)),
+        "error message of the nested capture",
+        str(info.value),
+        "a message saying the graph is already capturing",
+        "capture() inside capture() of the same graph",
+    )
+
+
 _UNSUPPORTED: dict[str, Callable[[torch.Tensor], Any]] = {
     "host-sync-item": lambda x: x.sum().item(),
     "data-dependent-nonzero": lambda x: x.nonzero(),

@@ -22,6 +22,10 @@ def ds_graph_create() -> Graph:
     input storage and writing the same output storage, so mutating a static input between
     replays changes the outputs. Outputs are defined only after a replay: whether the work also
     runs during capture is the vendor's choice (a CUDA graph runs nothing until replayed).
+    Replay repeats the recorded device work, not changes of tensor metadata: a view made in
+    place during capture (``unsqueeze_``, ``transpose_``) changes the tensor's shape once, at
+    capture, as a CUDA graph replays kernels only. A graph that is capturing refuses to capture
+    again: entering its ``capture()`` inside its own raises.
     Whether capture succeeds or raises, leaving ``capture()`` restores the current stream and
     the generators' state as they were before it. Work that cannot be replayed faithfully (an op the vendor
     cannot capture, a host synchronisation, data-dependent shapes) makes capture raise, never
