@@ -45,13 +45,16 @@ def _child(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    for fd, path, flags in (
-        (0, os.devnull, os.O_RDONLY),
-        (1, request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-        (2, request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-    ):
+    write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["out"], write)):
         opened = os.open(path, flags, 0o644)
         os.dup2(opened, fd)
+        os.close(opened)
+    if request["err"] == request["out"]:
+        os.dup2(1, 2)  # one open file and offset, interleaved as stderr=subprocess.STDOUT
+    else:
+        opened = os.open(request["err"], write, 0o644)
+        os.dup2(opened, 2)
         os.close(opened)
     flag, target, *args = request["argv"]
     if flag == "-m":
@@ -205,9 +208,11 @@ class Forked:
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Its stdout and stderr once it has exited; stderr is ``""`` when it went to stdout's
+        file (as ``stderr=subprocess.STDOUT``)."""
         self.wait(timeout)
         out, err = (path.read_text(errors="replace") for path in self._files)
-        return out, err
+        return out, "" if self._files[1] == self._files[0] else err
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -235,7 +240,7 @@ def popen(
     """Start ``python ARGV`` (``-m MODULE ...`` or ``-c CODE ...``) as a rank forked from this
     test process's server (started on first use, ended at exit), in environment ``env`` (all
     of it) and folder ``cwd``; its stdout and stderr go to ``out`` and ``err`` (default: files
-    of its own, read by :meth:`Forked.communicate`)."""
+    of its own, read by :meth:`Forked.communicate`); ``err == out`` sends both to ``out``."""
     global _forker
     if _forker is None or _forker.proc.poll() is not None:
         import atexit

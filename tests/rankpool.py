@@ -31,6 +31,8 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
+from tests import forkrank
+
 ROOT = Path(__file__).resolve().parents[1]
 # A job is the work of one suite; the slowest (stage-3 NVMe parameter swap on sim) take
 # minutes on 2 loaded cores.
@@ -83,30 +85,34 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
 
 
 def run_script_ranks(code: str, argv: list[str], world: int, timeout: float, **env: str) -> str:
-    """Run ``python -c code *argv`` as each rank of a ``world``-rank run on this host (one
-    thread each, ``env`` on top); return rank 0's output (stdout and stderr) once it exits
-    within ``timeout`` seconds (a hang guard), the others then waited for 60 s and any rank
-    still running killed."""
+    """Run ``python -c code *argv`` as each rank of a ``world``-rank run on this host (``env``
+    on top); return rank 0's output (stdout and stderr) once it exits within ``timeout``
+    seconds (a hang guard), the others then waited for 60 s and any rank still running killed.
+
+    The ranks are forked from a server that imported torch and ds_core (tests/forkrank.py): a
+    case's time goes to the code under test, not to each interpreter's start-up. ``code``
+    must flush what it prints before an ``os._exit``."""
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, *argv],
-            cwd=ROOT,
-            env={**os.environ, **rank_env(rank, world, port, OMP_NUM_THREADS="1", **env)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    try:
-        out, _ = procs[0].communicate(timeout=timeout)
-        for p in procs[1:]:
-            p.wait(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    with tempfile.TemporaryDirectory(prefix="script-ranks-") as folder:
+        logs = [Path(folder) / f"rank{rank}.log" for rank in range(world)]
+        procs = [
+            forkrank.popen(
+                ["-c", code, *argv],
+                {**os.environ, **rank_env(rank, world, port, OMP_NUM_THREADS="1", **env)},
+                out=logs[rank],
+                err=logs[rank],
+            )
+            for rank in range(world)
+        ]
+        try:
+            out, _ = procs[0].communicate(timeout=timeout)
+            for p in procs[1:]:
+                p.wait(timeout=60)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     return out
 
 

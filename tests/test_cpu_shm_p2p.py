@@ -5,7 +5,8 @@ shared-memory path was taken (the backend's transport counters, and ``DS_CPU_SHM
 that makes any fallback an error), the gloo fallback for other dtypes, a mismatch seen by both
 ranks, a ring of four ranks and a subgroup exchanging messages larger than the ring of slots in
 one batch, and a peer that dies after the channel was set up. Ranks are real processes: the rank
-pool (tests/rankpool.py), and for the dying peer two processes of its own.
+pool (tests/rankpool.py), and for the dying peer two processes of its own, forked from a server
+that imported torch and ds_core (tests/forkrank.py).
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ if comm.get_rank() == 0:
     try:
         comm.recv(buf, peer) if sys.argv[1] == "sync" else comm.irecv(buf, peer).wait()
     except RuntimeError as exc:
-        print("RAISED", str(exc).splitlines()[0][:400])
+        print("RAISED", str(exc).splitlines()[0][:400], flush=True)
         os._exit(0)
-    print("NO ERROR")
+    print("NO ERROR", flush=True)
     os._exit(1)
 comm.recv(buf, peer)
 os._exit(0)  # dies without sending the reply

@@ -6,14 +6,12 @@ The rule: docs/architecture.md §3.10.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from tests.rankpool import rank_env
+from tests import forkrank
+from tests.rankpool import free_port, rank_env
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -38,23 +36,25 @@ RANK_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_survivor_fails_with_a_message_when_a_peer_dies() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, **rank_env(rank, 2, port, DS_ACCELERATOR="cpu")}
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", RANK_SCRIPT],
-                env=env,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+    port = free_port()
+    # forked from a server that imported torch and ds_core (tests/forkrank.py): the case's
+    # time goes to the dying peer, not to two interpreters' start-up
+    procs = [
+        forkrank.popen(
+            ["-c", RANK_SCRIPT], {**os.environ, **rank_env(rank, 2, port, DS_ACCELERATOR="cpu")}
         )
-    # The bound is a hang guard, far above the 15 s process-group timeout, not a speed check.
-    _, err0 = procs[0].communicate(timeout=120)
-    procs[1].communicate(timeout=120)
+        for rank in range(2)
+    ]
+    try:
+        # The bound is a hang guard, far above the 15 s process-group timeout, not a speed
+        # check.
+        _, err0 = procs[0].communicate(timeout=120)
+        procs[1].communicate(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert procs[1].returncode == 3
     assert procs[0].returncode == 17, err0
     assert "rank 0 saw the failure" in err0

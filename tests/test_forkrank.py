@@ -55,3 +55,12 @@ def test_kill_poll_and_wait_behave_as_popens(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     proc.kill()  # after the end: nothing to do, as Popen.kill
+
+
+def test_err_equal_to_out_interleaves_both_in_one_file(tmp_path: Path) -> None:
+    code = "import sys; print('a', flush=True); print('b', file=sys.stderr); print('c')"
+    log = tmp_path / "both.log"
+    proc = forkrank.popen(["-c", code], dict(os.environ), out=log, err=log)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert out.split() == ["a", "b", "c"] and err == ""

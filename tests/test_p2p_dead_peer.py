@@ -1,10 +1,10 @@
 """A point-to-point peer that dies: the survivor's receive raises naming the peer
 (``ds_core/hookspecs/comm.py``, Point-to-point: a dead peer is an error, not a hang).
 
-Two real processes per backend: rank 1 joins the process group and exits without sending;
-rank 0's receive (synchronous, and asynchronous through ``wait()``) must fail with an error
-that names rank 1 and is the library noticing the closed connection, not the process group's
-timeout."""
+Two real processes per backend (forked from a server that imported torch and ds_core,
+tests/forkrank.py): rank 1 joins the process group and exits without sending; rank 0's
+receive (synchronous, and asynchronous through ``wait()``) must fail with an error that names
+rank 1 and is the library noticing the closed connection, not the process group's timeout."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ try:
         comm.irecv(buf, 1).wait()
     acc.synchronize()
 except RuntimeError as exc:
-    print("RAISED", round(time.monotonic() - started, 1), str(exc).splitlines()[0][:300])
+    elapsed = round(time.monotonic() - started, 1)
+    print("RAISED", elapsed, str(exc).splitlines()[0][:300], flush=True)
     os._exit(0)
-print("NO ERROR")
+print("NO ERROR", flush=True)
 os._exit(1)
 """
 
