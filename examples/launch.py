@@ -107,10 +107,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="on Ctrl+C, save a checkpoint to --save-dir at the step boundary before stopping",
     )
-    p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
+    p.add_argument(
+        "--save-every",
+        type=at_least(1),
+        metavar="N",
+        help="also write a checkpoint to --save-dir after every N-th step",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from DIR's latest checkpoint, or from DIR itself when it is one "
+        "tag's folder (ck/global_step4)",
+    )
     args = p.parse_args(argv)
-    if args.save_on_interrupt and not args.save_dir:
-        p.error("argument --save-on-interrupt: needs --save-dir (where to save)")
+    for flag, on in (
+        ("--save-on-interrupt", args.save_on_interrupt),
+        ("--save-every", args.save_every),
+    ):
+        if on and not args.save_dir:
+            p.error(f"argument {flag}: needs --save-dir (where to save)")
     if (args.pp or 1) > 1:
         clash = [
             flag

@@ -105,6 +105,16 @@ from examples.launch import (  # noqa: E402
 MiB = 2**20
 
 
+def resume_target(resume: str) -> tuple[str, str | None]:
+    """``--resume``'s folder and tag for ``load_checkpoint``, as ``ds-core checkpoint`` reads a
+    source (docs/checkpoints.md): a checkpoint root means the tag its ``latest`` names; one
+    tag's folder (it holds ``manifest.json``: ``ck/global_step4``) means that tag."""
+    path = Path(resume)
+    if (path / "manifest.json").is_file():
+        return str(path.parent), path.name
+    return resume, None
+
+
 def preflight(args: argparse.Namespace, rank: int = 0) -> None:
     """What can be refused before any work: the config (one message, not one per rank) and
     the output folders; more ranks than cores is allowed with a warning saying the cost."""
@@ -294,7 +304,7 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
         use_sequence_parallel(engine.module, mesh.sp_group)
     start = 0
     if args.resume:  # any world size and stage: the checkpoint reshards on load
-        path, _ = engine.load_checkpoint(args.resume)
+        path, _ = engine.load_checkpoint(*resume_target(args.resume))
         start = engine.global_steps
         if path is None or start >= args.steps:
             raise ds_core.ConfigError(
@@ -378,6 +388,9 @@ def train(args: argparse.Namespace, rank: int, world: int, acc: Any, stop: StopF
         if bool(per_rank[:, 2].any()) and step < args.steps:
             interrupted = True
             break
+        if args.save_every and step % args.save_every == 0 and step < args.steps:
+            # the last step's checkpoint is the one after the loop
+            engine.save_checkpoint(args.save_dir, universal=tp > 1)
     if bar is not None:
         bar.close()
     if log is not None:

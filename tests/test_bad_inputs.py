@@ -546,3 +546,11 @@ def test_the_example_save_on_interrupt_needs_a_save_dir(
         example.parse_args(["--save-on-interrupt"])
     assert info.value.code == 2
     assert "--save-on-interrupt: needs --save-dir" in capsys.readouterr().err
+
+
+def test_the_example_save_every_needs_a_save_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    example = _example()
+    with pytest.raises(SystemExit) as info:
+        example.parse_args(["--save-every", "4"])
+    assert info.value.code == 2
+    assert "--save-every: needs --save-dir" in capsys.readouterr().err

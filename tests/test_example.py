@@ -100,9 +100,9 @@ def test_train_gpt_with_flags_stage_2(shared_runs: Callable[[str], Shared]) -> N
     check_log(out, SHARED_STEPS)
 
 
-SIM_STEPS, SIM_SAVED_AT = 8, 3
-#: The example's own schedule lasts ``--steps`` (train_gpt.py build_config), so a 3-step run
-#: and an 8-step one would not share it: the config names the 8-step schedule for every run.
+SIM_STEPS, SIM_SAVED_AT = 8, 4
+#: The config names the schedule: the example's own lasts ``--steps`` (train_gpt.py
+#: build_config).
 SIM_CONFIG = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_clipping": 1.0,
@@ -120,23 +120,23 @@ needs_sim = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def sim_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The example at stage 3 on 2 sim ranks, three runs shared by the sim tests: ``full``
-    (``SIM_STEPS`` steps, saved at the end, plotted), ``first`` (``SIM_SAVED_AT`` steps, saved)
-    and ``resumed`` (from ``first``'s checkpoint to ``SIM_STEPS``, saved). Each key is its
-    ``--out`` folder; ``<key>_ck`` its ``--save-dir``."""
+    """The example at stage 3 on 2 sim ranks, two runs shared by the sim tests: ``full``
+    (``SIM_STEPS`` steps, saved after step ``SIM_SAVED_AT`` (``--save-every``) and at the end,
+    plotted) and ``resumed`` (from ``full``'s step-``SIM_SAVED_AT`` checkpoint to
+    ``SIM_STEPS``, saved). Each key is its ``--out`` folder; ``<key>_ck`` its ``--save-dir``.
+    One launch, not a separate short run, makes the checkpoint to resume from: a launch costs
+    seconds of start-up, its steps a fraction of that."""
     tmp = tmp_path_factory.mktemp("train_gpt_sim")
     (tmp / "ds_config.json").write_text(json.dumps(SIM_CONFIG))
     runs: dict[str, Path] = {}
+    saved_at = tmp / "full_ck" / f"global_step{SIM_SAVED_AT}"
     plans = {
-        "full": ("--steps", str(SIM_STEPS)),
-        "first": ("--steps", str(SIM_SAVED_AT)),
-        "resumed": ("--steps", str(SIM_STEPS), "--resume", str(tmp / "first_ck")),
+        "full": ("--steps", str(SIM_STEPS), "--save-every", str(SIM_SAVED_AT)),
+        "resumed": ("--steps", str(SIM_STEPS), "--resume", str(saved_at), "--no-plot"),
     }
     for name, extra in plans.items():
         out, ck = tmp / name, tmp / f"{name}_ck"
-        flags = ["--config", str(tmp / "ds_config.json")] + (
-            ["--no-plot"] if name != "full" else []
-        )
+        flags = ["--config", str(tmp / "ds_config.json")]
         proc = run_example(out, *flags, *extra, "--save-dir", str(ck), backend="sim")
         assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
         (out / "stderr.txt").write_text(proc.stderr)
@@ -160,15 +160,16 @@ def test_train_gpt_on_the_simulated_accelerator_stage_3(sim_runs: dict[str, Path
 @pytest.mark.slow
 @needs_sim
 def test_train_gpt_on_sim_resumes_exactly(sim_runs: dict[str, Path]) -> None:
-    """Saved on sim at step 3 and resumed there: the losses of steps 4-8, the final weights,
-    optimizer state and torch's and the device's RNG states are bitwise those of the unbroken
-    run."""
+    """Saved on sim after step 4 of the unbroken run and resumed there: the losses of steps
+    5-8, the final weights, optimizer state and torch's and the device's RNG states are
+    bitwise those of the unbroken run (which went on after that save)."""
     from ds_core.checkpoint import consolidated_state_dict
 
     stderr = (sim_runs["resumed"] / "stderr.txt").read_text()
-    assert f"resumed from {sim_runs['first_ck'] / 'global_step3'} at step 3" in stderr
+    saved_at = sim_runs["full_ck"] / f"global_step{SIM_SAVED_AT}"
+    assert f"resumed from {saved_at} at step {SIM_SAVED_AT}" in stderr
     want = logged_losses(sim_runs["full"])
-    assert logged_losses(sim_runs["first"]) == want[:SIM_SAVED_AT]
+    assert len(want) == SIM_STEPS
     assert logged_losses(sim_runs["resumed"]) == want[SIM_SAVED_AT:]
     for ck in ("full_ck", "resumed_ck"):
         assert (sim_runs[ck] / "latest").read_text() == f"global_step{SIM_STEPS}"
@@ -393,3 +394,18 @@ def test_train_gpt_sp2_matches_one_rank(tmp_path: Path, one_rank_ref: tuple[Path
     torch.testing.assert_close(
         _losses(tmp_path / "sp"), _losses(one_rank_ref[0]), rtol=1e-5, atol=1e-6
     )
+
+
+def test_resume_names_a_checkpoint_root_or_one_tag_folder(tmp_path: Path) -> None:
+    """``--resume ck`` loads the tag ``ck/latest`` names, ``--resume ck/global_step4`` that
+    tag (its folder holds ``manifest.json``) whatever ``latest`` says."""
+    from examples.train_gpt import resume_target
+
+    ck = tmp_path / "ck"
+    (ck / "global_step4").mkdir(parents=True)
+    (ck / "global_step4" / "manifest.json").write_text("{}")
+    (ck / "latest").write_text("global_step8")
+    assert resume_target(str(ck)) == (str(ck), None)
+    assert resume_target(str(ck / "global_step4")) == (str(ck), "global_step4")
+    # a folder that is neither: left to load_checkpoint, which finds no checkpoint there
+    assert resume_target(str(tmp_path)) == (str(tmp_path), None)
