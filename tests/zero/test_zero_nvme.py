@@ -19,7 +19,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 
 from ds_core.errors import ConfigError
 from ds_core.zero.config import load_config
+from tests import forkrank
 from tests.rankpool import free_port
 from tests.zero._offload import NVME_TEST_ROOT, nvme_scenarios
 from tests.zero.conftest import BACKENDS, SuiteGetter
@@ -146,13 +146,26 @@ except ConfigError as exc:
 """
 
 
+def _python(argv: list[str], timeout: float) -> tuple[int, str, str]:
+    """``python ARGV`` on the cpu backend: its exit status, stdout and stderr. Forked from a
+    server that imported torch, torch._dynamo and ds_core (tests/forkrank.py): the engine's
+    optimizer would import torch._dynamo in a fresh interpreter, seconds before the swap
+    folder's checks under test."""
+    proc = forkrank.popen(argv, dict(os.environ, DS_ACCELERATOR="cpu"))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.wait(), out, err
+
+
 def _start(path: Path, mode: str) -> str:
     port = str(free_port())
-    out = subprocess.run([sys.executable, "-c", _START, str(path), port, mode],
-                         capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"),
-                         timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    code, out, err = _python(["-c", _START, str(path), port, mode], timeout=300)
+    assert code == 0, err[-3000:]
+    return out
 
 
 @contextlib.contextmanager
@@ -204,17 +217,17 @@ def test_a_file_size_limit_is_refused_at_engine_start(tmp_path: Path) -> None:
 def test_write_backs_drain_after_the_step_and_a_save_waits_for_them(
     tmp_path: Path, stage: int
 ) -> None:
-    """One process, every swap write slowed (tests/zero/_nvme_overlap.py): the step returns
-    with its write-backs in flight, later steps (resident sub-groups first, the rest read
-    ahead) stay bit for bit equal to host offload, and checkpoints saved right after a step
-    (one followed by more steps) hold exactly host offload's state."""
+    """One process (forked, tests/forkrank.py), every swap write slowed
+    (tests/zero/_nvme_overlap.py): the step returns with its write-backs in flight, later
+    steps (resident sub-groups first, the rest read ahead) stay bit for bit equal to host
+    offload, and checkpoints saved right after a step (one followed by more steps) hold
+    exactly host offload's state."""
     port = str(free_port())
     work = Path(tempfile.mkdtemp(dir=NVME_TEST_ROOT)) if NVME_TEST_ROOT else tmp_path
-    out = subprocess.run([sys.executable, "-m", "tests.zero._nvme_overlap", str(work), port,
-                          str(stage)], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, DS_ACCELERATOR="cpu"))  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    code, out, err = _python(["-m", "tests.zero._nvme_overlap", str(work), port, str(stage)],
+                             timeout=600)  # fmt: skip
+    assert code == 0, err[-3000:]
+    r = json.loads(out.strip().splitlines()[-1])
     assert r["sub_groups"] > r["buffers"] == 3  # some sub-groups are read in every step
     assert all(n > 0 for n in r["in_flight"]), r["in_flight"]
     assert r["losses_equal"] and r["params_equal"]
