@@ -6,7 +6,10 @@ which ``torch.optim.Optimizer.__init__`` imports on first use (torch/_compile.py
 reaches the code under test. :func:`popen` starts the same command line as a child forked from
 one server per test process that has imported :data:`PRELOAD`; the child sets its environment,
 working directory and output files, then runs the module or code as ``python -m`` / ``-c``
-would, and exits through the interpreter's normal exit (``atexit`` handlers run).
+would, and exits through the interpreter's normal exit (``atexit`` handlers run). What a
+fresh interpreter takes from its environment at start, the child applies from the one it is
+given: ``PYTHONFAULTHANDLER`` (the stacks of a crash) and ``PYTHONUNBUFFERED`` (stdout
+line-buffered). The rank pools' ranks (tests/rankpool.py) are forked here too.
 
 What a forked rank shares with a fresh one: everything but the preloaded modules' import-time
 state. They must not select a backend nor read ``DS_*`` variables at import, and the server
@@ -21,6 +24,7 @@ line on stdin, one JSON reply per line on stdout: ``{"pid": P, "tag": T}`` once 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
@@ -56,6 +60,11 @@ def _child(request: dict[str, Any]) -> None:
         opened = os.open(request["err"], write, 0o644)
         os.dup2(opened, 2)
         os.close(opened)
+    # what these variables do at a fresh interpreter's start
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
     flag, target, *args = request["argv"]
     if flag == "-m":
         sys.argv = [target, *args]
@@ -105,12 +114,32 @@ def serve() -> None:
 
 # --------------------------------------------------------------------------- client side
 
+#: what a forked child applies itself (:func:`_child`), or needs not (the server's sys.path)
+_APPLIED = frozenset({"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONPATH"})
+
+
+def _acts_at_start(name: str) -> bool:
+    """Read once when a process or interpreter starts: glibc's malloc and tunables, the
+    dynamic loader's, Python's own."""
+    return name.startswith(("MALLOC_", "LD_", "PYTHON")) or name == "GLIBC_TUNABLES"
+
+
+def not_applied(env: dict[str, str]) -> list[str]:
+    """The variables of ``env`` a forked child would not get: those read at a process's start
+    whose value differs from the server's (e.g. ``MALLOC_MMAP_THRESHOLD_``). Where there are
+    any, the process must be a fresh one."""
+    server = _forker.env if _forker is not None else os.environ
+    names = {k for k in (*env, *server) if _acts_at_start(k) and k not in _APPLIED}
+    return sorted(k for k in names if env.get(k) != server.get(k))
+
 
 class Forker:
     """The test process's server: :meth:`start` a rank, its exit reported to its
     :class:`Forked`."""
 
     def __init__(self) -> None:
+        #: the server's environment, and so what its children start with
+        self.env = dict(os.environ)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.forkrank"],
@@ -240,13 +269,19 @@ def popen(
     """Start ``python ARGV`` (``-m MODULE ...`` or ``-c CODE ...``) as a rank forked from this
     test process's server (started on first use, ended at exit), in environment ``env`` (all
     of it) and folder ``cwd``; its stdout and stderr go to ``out`` and ``err`` (default: files
-    of its own, read by :meth:`Forked.communicate`); ``err == out`` sends both to ``out``."""
+    of its own, read by :meth:`Forked.communicate`); ``err == out`` sends both to ``out``.
+
+    :raises ValueError: ``env`` sets what a forked child cannot apply (:func:`not_applied`).
+    """
     global _forker
     if _forker is None or _forker.proc.poll() is not None:
         import atexit
 
         _forker = Forker()
         atexit.register(_forker.close)
+    missing = not_applied(env)
+    if missing:
+        raise ValueError(f"a forked rank cannot apply {missing}: start a fresh interpreter")
     return _forker.start(argv, env, cwd, out, err)
 
 

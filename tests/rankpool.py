@@ -5,14 +5,20 @@ an initialised process group: seconds of start-up per process on 2 cores, paid a
 suite that spawned its own ranks. A :class:`RankPool` keeps ``world`` ranks alive for the run
 (one pool per world size, backend and environment) and runs jobs on them:
 ``pool.run("tests.zero._worker:run_jobs", "stages", outdir)`` imports that function on every
-rank, calls it with the arguments and returns each rank's result, in rank order.
+rank, calls it with the arguments and returns each rank's result, in rank order. Its ranks
+are forked from the test process's server that imported torch, torch._dynamo and ds_core
+(tests/forkrank.py): a new pool (another environment, or one evicted or taken down) costs
+its process group's start, not each rank's imports again. A pool whose environment sets
+what acts only at a process's start (glibc's ``MALLOC_*``, :func:`tests.forkrank.not_applied`)
+gets fresh interpreters instead.
 
 Jobs share their ranks' process state, so a job must leave nothing behind that changes the
 next one (the suites' jobs already run back to back in one process group). A job that raises
 or times out on any rank takes its pool down, since the other ranks may be stuck in a
 collective; the next job on that key starts a fresh pool.
 
-Rank side: ``python -m tests.rankpool ADDRESS_PORT RANK WORLD`` (started by the pool).
+Rank side: ``python -m tests.rankpool PORT KEY_FILE``, forked by the pool from the test
+process's rank server (tests/forkrank.py).
 """
 
 from __future__ import annotations
@@ -130,7 +136,11 @@ class RankPool:
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self._logdir = Path(tempfile.mkdtemp(prefix="rankpool-"))
         port = free_port()
-        self._procs: list[subprocess.Popen[bytes]] = []
+        # The key travels in a file only this user can read, not in the visible command line.
+        key = self._logdir / "key"
+        key.touch(mode=0o600)
+        key.write_bytes(self._authkey)
+        self._procs: list[forkrank.Forked | subprocess.Popen[bytes]] = []
         for rank in range(world):
             # PYTHONFAULTHANDLER: a rank killed by a signal (a crash in a backend's native
             # code) leaves its threads' Python stacks in its log, which the failure shows.
@@ -145,23 +155,24 @@ class RankPool:
                     PYTHONFAULTHANDLER="1",
                 ),
             }
-            with open(self._logdir / f"rank{rank}.log", "wb") as log:
-                self._procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tests.rankpool", str(self._listener.address[1])],
-                        cwd=ROOT,
-                        env=env_r,
-                        stdin=subprocess.PIPE,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
+            log = self._logdir / f"rank{rank}.log"
+            argv = ["-m", "tests.rankpool", str(self._listener.address[1]), str(key)]
+            if forkrank.not_applied(env_r):  # e.g. glibc's MALLOC_*: read at process start
+                with open(log, "wb") as out:
+                    fresh = [sys.executable, *argv]
+                    self._procs.append(
+                        subprocess.Popen(fresh, cwd=ROOT, env=env_r, stdout=out, stderr=out)
                     )
-                )
-        for proc in self._procs:  # the key travels on stdin, not in the visible command line
-            assert proc.stdin is not None
-            proc.stdin.write(self._authkey)
-            proc.stdin.close()
+            else:
+                # forked from a server that imported torch, torch._dynamo and ds_core
+                # (tests/forkrank.py): a pool's start is its process group's, not seconds of
+                # imports per rank
+                self._procs.append(forkrank.popen(argv, env_r, out=log, err=log))
         self._conns: list[Connection] = [None] * world  # type: ignore[list-item]
-        self._accept()
+        try:
+            self._accept()
+        finally:
+            key.unlink()  # read by every rank that connected
 
     def _accept(self) -> None:
         # Listener.accept() has no timeout: wait for the socket to be readable first, so a
@@ -319,8 +330,8 @@ def _call(target: str, args: tuple[Any, ...]) -> Any:
     return getattr(importlib.import_module(module), name)(*args)
 
 
-def serve(port: int) -> None:
-    authkey = sys.stdin.buffer.read()
+def serve(port: int, key: str) -> None:
+    authkey = Path(key).read_bytes()
     rank = int(os.environ["RANK"])
     conn = Client(("127.0.0.1", port), authkey=authkey)
     conn.send(rank)
@@ -358,4 +369,4 @@ def serve(port: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), sys.argv[2])

@@ -64,3 +64,22 @@ def test_err_equal_to_out_interleaves_both_in_one_file(tmp_path: Path) -> None:
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert out.split() == ["a", "b", "c"] and err == ""
+
+
+def test_pythonfaulthandler_dumps_the_stack_of_a_crash(tmp_path: Path) -> None:
+    # a fresh interpreter reads it at start; a forked rank must get the same stacks in its log
+    code = "import os, signal\ndef crash():\n    os.kill(os.getpid(), signal.SIGSEGV)\ncrash()\n"
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    proc = forkrank.popen(["-c", code], env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in err and "in crash" in err, err
+
+
+def test_what_acts_at_process_start_is_refused_not_ignored() -> None:
+    # glibc reads MALLOC_* when the process starts: a forked child would silently run without
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONUNBUFFERED": "1"}
+    assert forkrank.not_applied(env) == ["MALLOC_MMAP_THRESHOLD_"]
+    with pytest.raises(ValueError, match="MALLOC_MMAP_THRESHOLD_"):
+        forkrank.popen(["-c", "pass"], env)
+    assert forkrank.not_applied(dict(os.environ, PYTHONFAULTHANDLER="1", RANK="3")) == []
