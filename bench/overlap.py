@@ -35,6 +35,10 @@ prints the ratio. The link model's settings are read by the sim at initialisatio
 script toggles them between steps by replacing ``ds_backend_sim.device``'s settings record
 (a benchmark-only shortcut; ``modelled_seconds`` reads it when a collective is issued).
 
+``--impl deepspeed`` runs DeepSpeed's own engine instead (the installed ``deepspeed``, through
+ds_core's DeepSpeed adapter, ``ds_core.interop.deepspeed``), the same model, config and link,
+so the same table compares the two schedules on one device model.
+
 It prints and never asserts.
 """
 
@@ -131,11 +135,23 @@ def run_config(
     rank = dist.get_rank()
     torch.manual_seed(SEED)
     model = GPT(PRESETS[args.preset])
-    engine, _, _, _ = ds_core.initialize(
-        model=model,
-        model_parameters=model.parameters(),
-        config=ds_config(stage, args.micro_batch, overlap, args.extra),
-    )
+    config = ds_config(stage, args.micro_batch, overlap, args.extra)
+    if args.impl == "deepspeed":
+        import deepspeed
+
+        # DeepSpeed's own engine over ds_core's adapter (installed by the worker), so its
+        # schedule runs on sim; torch's AdamW, since no fused Adam is built for sim. On the
+        # device first: DeepSpeed keys parameters by object before moving the module, and a
+        # move to sim replaces host Parameters (docs/interop.md).
+        config["optimizer"]["params"]["torch_adam"] = True
+        model.to(acc.device())
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+    else:
+        engine, _, _, _ = ds_core.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
     data = Batches(tokens, args.micro_batch, args.seq, seed=SEED, rank=rank)
     # link order: warm-up on, then a block of --steps steps on and one off, each led by an
     # unmeasured step, so a measured step follows a step of its own link setting
@@ -192,6 +208,14 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     torch.set_num_threads(1)
     import ds_core
 
+    if args.impl == "deepspeed":
+        import ds_core.interop.deepspeed
+
+        ds_core.interop.deepspeed.install()  # before DeepSpeed picks an accelerator of its own
+        import deepspeed.ops
+
+        # its shared-memory inference all-reduce: a compiled op training never calls
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     ds_core.init_distributed(timeout=1200)
     rec = CommRecorder(args.link_gbps, args.latency_us)
     rec.install()
@@ -306,6 +330,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="measured steps per link setting")
     p.add_argument("--world", type=int, default=2)
     p.add_argument(
+        "--impl",
+        default="ds_core",
+        choices=["ds_core", "deepspeed"],
+        help="whose engine: ds_core's, or DeepSpeed's through ds_core's adapter (docs/interop.md)",
+    )
+    p.add_argument(
         "--zero",
         default="",
         help="extra zero_optimization keys, e.g. reduce_bucket_size=6e6 (comma-separated)",
@@ -341,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.micro_batch} × seq {args.seq}, {args.world} ranks on sim (threads), link "
         f"{args.link_gbps:g} GB/s + {args.latency_us:g} µs, {args.rounds} round(s) × "
         f"{args.steps} steps per link setting (after {args.warmup} warm-up), torch "
-        f"{torch.__version__}, extra zero keys {args.extra or 'none'}"
+        f"{torch.__version__}, extra zero keys {args.extra or 'none'}, engine {args.impl}"
     )
     print(summarize(results, args))
 
