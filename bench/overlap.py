@@ -52,7 +52,9 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,7 +228,14 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     for round_ in range(args.rounds):
         k = round_ % len(configs)
         for stage, overlap in configs[k:] + configs[:k]:
-            r = run_config(stage, overlap, args, tokens, rec)
+            try:
+                r = run_config(stage, overlap, args, tokens, rec)
+            except BaseException:
+                # every rank's own error (mp.spawn reports only the first rank that failed,
+                # often a peer failing because of this one)
+                print(f"rank {rank}, stage {stage}, overlap_comm={overlap}:", file=sys.stderr)
+                traceback.print_exc()
+                raise
             everyone: list[Any] = [None] * args.world
             dist.all_gather_object(everyone, r)
             results[f"{stage}/{overlap}"].append(everyone)
@@ -360,9 +369,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.pop("DS_SIM_LINK_GBPS", None)
     os.environ.pop("DS_SIM_LATENCY_US", None)
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     procs = mp.spawn(worker, args=(args, free_port(), queue), nprocs=args.world, join=False)
-    results = queue.get()
+    while True:
+        try:
+            results = queue.get(timeout=5)
+            break
+        except Empty:
+            procs.join(timeout=0)  # raises a rank's error: without it a failed rank hangs here
     procs.join()
     n_params = GPT(PRESETS[args.preset]).n_params()
     print()
