@@ -451,8 +451,9 @@ class FlatUnit:
             # A group of one: the gathered unit is this rank's range; a copy on the current
             # stream, not a collective (issue 32's no-communication floor runs this way).
             self.flat.copy_(src)
-            self.inflight = InFlight(QueuedCopy() if async_op else COMPLETED, src, self.flat)
-            if not async_op:
+            queued = async_op and not get_accelerator().is_synchronized_device()
+            self.inflight = InFlight(QueuedCopy() if queued else COMPLETED, src, self.flat)
+            if not queued:
                 self.wait_gather()
             return
         if self.quantized_gather and not exact:

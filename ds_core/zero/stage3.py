@@ -211,7 +211,7 @@ class ParamCoordinator:
         within this many elements is kept gathered after its module instead of released.
     :param leaves: leaf modules (:func:`leaf_modules`): hooked for their whole subtree.
     :param overlap: ``overlap_comm``: prefetch gathers run on a side stream (else on the
-        current one).
+        current one), where the device has asynchronous streams.
     """
 
     def __init__(
@@ -226,7 +226,9 @@ class ParamCoordinator:
     ) -> None:
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
-        self.overlap = overlap
+        # On a device whose work completes as it is queued a side stream overlaps nothing and
+        # would only cost an event and a stream switch per scan.
+        self.overlap = overlap and not get_accelerator().is_synchronized_device()
         #: the side stream of the prefetch's gathers with ``overlap`` (made at the first).
         self._stream: Any = None
         #: module -> the units of its direct partitioned parameters (a tied weight's unit is
