@@ -20,6 +20,8 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +74,38 @@ class InFlight:
     def wait(self) -> torch.Tensor:
         self.handle.wait()
         return self.output
+
+
+class SideStream:
+    """A stream of its own for asynchronous collectives (made at first use).
+
+    :meth:`after_current` makes it current, ordered after the work queued so far on the stream
+    current before (an event recorded there, waited for here): what it runs reads what that
+    stream wrote. A collective runs on the stream current when it is issued
+    (ds_core/hookspecs/comm.py), so issued on the compute stream it would make the next
+    computation queue behind it.
+    """
+
+    __slots__ = ("stream",)
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+
+    @contextmanager
+    def after_current(self) -> Iterator[None]:
+        acc = get_accelerator()
+        if self.stream is None:
+            self.stream = acc.Stream()
+        ready = acc.Event()
+        ready.record()  # on the producing (current) stream
+        with acc.stream(self.stream):
+            self.stream.wait_event(ready)
+            yield
+
+    def synchronize(self) -> None:
+        """Block the host until its work ran (teardown only: buffers are freed next)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 class QueuedCopy:

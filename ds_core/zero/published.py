@@ -35,8 +35,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ds_core.accelerator import get_accelerator
-from ds_core.zero.partition import FlatUnit, InFlight
+from ds_core.zero.partition import FlatUnit, InFlight, SideStream
 
 
 class PublishedGathers:
@@ -52,7 +51,7 @@ class PublishedGathers:
         self.units = units
         self._pending: dict[int, InFlight] = {}
         #: the side stream the gathers run on (made at the first step).
-        self._stream: Any = None
+        self._side = SideStream()
         owner: dict[int, FlatUnit] = {}
         for unit in units:
             for zp in unit.zparams:
@@ -83,15 +82,7 @@ class PublishedGathers:
         queued so far on the current stream (the writes of the owned ranges); the previous
         step's gathers are drained first."""
         self.drain()
-        acc = get_accelerator()
-        if self._stream is None:
-            self._stream = acc.Stream()
-        ready = acc.Event()
-        ready.record()  # on the producing (current) stream
-        with acc.stream(self._stream):
-            # a collective runs on the stream current when it is issued (ds_core/hookspecs/
-            # comm.py): issued on the compute stream, the next forward would queue behind it
-            self._stream.wait_event(ready)
+        with self._side.after_current():
             for unit in self.units:
                 self._pending[id(unit)] = unit.all_gather(async_op=True)
 
@@ -114,8 +105,7 @@ class PublishedGathers:
         stream here (teardown is no step): the units' buffers are freed next, and a
         collective still running on that stream would write into them."""
         self.drain()
-        if self._stream is not None:
-            self._stream.synchronize()
+        self._side.synchronize()
         for h in self._handles:
             h.remove()
         self._handles.clear()

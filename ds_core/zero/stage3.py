@@ -68,8 +68,8 @@ released as one: one all-gather per leaf and pass instead of one per submodule.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -79,7 +79,7 @@ from torch.utils.hooks import RemovableHandle
 from ds_core.accelerator import get_accelerator
 from ds_core.errors import ConfigError
 from ds_core.zero.config.sections import LeafModuleConfig
-from ds_core.zero.partition import FlatUnit, ZeroParam
+from ds_core.zero.partition import FlatUnit, SideStream, ZeroParam
 
 
 def leaf_modules(model: nn.Module, cfg: LeafModuleConfig) -> set[nn.Module]:
@@ -229,8 +229,8 @@ class ParamCoordinator:
         # On a device whose work completes as it is queued a side stream overlaps nothing and
         # would only cost an event and a stream switch per scan.
         self.overlap = overlap and not get_accelerator().is_synchronized_device()
-        #: the side stream of the prefetch's gathers with ``overlap`` (made at the first).
-        self._stream: Any = None
+        #: the stream of the prefetch's gathers with ``overlap``.
+        self._side = SideStream()
         #: module -> the units of its direct partitioned parameters (a tied weight's unit is
         #: in every module that uses it).
         self.module_units: dict[nn.Module, list[FlatUnit]] = {}
@@ -449,18 +449,6 @@ class ParamCoordinator:
         self._scan = pos
         self._read_ahead(pos if pos != end else -1)
 
-    @contextmanager
-    def _side_stream(self) -> Iterator[None]:
-        """The prefetch's stream, ordered after the work queued so far on the current one."""
-        acc = get_accelerator()
-        if self._stream is None:
-            self._stream = acc.Stream()
-        ready = acc.Event()
-        ready.record()  # on the current (compute) stream
-        with acc.stream(self._stream):
-            self._stream.wait_event(ready)
-            yield
-
     def _issue_ahead(self, pos: int, step: int, end: int, side: ExitStack) -> int:
         """Issue the asynchronous gathers of :meth:`_prefetch` from trace position ``pos``,
         entering the side stream in ``side`` before the first (with ``overlap``); returns the
@@ -479,7 +467,7 @@ class ParamCoordinator:
                 self._ahead.add(id(unit))
                 self.ahead_numel += unit.padded
                 if not stay:  # one event and stream switch per scan, only if it issues
-                    side.enter_context(self._side_stream())
+                    side.enter_context(self._side.after_current())
                     stay = True
                 unit.gather(async_op=True)
             else:
@@ -502,8 +490,7 @@ class ParamCoordinator:
         step runs here): the units' buffers are freed next, and a gather still running on
         that stream would write into them."""
         self.release_all()
-        if self._stream is not None:
-            self._stream.synchronize()
+        self._side.synchronize()
         for h in self.handles:
             h.remove()
         self.handles.clear()
