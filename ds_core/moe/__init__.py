@@ -6,32 +6,5 @@
 
 from __future__ import annotations
 
-from ds_core.parallel.expert.moe import (
-    DROPPED_ATTR,
-    EXPERT_ATTR,
-    EXPERT_INDEX_ATTR,
-    Expert,
-    ExpertGroups,
-    MoE,
-    dropped_parameters,
-    expert_groups,
-    expert_parallel_size,
-    mark_expert,
-    mark_expert_index,
-    reset_expert_groups,
-)
-
-__all__ = [
-    "DROPPED_ATTR",
-    "EXPERT_ATTR",
-    "EXPERT_INDEX_ATTR",
-    "Expert",
-    "ExpertGroups",
-    "MoE",
-    "dropped_parameters",
-    "expert_groups",
-    "expert_parallel_size",
-    "mark_expert",
-    "mark_expert_index",
-    "reset_expert_groups",
-]
+from ds_core.parallel.expert.moe import *  # noqa: F403 - the same public names under DeepSpeed's import path
+from ds_core.parallel.expert.moe import __all__ as __all__
