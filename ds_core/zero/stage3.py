@@ -68,7 +68,7 @@ released as one: one all-gather per leaf and pass instead of one per submodule.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -158,35 +158,37 @@ def _map_tensors(obj: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]
     if isinstance(obj, torch.Tensor):  # most modules' output: no walk, no rebuild
         return fn([obj])[0] if obj.requires_grad else obj
     found: list[torch.Tensor] = []
-
-    def collect(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            if o.requires_grad:
-                found.append(o)
-        elif isinstance(o, (list, tuple)):
-            for x in o:
-                collect(x)
-        elif isinstance(o, dict):
-            for x in o.values():
-                collect(x)
-
-    collect(obj)
+    _collect(obj, found)
     if not found:
         return obj
-    replaced = iter(fn(found))
+    return _rebuild(obj, iter(fn(found)))
 
-    def rebuild(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            return next(replaced) if o.requires_grad else o
-        if isinstance(o, tuple) and hasattr(o, "_fields"):
-            return type(o)(*(rebuild(x) for x in o))
-        if isinstance(o, (list, tuple)):
-            return type(o)(rebuild(x) for x in o)
-        if isinstance(o, dict):
-            return {k: rebuild(v) for k, v in o.items()}
-        return o
 
-    return rebuild(obj)
+# Module-level, not closures in _map_tensors: a recursive closure refers to itself through its
+# cell, and that cycle kept the tensors it found (a module's inputs and outputs: activations)
+# alive after backward until Python's cycle collector ran.
+def _collect(o: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(o, torch.Tensor):
+        if o.requires_grad:
+            found.append(o)
+    elif isinstance(o, (list, tuple)):
+        for x in o:
+            _collect(x, found)
+    elif isinstance(o, dict):
+        for x in o.values():
+            _collect(x, found)
+
+
+def _rebuild(o: Any, replaced: Iterator[torch.Tensor]) -> Any:
+    if isinstance(o, torch.Tensor):
+        return next(replaced) if o.requires_grad else o
+    if isinstance(o, tuple) and hasattr(o, "_fields"):
+        return type(o)(*(_rebuild(x, replaced) for x in o))
+    if isinstance(o, (list, tuple)):
+        return type(o)(_rebuild(x, replaced) for x in o)
+    if isinstance(o, dict):
+        return {k: _rebuild(v, replaced) for k, v in o.items()}
+    return o
 
 
 def _through(fn: Callable[[], None]) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:

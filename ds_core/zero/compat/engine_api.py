@@ -337,17 +337,7 @@ class DeepSpeedEngineAPI:
         dicts) become float16, as DeepSpeed's engine casts them."""
         if not (self.fp16 and self.config.fp16.auto_cast):
             return args, kwargs
-
-        def cast(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                return obj.half() if obj.is_floating_point() else obj
-            if isinstance(obj, (list, tuple)):
-                return type(obj)(cast(o) for o in obj)
-            if isinstance(obj, dict):
-                return {k: cast(v) for k, v in obj.items()}
-            return obj
-
-        return cast(args), cast(kwargs)
+        return _to_half(args), _to_half(kwargs)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch_autocast``: the forward runs under ``torch.autocast`` on the engine's
@@ -488,3 +478,17 @@ class DeepSpeedEngineAPI:
         return save_16bit_model(
             cast("ZeroEngine", self), save_dir, save_filename, exclude_frozen_parameters
         )
+
+
+def _to_half(obj: Any) -> Any:
+    """Floating-point tensors in ``obj`` (nested in lists, tuples and dicts) as float16.
+
+    Module-level: a recursive closure is a reference cycle (the function and its own cell), one
+    more piece of garbage per forward for Python's cycle collector."""
+    if isinstance(obj, torch.Tensor):
+        return obj.half() if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_half(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_half(v) for k, v in obj.items()}
+    return obj
