@@ -161,14 +161,15 @@ class Forker:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            message = json.loads(line)
-            with self._lock:
-                if "tag" in message:
-                    self._pids[message["tag"]] = message["pid"]
-                else:
-                    self._codes[message["exit"]] = message["code"]
-                self._lock.notify_all()
+        with self.proc.stdout as replies:  # closed at the server's exit
+            for line in replies:
+                message = json.loads(line)
+                with self._lock:
+                    if "tag" in message:
+                        self._pids[message["tag"]] = message["pid"]
+                    else:
+                        self._codes[message["exit"]] = message["code"]
+                    self._lock.notify_all()
         with self._lock:
             self._lock.notify_all()
 
