@@ -41,6 +41,7 @@ import torch
 
 from ds_core.backend_kit.checks import (
     check_device_index,
+    check_options,
     check_seed,
     require_device_index,
     require_int,
@@ -153,6 +154,10 @@ class TorchStyleHooks:
     #: Property attribute names copied into ``DeviceProperties.extra`` where the vendor's
     #: properties object has them (compute capability, core count, ...).
     property_extras: tuple[str, ...] = ()
+    #: The backend's name (its entry point and ``BackendInfo.name``), for configuration errors.
+    backend_name: str = ""
+    #: The ``accelerator.<name>`` options ``ds_backend_configure`` accepts.
+    accepted_options: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -216,6 +221,12 @@ class TorchStyleHooks:
             return None
         # Unlike the allocator queries, this getter rejects a device string without an index.
         return float(getter(self.device_str(self.resolve(index))))
+
+    # -- backend ---------------------------------------------------------------------------
+
+    @hookimpl
+    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
+        return check_options(self.backend_name or self.device_type, options, self.accepted_options)
 
     # -- determinism -----------------------------------------------------------------------
 

@@ -16,8 +16,6 @@ Probes and ``ds_backend_*`` hooks must never create a device context.
 from __future__ import annotations
 
 import importlib.metadata as md
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +24,6 @@ from ds_core.backend_kit import (
     DeterminismPolicy,
     ProbeCache,
     TorchStyleHooks,
-    check_options,
     require_dist_backend,
     torch_attr,
     torch_deterministic_algorithms,
@@ -71,6 +68,8 @@ probe = ProbeCache(_probe)
 class TemplateBackendHooks(TorchStyleHooks):
     """The 'template_backend' backend's hooks: the torch-style ones inherited, its own here."""
 
+    backend_name = NAME
+
     # -- backend -------------------------------------------------------------------------------
 
     @hookimpl
@@ -91,10 +90,6 @@ class TemplateBackendHooks(TorchStyleHooks):
     @hookimpl
     def ds_backend_capabilities(self) -> frozenset[str]:
         return frozenset({"async_streams", "device_timing", "pinned_memory", "determinism"})
-
-    @hookimpl
-    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
-        return check_options(NAME, options, ())
 
     # -- dtypes --------------------------------------------------------------------------------
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -31,7 +29,6 @@ from ds_core.backend_kit import (
     TorchStyleGraph,
     TorchStyleHooks,
     attribute_setting,
-    check_options,
     count_device_nodes,
     dtype_set,
     fused_adamw_provider,
@@ -246,6 +243,8 @@ class CudaHooks(TorchStyleHooks):
     Device properties add ``compute_capability`` (``"major.minor"``) to the kit's extras.
     """
 
+    backend_name = NAME
+
     #: Profiler ranges pushed and not yet popped (NVTX has no count of its own).
     open_ranges = 0
 
@@ -275,10 +274,6 @@ class CudaHooks(TorchStyleHooks):
         if hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"):
             caps.add("graph_capture")
         return frozenset(caps)
-
-    @hookimpl
-    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
-        return check_options(NAME, options, ())
 
     # -- device --------------------------------------------------------------------------------
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -37,7 +36,6 @@ from ds_core.backend_kit import (
     VendorModule,
     adamw_compatible,
     attribute_setting,
-    check_options,
     check_seed,
     dist_version,
     dtype_set,
@@ -194,6 +192,8 @@ class HpuHooks(TorchStyleHooks):
     process, low priority only).
     """
 
+    backend_name = NAME
+
     # -- backend -------------------------------------------------------------------------------
 
     @hookimpl
@@ -226,10 +226,6 @@ class HpuHooks(TorchStyleHooks):
         if _graph_capture_available():
             caps.add("graph_capture")
         return frozenset(caps)
-
-    @hookimpl
-    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
-        return check_options(NAME, options, ())
 
     # -- device --------------------------------------------------------------------------------
 

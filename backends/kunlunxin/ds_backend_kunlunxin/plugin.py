@@ -20,7 +20,6 @@ The probe imports nothing from the vendor: it checks that torch_xmlir is install
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,7 +32,6 @@ from ds_core.backend_kit import (
     ProbeCache,
     TorchStyleGraph,
     TorchStyleHooks,
-    check_options,
     count_device_nodes,
     dist_version,
     dtype_set,
@@ -140,6 +138,8 @@ class KunlunxinHooks(TorchStyleHooks):
     events are stubs (``hooks.host_timers``).
     """
 
+    backend_name = NAME
+
     property_extras = ("major", "minor", "multi_processor_count")
 
     # -- backend -------------------------------------------------------------------------------
@@ -176,10 +176,6 @@ class KunlunxinHooks(TorchStyleHooks):
         # deterministic mode on KLXPU) and "memory_limits" (UNCONFIRMED that the allocator honours
         # a per-process memory fraction).
         return frozenset(caps)
-
-    @hookimpl
-    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
-        return check_options(NAME, options, ())
 
     # -- memory --------------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ registers as ``torch.npu``). Where Ascend differs:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ from ds_core.backend_kit import (
     VendorModule,
     adamw_compatible,
     attribute_setting,
-    check_options,
     dist_version,
     dtype_set,
     package_file_present,
@@ -133,6 +131,8 @@ class NpuHooks(TorchStyleHooks):
     torch_npu gains a getter for it.
     """
 
+    backend_name = NAME
+
     property_extras = PROPERTY_EXTRAS
 
     # -- backend -------------------------------------------------------------------------------
@@ -159,10 +159,6 @@ class NpuHooks(TorchStyleHooks):
         if _graph_capture_available():
             caps.add("graph_capture")
         return frozenset(caps)
-
-    @hookimpl
-    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
-        return check_options(NAME, options, ())
 
     # -- dtypes --------------------------------------------------------------------------------
 

@@ -15,8 +15,6 @@ first and ``torch.cuda.is_available()`` is never called.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -27,7 +25,6 @@ from ds_core.backend_kit import (
     TorchStyleGraph,
     TorchStyleHooks,
     attribute_setting,
-    check_options,
     dtype_set,
     fused_adamw_provider,
     require_dist_backend,
@@ -132,6 +129,8 @@ _determinism = DeterminismPolicy(
 class RocmHooks(TorchStyleHooks):
     """The rocm backend's hooks: the torch-style ones inherited, the AMD-specific here."""
 
+    backend_name = NAME
+
     #: Profiler ranges pushed and not yet popped (NVTX has no count of its own).
     open_ranges = 0
 
@@ -164,10 +163,6 @@ class RocmHooks(TorchStyleHooks):
         if hasattr(torch.cuda, "CUDAGraph") and hasattr(torch.cuda, "graph"):
             caps.add("graph_capture")
         return frozenset(caps)
-
-    @hookimpl
-    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
-        return check_options(NAME, options, ())
 
     # -- dtypes --------------------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ for (``DS_ACCELERATOR=sim``) or when it is the only backend installed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -25,7 +24,6 @@ from ds_core.backend_kit import (
     DeterminismPolicy,
     ProbeCache,
     TorchStyleHooks,
-    check_options,
     dtype_set,
     torch_deterministic_algorithms,
 )
@@ -76,6 +74,8 @@ def _module() -> ModuleType:
 class SimHooks(TorchStyleHooks):
     """The sim backend's hooks: torch-style over ``torch.sim``, plus what is sim-specific."""
 
+    backend_name = NAME
+
     # -- backend -------------------------------------------------------------------------------
 
     @hookimpl
@@ -96,10 +96,6 @@ class SimHooks(TorchStyleHooks):
     @hookimpl
     def ds_backend_capabilities(self) -> frozenset[str]:
         return frozenset({"async_streams", "device_timing", "pinned_memory", "determinism", "p2p"})
-
-    @hookimpl
-    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
-        return check_options(NAME, options, ())
 
     # -- device --------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import contextlib
 import importlib
 import inspect
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ from ds_core.backend_kit import (
     DeterminismPolicy,
     TorchStyleGraph,
     TorchStyleHooks,
-    check_options,
     dist_version,
     dtype_set,
     fused_adamw_provider,
@@ -154,6 +153,8 @@ _determinism = DeterminismPolicy(
 class XpuHooks(TorchStyleHooks):
     """The xpu backend's hooks: the torch-style ones inherited, the XPU-specific here."""
 
+    backend_name = NAME
+
     property_extras = PROPERTY_EXTRAS
 
     # -- backend -------------------------------------------------------------------------------
@@ -184,10 +185,6 @@ class XpuHooks(TorchStyleHooks):
         # "determinism" is not declared: torch's deterministic-algorithms flag is all there is;
         # oneDNN/oneCCL determinism knobs are UNCONFIRMED, so bitwise-equal runs are not promised.
         return frozenset(caps)
-
-    @hookimpl
-    def ds_backend_configure(self, options: Mapping[str, Any]) -> bool:
-        return check_options(NAME, options, ())
 
     # -- streams -------------------------------------------------------------------------------
 
