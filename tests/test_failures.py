@@ -58,3 +58,6 @@ def test_survivor_fails_with_a_message_when_a_peer_dies() -> None:
     assert procs[1].returncode == 3
     assert procs[0].returncode == 17, err0
     assert "rank 0 saw the failure" in err0
+    # the transport names the dead peer (ds_backend_cpu/shm.py's dead-peer check), not a
+    # confusing consequence of its absence (a mismatch at the next call, or a timeout)
+    assert "rank 1 (pid" in err0 and "exited while rank 0 waited for it" in err0, err0
