@@ -51,8 +51,9 @@ def measure(
     activations held in reference cycles stay on the device until a collection)."""
 
     def run() -> dict[str, Any]:
-        if not collector:
-            gc.disable()
+        if collector:
+            return measured()
+        gc.disable()
         try:
             return measured()
         finally:
