@@ -32,8 +32,9 @@ DeepSpeed modes):
 With a learning-rate warm-up (DeepSpeed's ``WarmupLR``, linear from 0 to the optimizer's lr
 over the freeze step's count of steps, then constant; the tutorial's setting makes
 ``var_freeze_step`` the end of the warm-up), against ``onebit_adam_nc_warmup`` (the reference,
-never compressing, with the same warm-up): ``onebit_adam_warmup`` (``freeze_step``) and
-``zero_one_adam_warmup`` (``var_freeze_step``).
+never compressing, with the same warm-up): ``onebit_adam_warmup`` (``freeze_step``),
+``zero_one_adam_warmup`` (``var_freeze_step``), and 0/1 Adam's three split variants with the
+warm-up, ``zero_one_adam_{exact,avg,dense}_warmup`` (each as above, plus the warm-up).
 
 ``python bench/compression_variants.py`` prints :func:`overstatement` (how far a 1-bit gradient
 overstates the elements whose own gradients are small).
@@ -60,14 +61,22 @@ VARIANTS = (
     "onebit_adam_nc_warmup",
     "onebit_adam_warmup",
     "zero_one_adam_warmup",
+    "zero_one_adam_exact_warmup",
+    "zero_one_adam_avg_warmup",
+    "zero_one_adam_dense_warmup",
 )
 #: the variants whose engine keeps averaging gradients after every step (:func:`adjust`)
 _AVERAGED = ("onebit_adam_frozen", "zero_one_adam_avg")
 #: the variants that replace the compressed all-reduce (:func:`apply`)
 _PATCHED = ("onebit_adam_exact", "onebit_adam_frozen", "zero_one_adam_exact", "zero_one_adam_avg")
-_WARMUP = ("onebit_adam_nc_warmup", "onebit_adam_warmup", "zero_one_adam_warmup")
+_WARMUP = tuple(v for v in VARIANTS if v.endswith("_warmup"))
 #: a count no run reaches (a step, a number of updates)
 _NEVER = 10**9
+
+
+def _base(name: str) -> str:
+    """The variant ``name`` without its learning-rate warm-up (the warm-up is its only change)."""
+    return name.removesuffix("_warmup")
 
 
 def optimizer(name: str, lr: float, freeze: int) -> dict[str, Any] | None:
@@ -80,7 +89,7 @@ def optimizer(name: str, lr: float, freeze: int) -> dict[str, Any] | None:
         }
     if name.startswith("zero_one_adam_") and name in VARIANTS:
         params: dict[str, Any] = {"lr": lr, "var_freeze_step": freeze}
-        if name == "zero_one_adam_dense":
+        if _base(name) == "zero_one_adam_dense":
             params["var_update_scaler"] = _NEVER
         if name == "zero_one_adam_nofreeze":
             params["var_freeze_step"] = _NEVER
@@ -129,8 +138,8 @@ def apply(name: str) -> Callable[[], None]:
 
     module: Any = zero_one if name.startswith("zero_one_adam_") else onebit
     saved = module.compressed_all_reduce
-    if name in _PATCHED:
-        module.compressed_all_reduce = exact_mean if name.endswith("_exact") else copy
+    if _base(name) in _PATCHED:
+        module.compressed_all_reduce = exact_mean if _base(name).endswith("_exact") else copy
 
     def undo() -> None:
         module.compressed_all_reduce = saved
@@ -141,7 +150,7 @@ def apply(name: str) -> Callable[[], None]:
 def adjust(name: str, optimizer: Any) -> None:
     """For ``onebit_adam_frozen`` and ``zero_one_adam_avg``, keep the engine averaging gradients
     (``optimizer.backward_allreduce`` reset to true after every step); else nothing."""
-    if name not in _AVERAGED:
+    if _base(name) not in _AVERAGED:
         return
     step = optimizer.step
 
