@@ -165,6 +165,47 @@ def test_convolutions_run_their_host_kernels_forward_and_backward(mode: str) -> 
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_reducing_losses_equal_the_hosts_and_warn_nothing(mode: str) -> None:
+    """Losses on sim equal the host's bit for bit, forward and backward, without a warning:
+    ``mse_loss`` and ``smooth_l1_loss`` are structured operators whose host ``.out`` kernel
+    resized the functional form's 0-dim result (a deprecated resize torch warns about) until
+    sim registered their functional forms with its host fallback."""
+    r = run(
+        """
+        import warnings
+        F = torch.nn.functional
+        sim = device.init()
+        torch.manual_seed(0)
+        x, y = torch.randn(16, 4), torch.randn(16, 4)
+        t, p = torch.randint(0, 4, (16,)), torch.rand(16, 4)
+        losses = {
+            "mse_loss": lambda x, d: F.mse_loss(x, y.to(d)),
+            "mse_loss_sum": lambda x, d: F.mse_loss(x, y.to(d), reduction="sum"),
+            "smooth_l1_loss": lambda x, d: F.smooth_l1_loss(x, y.to(d)),
+            "huber_loss": lambda x, d: F.huber_loss(x, y.to(d)),
+            "l1_loss": lambda x, d: F.l1_loss(x, y.to(d)),
+            "cross_entropy": lambda x, d: F.cross_entropy(x, t.to(d)),
+            "bce_with_logits": lambda x, d: F.binary_cross_entropy_with_logits(x, p.to(d)),
+        }
+        equal = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for name, loss in losses.items():
+                xh, xd = x.clone().requires_grad_(), x.to("sim").requires_grad_()
+                lh, ld = loss(xh, "cpu"), loss(xd, "sim")
+                lh.backward()
+                ld.backward()
+                equal[name] = [torch.equal(ld.cpu(), lh), torch.equal(xd.grad.cpu(), xh.grad)]
+        out(equal=equal, warnings=[str(w.message)[:80] for w in caught])
+        """,
+        mode,
+    )
+    assert r["warnings"] == []
+    for name, both in r["equal"].items():
+        assert both == [True, True], name
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_exiting_right_after_a_backward_on_sim_does_not_abort(mode: str) -> None:
     """Autograd's device thread drops its graph task (Python objects inside) after backward
     returns; a main thread that keeps the GIL until exit left it to finalization, which ends

@@ -1112,9 +1112,17 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 // (they raise "not implemented"): the fallback above never saw them, so nn.Conv2d failed on
 // sim. Registered here, the two entry points run their host kernels like every other
 // operator; autograd still records convolution's own backward.
+//
+// The reducing losses mse_loss and smooth_l1_loss are structured: without a device kernel their
+// functional form allocates a 0-dim result and calls the .out form, whose host kernel sizes
+// that result as the elementwise loss before reducing it, and torch warns that it resized a
+// non-empty output (a deprecated behaviour, an error in a later torch). Their functional
+// forms run the host kernel directly instead.
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&fallback>());
   m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("mse_loss", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("smooth_l1_loss", torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
 // ------------------------------------------------------------------------ Python API
