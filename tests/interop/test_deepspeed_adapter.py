@@ -401,7 +401,7 @@ def _one_process_losses(kind: str) -> list[list[float]]:
             for r in range(w.WORLD)
         ]
         for r, loss in enumerate(per_rank):
-            losses[r].append(float(loss))
+            losses[r].append(float(loss.detach()))
         optimizer.zero_grad()
         torch.stack(per_rank).mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
