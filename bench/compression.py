@@ -58,7 +58,8 @@ those after the warm-up (the freeze step, then one transition step). Columns:
 - **loss**: mean over ranks of the loss, averaged over the last 10 steps of the run;
   **Δ loss**: its relative difference from the reference's (target: within 2%, meaningful on
   the convergence run; short runs are printed for completeness). The convergence run's curves
-  (mean over ranks, 10-step moving average) go to ``bench/compression_loss.png``.
+  (mean over ranks, 10-step moving average) go to ``bench/compression_loss.png``, or those of
+  the last cpu launch when ``--short-steps`` is 100 or more (4 ranks over 300 steps).
 
 Caveats: this machine has 2 cores shared with other work, so 4 ranks oversubscribe them and
 step times drift between phases; configurations run one after another in a single round (no
@@ -557,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
     t0 = time.perf_counter()
     curves: dict[str, list[float]] = {}
-    curves_preset = "small"
+    curves_title = ""
     for preset in args.presets.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             # 2 simulated nodes when the world splits evenly in two, else one node
@@ -583,12 +584,13 @@ def main(argv: list[str] | None = None) -> None:
             if skipped:
                 print(f"skipped {skipped}: one node, hpZ's in-node group is the whole world")
             print(table(preset, world, local_size, runs, args))
-            if long_run and "cpu" in runs:
+            # the convergence run, or a cpu launch as long (--short-steps 300 at 4 ranks)
+            if "cpu" in runs and (long_run or args.short_steps >= 100):
                 curves = {n: r["losses"] for n, r in runs["cpu"].items() if not r["error"]}
-                curves_preset = preset
+                curves_title = f"GPT {preset}, {world} ranks, cpu"
             print(flush=True)
     if curves:
-        title = f"GPT {curves_preset}, 2 ranks, cpu: {len(next(iter(curves.values())))} steps"
+        title = f"{curves_title}: {len(next(iter(curves.values())))} steps"
         done = plot(curves, title)
         print(done)
         print(coarse_curves(curves))
