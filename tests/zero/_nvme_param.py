@@ -148,26 +148,39 @@ def pair(
     return run
 
 
+def _descriptors() -> list[tuple[int, str]]:
+    """This process's open descriptors: (number, what it refers to)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out.append((int(name), os.readlink(f"/proc/self/fd/{name}")))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return out
+
+
 def fd_count() -> dict[str, Any]:
-    """Open descriptors of the rank after each of 30 steps over 3 engines (each built,
-    trained and destroyed, parameters and optimizer state on NVMe): flat once the first
-    engine has warmed up."""
-    counts = []
+    """Open descriptors of the rank after each of 10 steps of 3 engines in turn (each built,
+    trained and destroyed, parameters and optimizer state on NVMe), with the engines' swap
+    folders."""
+    snapshots, folders = [], []
     for _ in range(3):
         cfg = config("nvme", True, "nvme")
+        folders += [os.path.realpath(f) for f in _folders(cfg)]
         engine = build(cfg)
+        engine_snapshots = []
         for _ in range(10):
             steps(engine, 1)
             # the step's write-backs (parameters and optimizer state) are still in flight
             # (descriptors open until each write ends, by design): count once they landed
             engine.param_swap.io.wait()
             engine.offload.io.wait()
-            counts.append(len(os.listdir("/proc/self/fd")))
+            engine_snapshots.append(_descriptors())
+        snapshots.append(engine_snapshots)
         engine.destroy()
         for f in _folders(cfg):
             shutil.rmtree(f, ignore_errors=True)
-        counts.append(len(os.listdir("/proc/self/fd")))
-    return {"counts": counts}
+    return {"snapshots": snapshots, "folders": folders}
 
 
 def checkpoint() -> dict[str, Any]:
