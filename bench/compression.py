@@ -494,11 +494,15 @@ def plot(curves: dict[str, list[float]], title: str) -> str:
     def smooth(v: list[float]) -> list[float]:
         return [statistics.fmean(v[max(0, i - LOSS_TAIL + 1) : i + 1]) for i in range(len(v))]
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, group, label in (
-        (axes[0], ONEBIT, "stage 0 optimizers"),
-        (axes[1], ZEROPP, "ZeRO-3 / ZeRO++"),
-    ):
+    panels = [
+        (group, label)
+        for group, label in ((ONEBIT, "stage 0 optimizers"), (ZEROPP, "ZeRO-3 / ZeRO++"))
+        if any(name in curves for name in group)
+    ]
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6 * len(panels), 4.5), sharey=True, squeeze=False
+    )
+    for ax, (group, label) in zip(axes[0], panels, strict=True):
         for name in group:
             if name in curves:
                 style = "-" if REFERENCE[name] == name else "--"
@@ -507,7 +511,7 @@ def plot(curves: dict[str, list[float]], title: str) -> str:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
-    axes[0].set_ylabel("loss (mean over ranks, 10-step moving average)")
+    axes[0][0].set_ylabel("loss (mean over ranks, 10-step moving average)")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(PNG, dpi=100)
