@@ -149,19 +149,28 @@ def host_available():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo")
                 if l.startswith("MemAvailable:"))
 acc = get_accelerator()
-info = acc.memory_info()
-host = host_available()
+for _ in range(50):  # a reading the host's figure did not move across
+    before = host_available()
+    info = acc.memory_info()
+    host = host_available()
+    if host == before:
+        break
 with open(USAGE, "w") as f:  # the cgroup's usage falls to nothing; available must follow
     f.write("0\\n")
 idle = acc.memory_info()
 print(json.dumps({{"seen": seen, "total": info.total, "available": info.available,
                   "limit": info.limit, "source": info.limit_source, "host_available": host,
+                  "host_available_before": before,
                   "total_idle": idle.total, "available_idle": idle.available}}))
 """
 
 #: the fake cgroup's limit and usage: page multiples, neither a power of two
 CGROUP_LIMIT = 768 * MiB + 12 * 1024
 CGROUP_USED = 288 * MiB + 4 * 1024
+#: the fake cgroup of the process: containerd's systemd-driver paths hold colons
+JOB = "job.slice:cri-containerd:0f3a"
+#: limits where a misread /proc/self/cgroup leads (the v1 tree's decoys)
+DECOY_LIMIT = 256 * MiB + 8 * 1024
 # what cgroup v1 writes for "no limit": 2^63 - 1 rounded down to a page
 _V1_NO_LIMIT = "9223372036854771712"
 
@@ -169,13 +178,18 @@ _V1_NO_LIMIT = "9223372036854771712"
 def _fake_cgroup_tree(root: Path, version: str, limited: bool) -> tuple[Path, Path, Path]:
     """(tree, /proc/self/cgroup replacement, usage file) of a fake cgroup ``version`` tree.
 
-    The process sits in ``/ds-conformance/job``; the hierarchy's root has no limit, so a
-    backend that reads only the root, or the wrong version's files, sees none.
+    The process sits in ``/ds-conformance/job.slice:cri-containerd:0f3a`` (containerd's
+    paths hold colons, as ``/proc/self/cgroup``'s separator); the hierarchy's root has no
+    limit, so a backend that reads only the root, or the wrong version's files, sees none.
+    The v1 tree is a hybrid host's: another controller's hierarchy lists the process first,
+    under another path, and the unified line names a third. A lower decoy limit sits where a
+    backend would look that took the first line's path for the memory controller's, or a v1
+    line's path for the unified hierarchy's.
     """
     tree = root / "cgroup"
     if version == "v2":
         base, limit_file, usage_file = tree, "memory.max", "memory.current"
-        proc = "0::/ds-conformance/job\n"
+        proc = f"0::/ds-conformance/{JOB}\n"
         no_limit = "max"
     else:
         base, limit_file, usage_file = (
@@ -183,9 +197,17 @@ def _fake_cgroup_tree(root: Path, version: str, limited: bool) -> tuple[Path, Pa
             "memory.limit_in_bytes",
             "memory.usage_in_bytes",
         )
-        proc = "4:memory:/ds-conformance/job\n3:cpu,cpuacct:/ds-conformance/job\n0::/\n"
+        proc = (
+            "3:cpu,cpuacct:/ds-conformance/cpu-only\n"
+            f"4:memory:/ds-conformance/{JOB}\n"
+            "0::/ds-conformance/unified\n"
+        )
         no_limit = _V1_NO_LIMIT
-    job = base / "ds-conformance" / "job"
+        for decoy in (base / "ds-conformance" / "cpu-only", tree / "ds-conformance" / JOB):
+            decoy.mkdir(parents=True)
+            name = limit_file if decoy.is_relative_to(base) else "memory.max"
+            (decoy / name).write_text(f"{DECOY_LIMIT}\n")
+    job = base / "ds-conformance" / JOB
     job.mkdir(parents=True)
     (base / limit_file).write_text(no_limit + "\n")
     (base / usage_file).write_text(f"{4 * CGROUP_LIMIT}\n")
@@ -207,7 +229,8 @@ def test_values_follow_an_imposed_cgroup_limit(
 
     Limited: ``limit`` and ``total`` equal the cgroup's limit, ``available`` is the limit
     minus the cgroup's usage, and follows the usage when it changes. Unlimited (v2 ``max``,
-    v1's page-rounded 2^63): no cgroup limit is reported. Skipped where the process may not
+    v1's page-rounded 2^63): no cgroup limit is reported, and with no other limit ``total`` is
+    the host's memory and ``available`` the kernel's ``MemAvailable``. Skipped where the process may not
     create a mount namespace (not root, or no ``/sys/fs/cgroup``).
     """
     if acc.device_type != "cpu":
@@ -234,6 +257,15 @@ def test_values_follow_an_imposed_cgroup_limit(
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if r["limit"] is None:
             check(r["total"] == host, "total", r["total"], f"the host's {host} bytes", call)
+            # nothing limits the process: it may have what the host has available
+            low, high = sorted((r["host_available_before"], r["host_available"]))
+            check(
+                low <= r["available"] <= high,
+                "available",
+                r["available"],
+                f"the host's MemAvailable, read around the call ({low} to {high} bytes)",
+                call,
+            )
         return
     if r["limit"] is not None and r["limit"] < CGROUP_LIMIT and "cgroup" not in source:
         pytest.skip(f"a lower limit binds on this host ({source}: {r['limit']} bytes)")

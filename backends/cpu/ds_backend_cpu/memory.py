@@ -33,35 +33,37 @@ def host_total() -> int:
 
 
 def host_available(meminfo: str | None = None) -> int:
-    """``MemAvailable`` from ``/proc/meminfo``: what new allocations can get without swapping."""
+    """``MemAvailable`` from ``/proc/meminfo``: what new allocations can get without swapping.
+
+    :raises RuntimeError: the text has no ``MemAvailable`` line (Linux before 3.14, older than
+        any system torch's wheels run on).
+    """
     text = meminfo if meminfo is not None else Path("/proc/meminfo").read_text()
     for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            return int(value.split()[0]) * 1024  # the kernel writes kB: KiB
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
 def _read_int(path: Path) -> int | None:
+    """The integer in ``path``; ``None`` when it is missing or says something else (``max``)."""
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max" or not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
+        return int(path.read_text())
+    except (OSError, ValueError):
         return None
 
 
 def _cgroup_dirs(root: Path, proc_cgroup: str, controller: str | None) -> list[Path]:
-    """Candidate directories of this process's cgroup: its own path first, then the mount root."""
+    """Candidate directories of this process's cgroup: its own path first, then the mount root.
+
+    ``/proc/self/cgroup`` lines are ``id:controllers:path``; the path may itself hold colons
+    (containerd's ``...slice:cri-containerd:<id>``).
+    """
     dirs = []
     for line in proc_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, controllers, path = parts
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
         if controller is None and hid == "0":
             dirs.append(root / path.lstrip("/"))
         elif controller is not None and controller in controllers.split(","):
