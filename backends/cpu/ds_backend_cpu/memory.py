@@ -35,8 +35,8 @@ def host_total() -> int:
 def host_available(meminfo: str | None = None) -> int:
     """``MemAvailable`` from ``/proc/meminfo``: what new allocations can get without swapping.
 
-    :raises RuntimeError: the text has no ``MemAvailable`` line (Linux before 3.14, older than
-        any system torch's wheels run on).
+    :raises RuntimeError: the text has no ``MemAvailable`` line (Linux before 3.14, of 2014;
+        enterprise 3.10 kernels have it backported).
     """
     text = meminfo if meminfo is not None else Path("/proc/meminfo").read_text()
     for line in text.splitlines():
