@@ -163,7 +163,7 @@ def test_a_key_survives_code_inserted_above_its_definition_and_statement(tmp_pat
     before = _memory_keys(tmp_path)
     head = "def cgroup_limits(\n"
     extra = "def _extra(n: int) -> int:\n    return n + 1 if n > 0 else -n\n\n\n"
-    body = '    """The cgroup v2 and v1 memory limits on this process, if any."""\n'
+    body = '    """The cgroup v2 and v1 memory limits on this process, one per limited folder."""\n'
     after = _memory_keys(tmp_path, (head, extra + head))
     assert set(before) < set(after)
     new = set(after) - set(before)
@@ -178,15 +178,18 @@ def test_a_key_survives_code_inserted_above_its_definition_and_statement(tmp_pat
 
 def test_a_key_changes_with_its_statement_and_only_its_statement(tmp_path: Path) -> None:
     before = _memory_keys(tmp_path)
-    old = "            if limit is not None and limit < _V1_UNLIMITED:\n"
+    old = "                limits.append(Limit(source, limit, _read_int(d / usage_file) or 0))\n"
     line = (tool.PACKAGE / "memory.py").read_text().splitlines().index(old.rstrip("\n")) + 1
     on_line = {k for k, n in before.items() if n == line}
     assert on_line
-    after = _memory_keys(tmp_path, (old, old.replace("limit <", "limit <=")))
+    after = _memory_keys(tmp_path, (old, old.replace("or 0", "or 1")))
     assert set(before) - set(after) == on_line
     assert len(set(after) - set(before)) == len(on_line)
     # a comment or a reflow is no change of the statement (keys come from its syntax tree)
-    reflowed = "            if (limit is not None  # set\n                    and limit < _V1_UNLIMITED):\n"
+    reflowed = (
+        "                limits.append(Limit(source, limit,  # set\n"
+        "                                    _read_int(d / usage_file) or 0))\n"
+    )
     assert set(_memory_keys(tmp_path, (old, reflowed))) == set(before)
 
 

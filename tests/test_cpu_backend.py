@@ -106,8 +106,28 @@ def test_cgroup_v1_limit_in_bytes_and_its_unlimited_value(tmp_path: Path) -> Non
     )
     (lim,) = memory.cgroup_limits(root, "4:memory:/box\n")
     assert (lim.source, lim.limit, lim.used) == ("cgroup v1 memory.limit_in_bytes", 3 * 2**30, MiB)
+    # "unlimited" stays a limit, above any host's memory: memory_info never takes it
     _cgroup(tmp_path, {"memory/box/memory.limit_in_bytes": "9223372036854771712"})
-    assert memory.cgroup_limits(root, "4:memory:/box\n") == []
+    (lim,) = memory.cgroup_limits(root, "4:memory:/box\n")
+    assert lim.limit == 9223372036854771712 > memory.host_total()
+
+
+def test_cgroup_limits_of_every_ancestor_and_paths_with_colons(tmp_path: Path) -> None:
+    job = "kubepods.slice/pod-1.slice/cri-containerd:0f3a.scope"
+    root = _cgroup(
+        tmp_path,
+        {
+            f"{job}/memory.max": "max",
+            f"{job}/memory.current": str(MiB),
+            "kubepods.slice/pod-1.slice/memory.max": str(2 * 2**30),
+            "kubepods.slice/pod-1.slice/memory.current": str(3 * MiB),
+            "memory.max": str(4 * 2**30),  # a container's own cgroup mounted as the root
+        },
+    )
+    limits = memory.cgroup_limits(root, f"0::/{job}\n")
+    assert sorted((lim.limit, lim.used) for lim in limits) == [(2 * 2**30, 3 * MiB), (4 * 2**30, 0)]
+    # a path that does not exist under the mount (the container's view): the root still binds
+    assert [lim.limit for lim in memory.cgroup_limits(root, "0::/elsewhere/job\n")] == [4 * 2**30]
 
 
 def test_memory_info_takes_the_lowest_limit(monkeypatch: pytest.MonkeyPatch) -> None:

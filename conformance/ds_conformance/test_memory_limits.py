@@ -175,11 +175,13 @@ DECOY_LIMIT = 256 * MiB + 8 * 1024
 _V1_NO_LIMIT = "9223372036854771712"
 
 
-def _fake_cgroup_tree(root: Path, version: str, limited: bool) -> tuple[Path, Path, Path]:
+def _fake_cgroup_tree(root: Path, version: str, limit_at: str | None) -> tuple[Path, Path, Path]:
     """(tree, /proc/self/cgroup replacement, usage file) of a fake cgroup ``version`` tree.
 
     The process sits in ``/ds-conformance/job.slice:cri-containerd:0f3a`` (containerd's
-    paths hold colons, as ``/proc/self/cgroup``'s separator); the hierarchy's root has no
+    paths hold colons, as ``/proc/self/cgroup``'s separator); the limit is on that folder
+    (``limit_at`` "job"), on its parent (``"parent"``: it binds the children too, as a
+    Kubernetes pod's binds its containers) or nowhere (``None``). The hierarchy's root has no
     limit, so a backend that reads only the root, or the wrong version's files, sees none.
     The v1 tree is a hybrid host's: another controller's hierarchy lists the process first,
     under another path, and the unified line names a third. A lower decoy limit sits where a
@@ -211,42 +213,50 @@ def _fake_cgroup_tree(root: Path, version: str, limited: bool) -> tuple[Path, Pa
     job.mkdir(parents=True)
     (base / limit_file).write_text(no_limit + "\n")
     (base / usage_file).write_text(f"{4 * CGROUP_LIMIT}\n")
-    (job / limit_file).write_text(f"{CGROUP_LIMIT if limited else no_limit}\n")
-    (job / usage_file).write_text(f"{CGROUP_USED}\n")
+    limited = {"job": job, "parent": job.parent}.get(limit_at or "")
+    for folder in (job.parent, job):
+        bound = folder == limited
+        (folder / limit_file).write_text(f"{CGROUP_LIMIT if bound else no_limit}\n")
+        # another usage in the other folder: pairing the limit with it is off by 64 MiB
+        (folder / usage_file).write_text(f"{CGROUP_USED if bound else CGROUP_USED - 64 * MiB}\n")
     proc_file = root / "proc-self-cgroup"
     proc_file.write_text(proc)
-    return tree, proc_file, job / usage_file
+    return tree, proc_file, (limited or job) / usage_file
 
 
 @capability("memory_limits")
 @hooks("ds_memory_info")
-@pytest.mark.parametrize("limited", [True, False], ids=["limited", "unlimited"])
+@pytest.mark.parametrize(
+    "limit_at", ["job", "parent", None], ids=["limited", "parent-limited", "unlimited"]
+)
 @pytest.mark.parametrize("version", ["v2", "v1"], ids=["cgroup-v2", "cgroup-v1"])
 def test_values_follow_an_imposed_cgroup_limit(
-    acc: Any, tmp_path: Path, version: str, limited: bool
+    acc: Any, tmp_path: Path, version: str, limit_at: str | None
 ) -> None:
     """A fake cgroup ``version`` tree limits the process; the figures must follow it exactly.
 
-    Limited: ``limit`` and ``total`` equal the cgroup's limit, ``available`` is the limit
-    minus the cgroup's usage, and follows the usage when it changes. Unlimited (v2 ``max``,
-    v1's page-rounded 2^63): no cgroup limit is reported, and with no other limit ``total`` is
-    the host's memory and ``available`` the kernel's ``MemAvailable``. Skipped where the process may not
-    create a mount namespace (not root, or no ``/sys/fs/cgroup``).
+    Limited (on the process's cgroup or on its parent): ``limit`` and ``total`` equal the
+    cgroup's limit, ``available`` is the limit minus that cgroup's usage, and follows the
+    usage when it changes. Unlimited (v2 ``max``, v1's page-rounded 2^63): no cgroup limit is
+    reported, and with no other limit ``total`` is the host's memory and ``available`` the
+    kernel's ``MemAvailable``. Skipped where the process may not create a mount namespace (not
+    root, or no ``/sys/fs/cgroup``).
     """
     if acc.device_type != "cpu":
         pytest.skip("the suite can impose a cgroup limit only on host memory")
-    tree, proc_file, usage = _fake_cgroup_tree(tmp_path, version, limited)
+    tree, proc_file, usage = _fake_cgroup_tree(tmp_path, version, limit_at)
     r = run_python(
         _CGROUP_SCRIPT.format(tree=str(tree), proc_cgroup=str(proc_file), usage=str(usage))
     )
     if "skip" in r:
         pytest.skip(f"cannot mount a fake cgroup tree: {r['skip']}")
     call = (
-        f"fake cgroup {version} tree, limit {CGROUP_LIMIT if limited else 'none'}; ds_memory_info"
+        f"fake cgroup {version} tree, limit {CGROUP_LIMIT if limit_at else 'none'}"
+        f"{f' on the {limit_at}' if limit_at else ''}; ds_memory_info"
     )
     check(r["seen"] == proc_file.read_text(), "/proc/self/cgroup", r["seen"], "the fake", call)
     source = r["source"] or ""
-    if not limited:
+    if limit_at is None:
         check(
             "cgroup" not in source,
             "(limit, limit_source)",

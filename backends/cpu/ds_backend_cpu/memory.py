@@ -15,9 +15,6 @@ from pathlib import Path
 
 from ds_core.backend_kit.host_device import status_bytes
 
-# cgroup v1 reports "no limit" as a huge page-rounded number rather than "max".
-_V1_UNLIMITED = 1 << 60
-
 
 @dataclass(frozen=True)
 class Limit:
@@ -54,48 +51,51 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _cgroup_dirs(root: Path, proc_cgroup: str, controller: str | None) -> list[Path]:
-    """Candidate directories of this process's cgroup: its own path first, then the mount root.
+#: (source, controller folder, limit file, usage file) of cgroup v2 and v1
+_HIERARCHIES = (
+    ("cgroup v2 memory.max", "", "memory.max", "memory.current"),
+    ("cgroup v1 memory.limit_in_bytes", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
+)
 
-    ``/proc/self/cgroup`` lines are ``id:controllers:path``; the path may itself hold colons
-    (containerd's ``...slice:cri-containerd:<id>``).
+
+def _cgroup_dirs(root: Path, proc_cgroup: str, controller: str) -> list[Path]:
+    """The folders whose limits bind this process in one hierarchy (v2: ``controller`` "").
+
+    Its own cgroup and every ancestor up to the mount's root: a parent's limit binds its
+    children too, and a container that mounts its own cgroup as the root sees a path in
+    ``/proc/self/cgroup`` that does not exist under the mount. Lines are
+    ``id:controllers:path``; the path may itself hold colons (containerd's
+    ``...slice:cri-containerd:<id>``).
     """
-    dirs = []
+    base = root / controller
+    dirs = dict.fromkeys([base])
     for line in proc_cgroup.splitlines():
         hid, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        if controller is None and hid == "0":
-            dirs.append(root / path.lstrip("/"))
-        elif controller is not None and controller in controllers.split(","):
-            dirs.append(root / controller / path.lstrip("/"))
-    dirs.append(root if controller is None else root / controller)
-    return dirs
+        mine = controller in controllers.split(",") if controller else hid == "0"
+        if mine:
+            own = base / path.lstrip("/")
+            dirs.update(dict.fromkeys(d for d in (own, *own.parents) if d.is_relative_to(base)))
+    return list(dirs)
 
 
 def cgroup_limits(
     root: Path = Path("/sys/fs/cgroup"), proc_cgroup: str | None = None
 ) -> list[Limit]:
-    """The cgroup v2 and v1 memory limits on this process, if any."""
+    """The cgroup v2 and v1 memory limits on this process, one per limited folder."""
+    # cgroup v1's "unlimited" (2^63 rounded down to a page) is kept as a limit: above any
+    # host's memory, it never binds.
     if proc_cgroup is None:
         try:
             proc_cgroup = Path("/proc/self/cgroup").read_text()
         except OSError:
             proc_cgroup = ""
     limits = []
-    for d in _cgroup_dirs(root, proc_cgroup, None):
-        limit = _read_int(d / "memory.max")
-        if (d / "memory.max").exists():
+    for source, controller, limit_file, usage_file in _HIERARCHIES:
+        for d in _cgroup_dirs(root, proc_cgroup, controller):
+            limit = _read_int(d / limit_file)
             if limit is not None:
-                used = _read_int(d / "memory.current") or 0
-                limits.append(Limit("cgroup v2 memory.max", limit, used))
-            break
-    for d in _cgroup_dirs(root, proc_cgroup, "memory"):
-        if (d / "memory.limit_in_bytes").exists():
-            limit = _read_int(d / "memory.limit_in_bytes")
-            if limit is not None and limit < _V1_UNLIMITED:
-                used = _read_int(d / "memory.usage_in_bytes") or 0
-                limits.append(Limit("cgroup v1 memory.limit_in_bytes", limit, used))
-            break
+                limits.append(Limit(source, limit, _read_int(d / usage_file) or 0))
     return limits
 
 
