@@ -128,7 +128,7 @@ def test_values_follow_an_imposed_process_limit(acc: Any, source: str, field: st
 # mounts are private, so the host's own tree is untouched.
 _CGROUP_SCRIPT = """
 import ctypes, json, os, sys
-TREE, PROC_CGROUP, USAGE = {tree!r}, {proc_cgroup!r}, {usage!r}
+TREE, PROC_CGROUP, USAGE, OVER = {tree!r}, {proc_cgroup!r}, {usage!r}, {over!r}
 CLONE_NEWNS, MS_BIND, MS_REC, MS_PRIVATE = 0x20000, 4096, 16384, 262144
 libc = ctypes.CDLL(None, use_errno=True)
 def skip(why):
@@ -158,10 +158,14 @@ for _ in range(50):  # a reading the host's figure did not move across
 with open(USAGE, "w") as f:  # the cgroup's usage falls to nothing; available must follow
     f.write("0\\n")
 idle = acc.memory_info()
+with open(USAGE, "w") as f:  # past its limit (reclaim can lag): nothing is left to allocate
+    f.write(f"{{OVER}}\\n")
+over = acc.memory_info()
 print(json.dumps({{"seen": seen, "total": info.total, "available": info.available,
                   "limit": info.limit, "source": info.limit_source, "host_available": host,
                   "host_available_before": before,
-                  "total_idle": idle.total, "available_idle": idle.available}}))
+                  "total_idle": idle.total, "available_idle": idle.available,
+                  "available_over": over.available}}))
 """
 
 #: the fake cgroup's limit and usage: page multiples, neither a power of two
@@ -230,6 +234,7 @@ def _fake_cgroup_tree(root: Path, version: str, limit_at: str | None) -> tuple[P
     "limit_at", ["job", "parent", None], ids=["limited", "parent-limited", "unlimited"]
 )
 @pytest.mark.parametrize("version", ["v2", "v1"], ids=["cgroup-v2", "cgroup-v1"])
+@promise("ds_memory_info", "``available`` is 0, never negative, once a limit's usage reaches it.")
 def test_values_follow_an_imposed_cgroup_limit(
     acc: Any, tmp_path: Path, version: str, limit_at: str | None
 ) -> None:
@@ -237,7 +242,7 @@ def test_values_follow_an_imposed_cgroup_limit(
 
     Limited (on the process's cgroup or on its parent): ``limit`` and ``total`` equal the
     cgroup's limit, ``available`` is the limit minus that cgroup's usage, and follows the
-    usage when it changes. Unlimited (v2 ``max``, v1's page-rounded 2^63): no cgroup limit is
+    usage when it changes (0 once the usage passes the limit). Unlimited (v2 ``max``, v1's page-rounded 2^63): no cgroup limit is
     reported, and with no other limit ``total`` is the host's memory and ``available`` the
     kernel's ``MemAvailable``. Skipped where the process may not create a mount namespace (not
     root, or no ``/sys/fs/cgroup``).
@@ -246,7 +251,9 @@ def test_values_follow_an_imposed_cgroup_limit(
         pytest.skip("the suite can impose a cgroup limit only on host memory")
     tree, proc_file, usage = _fake_cgroup_tree(tmp_path, version, limit_at)
     r = run_python(
-        _CGROUP_SCRIPT.format(tree=str(tree), proc_cgroup=str(proc_file), usage=str(usage))
+        _CGROUP_SCRIPT.format(
+            tree=str(tree), proc_cgroup=str(proc_file), usage=str(usage), over=CGROUP_LIMIT + 4096
+        )
     )
     if "skip" in r:
         pytest.skip(f"cannot mount a fake cgroup tree: {r['skip']}")
@@ -308,5 +315,12 @@ def test_values_follow_an_imposed_cgroup_limit(
         "(total, available) after the cgroup's usage fell to 0",
         (r["total_idle"], r["available_idle"]),
         f"({CGROUP_LIMIT}, {CGROUP_LIMIT}): available follows the usage",
+        call,
+    )
+    check(
+        r["available_over"] == 0,
+        "available once the cgroup's usage passed its limit",
+        r["available_over"],
+        "0 (never negative)",
         call,
     )

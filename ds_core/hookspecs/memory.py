@@ -112,7 +112,8 @@ def ds_memory_info(index: int | None) -> MemoryInfo:
 
     ``total`` is never the host's or device's capacity when a lower per-process limit applies
     (rlimit, cgroup, a vendor memory fraction); ``limit`` and ``limit_source`` name it.
-    ``total ≥ available > 0`` on a usable device.
+    ``total ≥ available > 0`` on a usable device. ``available`` is 0, never negative, once a
+    limit's usage reaches it.
 
     :param index: device index, or ``None`` for the current device.
 
