@@ -2,6 +2,7 @@
 
 from ds_backend_cpu import memory
 from ds_backend_cpu.plugin import *  # noqa: F403 - every cpu hook, re-exported
+from honoured_limits import memory_info_of
 
 from ds_core import hookimpl
 from ds_core.types import (
@@ -12,17 +13,5 @@ from ds_core.types import (
 
 @hookimpl
 def ds_memory_info(index: int | None) -> MemoryInfo:
-    total, available = memory.host_total(), memory.host_available()
-    binding = None
-    for lim in memory.rlimits() + memory.cgroup_limits():
-        if lim.source.startswith("cgroup v1"):
-            continue
-        if lim.limit < total:
-            total, binding = lim.limit, lim
-        available = min(available, max(lim.limit - lim.used, 0))
-    return MemoryInfo(
-        total=total,
-        available=min(available, total),
-        limit=binding.limit if binding else None,
-        limit_source=binding.source if binding else "",
-    )
+    limits = memory.rlimits() + memory.cgroup_limits()
+    return memory_info_of([lim for lim in limits if not lim.source.startswith("cgroup v1")])

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from ds_backend_cpu import memory
 from ds_backend_cpu.plugin import *  # noqa: F403 - every cpu hook, re-exported
+from honoured_limits import memory_info_of
 
 from ds_core import hookimpl
 from ds_core.types import (
@@ -28,15 +29,4 @@ def _own_folder_limits() -> list[memory.Limit]:
 
 @hookimpl
 def ds_memory_info(index: int | None) -> MemoryInfo:
-    total, available = memory.host_total(), memory.host_available()
-    binding = None
-    for lim in memory.rlimits() + _own_folder_limits():
-        if lim.limit < total:
-            total, binding = lim.limit, lim
-        available = min(available, max(lim.limit - lim.used, 0))
-    return MemoryInfo(
-        total=total,
-        available=min(available, total),
-        limit=binding.limit if binding else None,
-        limit_source=binding.source if binding else "",
-    )
+    return memory_info_of(memory.rlimits() + _own_folder_limits())
